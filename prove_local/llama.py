@@ -1,0 +1,269 @@
+"""Thin owners of llama.cpp resources (models, contexts), over llama-cpp-python's low-level API.
+
+This is the only module that calls llama.cpp. The decoding rules see a `Context` through three
+members: `n_past`, `eval(tokens, rows)` and `truncate(n)`.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+import llama_cpp as ll
+
+
+class LlamaError(RuntimeError):
+    """A llama.cpp call failed; the message names the file or the value involved."""
+
+
+class ContextFull(LlamaError):
+    """The tokens do not fit into the context window."""
+
+
+# llama.cpp logs to stderr by default. Keep the last lines instead, to quote them in errors.
+_log_tail: collections.deque[str] = collections.deque(maxlen=20)
+
+
+@ll.llama_log_callback
+def _log_callback(level, text, user_data):  # pragma: no cover - called from C
+    line = text.decode("utf-8", "replace").rstrip()
+    if line:
+        _log_tail.append(line)
+
+
+_backend_ready = False
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        if not os.environ.get("PROVE_LLAMA_LOG"):
+            ll.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        ll.llama_backend_init()
+        _backend_ready = True
+
+
+def _last_log(n: int = 3) -> str:
+    errors = [line for line in _log_tail if "error" in line.lower() or "failed" in line.lower()]
+    return "; ".join((errors or list(_log_tail))[-n:])
+
+
+GGML_TYPES = {"f32": ll.GGML_TYPE_F32, "f16": ll.GGML_TYPE_F16, "q8_0": ll.GGML_TYPE_Q8_0,
+              "q4_0": ll.GGML_TYPE_Q4_0}
+
+
+def gpu_offload_supported() -> bool:
+    _init_backend()
+    return bool(ll.llama_supports_gpu_offload())
+
+
+class Model:
+    """Weights, vocabulary and metadata of one GGUF file. Serves any number of contexts."""
+
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise LlamaError(f"{self.path}: no such model file")
+        with open(self.path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise LlamaError(f"{self.path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+        _init_backend()
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        _log_tail.clear()
+        self._model = ll.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._model:
+            raise LlamaError(f"{self.path}: llama.cpp could not load this model ({_last_log() or 'no reason given'})")
+        self._vocab = ll.llama_model_get_vocab(self._model)
+        self.n_vocab = ll.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx_train = ll.llama_model_n_ctx_train(self._model)
+        self.n_params = ll.llama_model_n_params(self._model)
+        self._eog = np.array([bool(ll.llama_vocab_is_eog(self._vocab, i)) for i in range(self.n_vocab)])
+        self._pieces: list[bytes] | None = None
+
+    # --- metadata -------------------------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as text, or None when the key is missing (arrays are not readable)."""
+        buf = ctypes.create_string_buffer(4096)
+        n = ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode("utf-8", "replace")
+
+    @property
+    def mask_token(self) -> int | None:
+        """The MARS placeholder id: `prove.mask_token_id`, else the vocabulary's mask token."""
+        value = self.meta("prove.mask_token_id")
+        token = int(value) if value is not None else ll.llama_vocab_mask(self._vocab)
+        return token if 0 <= token < self.n_vocab else None
+
+    @property
+    def block_size(self) -> int | None:
+        value = self.meta("prove.block_size")
+        return int(value) if value is not None else None
+
+    @property
+    def role(self) -> str | None:
+        return self.meta("prove.role")
+
+    @property
+    def chat_template(self) -> str | None:
+        t = ll.llama_model_chat_template(self._model, None)
+        return t.decode("utf-8") if t else None
+
+    # --- vocabulary -----------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (ll.llama_token * cap)()
+        n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (ll.llama_token * cap)()
+            n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes of one token (control tokens render empty unless `special`)."""
+        buf = ctypes.create_string_buffer(64)
+        n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: list[int], special: bool = False) -> str:
+        return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", "replace")
+
+    def special_text(self, which: str) -> str:
+        """Text of the "bos" or "eos" token ('' when the vocabulary has none)."""
+        tok = {"bos": ll.llama_vocab_bos, "eos": ll.llama_vocab_eos}[which](self._vocab)
+        return self.piece(tok, special=True).decode("utf-8", "replace") if tok >= 0 else ""
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._eog[token])
+
+    def token_unused(self, token: int) -> bool:
+        return bool(ll.llama_vocab_get_attr(self._vocab, token) & ll.LLAMA_TOKEN_ATTR_UNUSED)
+
+    def check_same_vocab(self, other: "Model") -> None:
+        """Raise unless `other` tokenizes like this model (padding rows beyond the shorter vocab
+        must be unused, as with Qwen2.5 0.5B's 151,936 rows next to 7B's 152,064)."""
+        n = min(self.n_vocab, other.n_vocab)
+        for i in range(n):
+            if self.piece(i, True) != other.piece(i, True):
+                raise LlamaError(
+                    f"{other.path}: vocabulary differs from {self.path} at token {i} "
+                    f"({other.piece(i, True)!r} vs {self.piece(i, True)!r}); a verifier or draft "
+                    "must share the proposer's tokenizer")
+        longer = self if self.n_vocab > n else other
+        for i in range(n, longer.n_vocab):
+            if not longer.token_unused(i):
+                raise LlamaError(f"{longer.path}: token {i} ({longer.piece(i, True)!r}) is not in "
+                                 f"the other model's {n}-token vocabulary")
+
+    def close(self) -> None:
+        if getattr(self, "_model", None):
+            ll.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self):
+        self.close()
+
+
+class Context:
+    """One KV cache (sequence 0) on a model: `n_past` tokens evaluated so far.
+
+    `eval` appends tokens at `n_past` and returns the logits of the requested rows;
+    `truncate(n)` drops the KV cells at positions >= n.
+    """
+
+    def __init__(self, model: Model, n_ctx: int = 4096, n_threads: int | None = None,
+                 n_batch: int = 512, flash_attn: bool = False, type_k: str = "f16", type_v: str = "f16"):
+        self.model = model
+        params = ll.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = params.n_ubatch = n_batch
+        params.n_seq_max = 1
+        threads = n_threads or max(1, os.cpu_count() or 1)
+        params.n_threads = params.n_threads_batch = threads
+        params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        try:
+            params.type_k, params.type_v = GGML_TYPES[type_k], GGML_TYPES[type_v]
+        except KeyError as e:
+            raise LlamaError(f"unknown KV cache type {e.args[0]!r}; choose from {sorted(GGML_TYPES)}") from None
+        params.no_perf = True
+        _log_tail.clear()
+        self._ctx = ll.llama_init_from_model(model._model, params)
+        if not self._ctx:
+            raise LlamaError(f"{model.path}: could not create a context of {n_ctx} tokens ({_last_log()})")
+        self._mem = ll.llama_get_memory(self._ctx)
+        self.n_ctx = ll.llama_n_ctx(self._ctx)
+        self.n_batch = n_batch
+        self.n_vocab = model.n_vocab
+        self._batch = ll.llama_batch_init(n_batch, 0, 1)
+        self.n_past = 0
+        self.n_decode = 0          # llama_decode calls, i.e. forward passes
+        self.decode_seconds = 0.0  # time spent inside llama_decode
+
+    def eval(self, tokens: list[int], rows: list[int] | None = None) -> np.ndarray:
+        """Append `tokens` at `n_past`; return float32 logits [len(rows), n_vocab] for the
+        requested rows (indices into `tokens`; default: the last one). One decode per
+        `n_batch` tokens."""
+        if rows is None:
+            rows = [len(tokens) - 1] if tokens else []
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise ContextFull(f"{self.n_past} + {len(tokens)} tokens do not fit the {self.n_ctx}-token context")
+        out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
+        wanted = set(rows)
+        done = 0
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start:start + self.n_batch]
+            b = self._batch
+            b.n_tokens = len(chunk)
+            chunk_rows = []
+            for i, tok in enumerate(chunk):
+                b.token[i] = tok
+                b.pos[i] = self.n_past + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                b.logits[i] = (start + i) in wanted
+                if b.logits[i]:
+                    chunk_rows.append(start + i)
+            t0 = time.perf_counter()
+            rc = ll.llama_decode(self._ctx, b)
+            self.decode_seconds += time.perf_counter() - t0
+            self.n_decode += 1
+            if rc != 0:
+                # a failed decode leaves the cache as it was before this chunk
+                raise LlamaError(f"llama_decode failed with code {rc} at position {self.n_past} "
+                                 f"({'no KV slot' if rc == 1 else _last_log()})")
+            self.n_past += len(chunk)
+            if chunk_rows:
+                ptr = ll.llama_get_logits(self._ctx)
+                block = np.ctypeslib.as_array(ptr, shape=(len(chunk_rows), self.n_vocab))
+                out[done:done + len(chunk_rows)] = block
+                done += len(chunk_rows)
+        if rows != sorted(rows):  # rows come back in batch order
+            out = out[np.argsort(np.argsort(rows))]
+        return out
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens of the KV cache, drop the rest (`llama_memory_seq_rm`)."""
+        if n < 0 or n > self.n_past:
+            raise LlamaError(f"cannot truncate a context of {self.n_past} tokens to {n}")
+        if not ll.llama_memory_seq_rm(self._mem, 0, n, -1):
+            raise LlamaError(f"llama_memory_seq_rm refused to drop positions {n}.. (recurrent model?)")
+        self.n_past = n
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            ll.llama_batch_free(self._batch)
+            ll.llama_free(self._ctx)
+            self._ctx = None
+
+    def __del__(self):
+        self.close()

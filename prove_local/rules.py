@@ -1,0 +1,128 @@
+"""The decoding rules: one cycle each, as pure functions over contexts.
+
+A context is anything with `n_past`, `eval(tokens, rows) -> logits[len(rows), vocab]` and
+`truncate(n)` (see llama.py; tests use a fake). `tokens` is the committed sequence so far
+(prompt + generated). On entry and on return, every context holds a prefix of `tokens` in its
+KV cache; the tokens after its `n_past` are pending and go at the front of its next eval.
+A cycle never mutates `tokens`; it returns a `Cycle` whose `committed` run the caller appends.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Cycle:
+    """What one cycle did. `committed[:n_accepted]` are accepted proposals; a further token
+    (lossless/spec) is the model's own correction, or the bonus token after a full match."""
+    proposed: list[int]
+    p: list[float]                # proposer (or draft) confidence per slot
+    q: list[float] | None         # verifier probability of each proposed token (None: no verifier)
+    committed: list[int]
+    n_accepted: int
+    passes: dict[str, int]
+    decode_seconds: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0          # wall time of the whole cycle
+    index: int = 0                # set by the driver
+    start: int = 0                # generated tokens before this cycle
+    stop: str | None = None       # on the last cycle: "eog", "length" or "context"
+
+
+def top1(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Argmax per row and its softmax probability, vectorised over rows."""
+    ids = logits.argmax(axis=1)
+    z = logits - logits[np.arange(len(ids)), ids][:, None]
+    return ids, 1.0 / np.exp(z).sum(axis=1)
+
+
+def prob_of(logits: np.ndarray, ids) -> np.ndarray:
+    """Softmax probability of ids[i] under row i."""
+    m = logits.max(axis=1, keepdims=True)
+    e = np.exp(logits - m)
+    return e[np.arange(len(ids)), ids] / e.sum(axis=1)
+
+
+def _pending(ctx, tokens: list[int]) -> list[int]:
+    """Committed tokens not yet in ctx's cache; at least the last one, which yields the next logits."""
+    if ctx.n_past >= len(tokens):
+        ctx.truncate(len(tokens) - 1)
+    return tokens[ctx.n_past:]
+
+
+def propose(ctx, tokens: list[int], block: int, mask: int):
+    """MARS proposal pass: [pending..., <mask> x (block-1)]. The last pending row is slot 1 (the
+    ordinary next-token distribution); the j-th mask's row is slot j+1. Masks are removed after."""
+    pending = _pending(ctx, tokens)
+    logits = ctx.eval(pending + [mask] * (block - 1), rows=list(range(len(pending) - 1, len(pending) + block - 1)))
+    ctx.truncate(len(tokens))
+    return top1(logits)
+
+
+def _leading(ok) -> int:
+    """Length of the leading run of True."""
+    ok = np.asarray(ok, dtype=bool)
+    return int(ok.argmin()) if not ok.all() else len(ok)
+
+
+def ar_cycle(ctx, tokens: list[int]) -> Cycle:
+    logits = ctx.eval(_pending(ctx, tokens))
+    ids, p = top1(logits)
+    return Cycle([int(ids[0])], [float(p[0])], None, [int(ids[0])], 1, {"proposer": 1})
+
+
+def lossless_cycle(ctx, tokens: list[int], block: int, mask: int) -> Cycle:
+    """ProVe-lossless: the proposer verifies its own block in a second pass.
+    Row i of the verify pass is the greedy token after tokens + d[:i+1]; d[i+1] is accepted while
+    it equals that token. Slot 1 is the AR token, so >= 1 token is accepted, and the greedy token at
+    the first mismatch (or after a full match) is committed too: every token is greedy AR's."""
+    d, p = propose(ctx, tokens, block, mask)
+    logits = ctx.eval(d.tolist(), rows=list(range(block)))
+    g, _ = top1(logits)
+    q = prob_of(logits[:-1], d[1:])
+    n = 1 + _leading(d[1:] == g[:-1])
+    ctx.truncate(len(tokens) + n)                # keep d[:n]; g[n-1] stays pending
+    committed = d[:n].tolist() + [int(g[n - 1])]
+    return Cycle(d.tolist(), p.tolist(), [float(p[0])] + q.tolist(), committed, n, {"proposer": 2})
+
+
+def prove_cycle(ctx_prop, ctx_ver, tokens: list[int], block: int, mask: int, theta: float) -> Cycle:
+    """ProVe: a stock AR verifier reads the block teacher-forced; q_i is its probability of d_i
+    after d[:i]. Commit the longest leading run with p_i * q_i >= theta, at least slot 1 (the
+    proposer's own AR token). No correction token: the next cycle starts at the first failure."""
+    d, p = propose(ctx_prop, tokens, block, mask)
+    pending = _pending(ctx_ver, tokens)
+    feed = pending + d[:-1].tolist()
+    logits = ctx_ver.eval(feed, rows=list(range(len(pending) - 1, len(feed))))
+    q = prob_of(logits, d)
+    n = max(1, _leading(p * q >= theta))
+    ctx_ver.truncate(len(tokens) + n - 1)         # keep d[:n-1]; d[n-1] stays pending
+    return Cycle(d.tolist(), p.tolist(), q.tolist(), d[:n].tolist(), n, {"proposer": 1, "verifier": 1})
+
+
+def mars_cycle(ctx, tokens: list[int], block: int, mask: int, tau: float) -> Cycle:
+    """MARS confidence rule: commit the leading run with p_i >= tau, at least one. One pass."""
+    d, p = propose(ctx, tokens, block, mask)
+    n = max(1, _leading(p >= tau))
+    return Cycle(d.tolist(), p.tolist(), None, d[:n].tolist(), n, {"proposer": 1})
+
+
+def spec_cycle(ctx_tgt, ctx_draft, tokens: list[int], k: int) -> Cycle:
+    """Speculative decoding: the draft proposes k tokens greedily, one pass each; the target
+    scores [pending, x_1..x_k] in one pass and commits the matching run plus its own next token."""
+    x, px = [], []
+    feed = _pending(ctx_draft, tokens)
+    for _ in range(k):
+        ids, p = top1(ctx_draft.eval(feed))
+        x.append(int(ids[0])), px.append(float(p[0]))
+        feed = x[-1:]
+    pending = _pending(ctx_tgt, tokens)
+    logits = ctx_tgt.eval(pending + x, rows=list(range(len(pending) - 1, len(pending) + k)))
+    g, _ = top1(logits)
+    n = _leading(np.array(x) == g[:k])
+    ctx_tgt.truncate(len(tokens) + n)
+    ctx_draft.truncate(min(ctx_draft.n_past, len(tokens) + n))
+    q = prob_of(logits[:k], x).tolist() if k else []
+    return Cycle(x, px, q, x[:n] + [int(g[n])], n, {"draft": k, "proposer": 1})

@@ -1,0 +1,236 @@
+"""The decoding rules and the engine's driver on fake contexts with scripted distributions."""
+import numpy as np
+import pytest
+
+from prove_local import rules
+from prove_local.engine import Engine, ModeError, Settings
+from tests.fakes import FakeContext, onehot
+
+V, MASK, EOS = 32, 31, 30
+
+
+def successor(prefix):
+    """The 'true' next token: last real token + 1 (mod 20)."""
+    real = [t for t in prefix if t != MASK]
+    return (real[-1] + 1) % 20
+
+
+def ar_model(p=0.9):
+    return lambda prefix: onehot(V, successor(prefix), p)
+
+
+def proposer(wrong=(), conf=None):
+    """A MARS-like proposer: after real token t and m masks it proposes t + m + 1, except at the
+    block slots in `wrong` (1-based) where it proposes 25. `conf[slot]` sets its confidence."""
+    conf = conf or {}
+
+    def dist(prefix):
+        m = 0
+        while prefix[-1 - m] == MASK:
+            m += 1
+        real = prefix[-1 - m]
+        slot = m + 1
+        tok = 25 if slot in wrong else (real + m + 1) % 20
+        return onehot(V, tok, conf.get(slot, 0.9))
+    return dist
+
+
+def greedy(prompt, n):
+    out = list(prompt)
+    for _ in range(n):
+        out.append(successor(out))
+    return out[len(prompt):]
+
+
+PROMPT = [3, 4, 5]
+
+
+def test_ar_cycle_commits_one_greedy_token():
+    ctx = FakeContext(ar_model(), V)
+    c = rules.ar_cycle(ctx, PROMPT)
+    assert c.committed == [6] and c.n_accepted == 1 and c.passes == {"proposer": 1}
+    assert ctx.cache == PROMPT  # the committed token stays pending
+
+
+def test_lossless_full_block_plus_bonus():
+    ctx = FakeContext(proposer(), V)
+    c = rules.lossless_cycle(ctx, PROMPT, block=4, mask=MASK)
+    assert c.proposed == [6, 7, 8, 9]
+    assert c.committed == [6, 7, 8, 9, 10]          # 4 accepted + bonus
+    assert c.n_accepted == 4 and c.passes == {"proposer": 2}
+    assert ctx.cache == PROMPT + [6, 7, 8, 9]        # bonus pending, no mask left
+    assert ctx.evals == [PROMPT + [MASK] * 3, [6, 7, 8, 9]]
+
+
+def test_lossless_mismatch_commits_correction():
+    ctx = FakeContext(proposer(wrong={3}), V)
+    c = rules.lossless_cycle(ctx, PROMPT, block=5, mask=MASK)
+    assert c.proposed == [6, 7, 25, 9, 10]
+    assert c.committed == [6, 7, 8] and c.n_accepted == 2
+    assert ctx.cache == PROMPT + [6, 7]
+
+
+def test_lossless_slot2_wrong_still_commits_two():
+    ctx = FakeContext(proposer(wrong={2}), V)
+    c = rules.lossless_cycle(ctx, PROMPT, block=4, mask=MASK)
+    assert c.committed == [6, 7] and c.n_accepted == 1
+
+
+def verifier(p_true=0.8, low_at=()):
+    """A stock AR verifier: probability p_true on the true successor, except after prefixes of the
+    lengths in `low_at`, where it puts only 0.01 on it."""
+    def dist(prefix):
+        return onehot(V, successor(prefix), 0.01 if len(prefix) in low_at else p_true)
+    return dist
+
+
+def test_prove_first_slot_fails_gate_commits_one():
+    ctx_p, ctx_v = FakeContext(proposer(conf={1: 0.2}), V), FakeContext(verifier(), V)
+    c = rules.prove_cycle(ctx_p, ctx_v, PROMPT, block=4, mask=MASK, theta=0.5)
+    assert c.p[0] == pytest.approx(0.2) and c.p[0] * c.q[0] < 0.5
+    assert c.committed == [6] and c.n_accepted == 1
+    assert ctx_p.cache == PROMPT and ctx_v.cache == PROMPT   # 6 is pending in both
+
+
+def test_prove_theta_zero_commits_whole_block():
+    ctx_p, ctx_v = FakeContext(proposer(wrong={2}), V), FakeContext(verifier(), V)
+    c = rules.prove_cycle(ctx_p, ctx_v, PROMPT, block=4, mask=MASK, theta=0.0)
+    assert c.committed == [6, 25, 8, 9] and c.passes == {"proposer": 1, "verifier": 1}
+    assert ctx_v.evals == [PROMPT + [6, 25, 8]]     # d_B is never fed
+    assert ctx_v.cache == PROMPT + [6, 25, 8]
+
+
+def test_prove_theta_above_one_is_one_token():
+    ctx_p, ctx_v = FakeContext(proposer(), V), FakeContext(verifier(), V)
+    c = rules.prove_cycle(ctx_p, ctx_v, PROMPT, block=4, mask=MASK, theta=1.01)
+    assert c.committed == [6]
+
+
+def test_prove_gate_stops_at_low_verifier_probability():
+    # the verifier doubts the token after PROMPT + [6, 7] (prefix length 5): slot 3
+    ctx_p, ctx_v = FakeContext(proposer(), V), FakeContext(verifier(low_at={5}), V)
+    c = rules.prove_cycle(ctx_p, ctx_v, PROMPT, block=6, mask=MASK, theta=0.05)
+    np.testing.assert_allclose(c.q[:4], [0.8, 0.8, 0.01, 0.8], rtol=1e-5)
+    assert c.committed == [6, 7] and c.n_accepted == 2
+    assert ctx_v.cache == PROMPT + [6]
+
+
+@pytest.mark.parametrize("tau,expect", [(0.89, 4), (0.91, 1), (0.0, 4), (0.96, 0 + 1)])
+def test_mars_tau_edges(tau, expect):
+    ctx = FakeContext(proposer(conf={1: 0.95, 2: 0.9, 3: 0.99, 4: 0.93}), V)
+    c = rules.mars_cycle(ctx, PROMPT, block=4, mask=MASK, tau=tau)
+    assert len(c.committed) == expect and c.passes == {"proposer": 1}
+    assert ctx.cache == PROMPT
+
+
+def test_mars_first_slot_below_tau_still_commits_one():
+    ctx = FakeContext(proposer(conf={1: 0.3}), V)
+    assert rules.mars_cycle(ctx, PROMPT, 4, MASK, tau=0.95).committed == [6]
+
+
+def test_spec_cycle_matches_and_bonus():
+    ctx_t, ctx_d = FakeContext(ar_model(), V), FakeContext(ar_model(0.7), V)
+    c = rules.spec_cycle(ctx_t, ctx_d, PROMPT, k=3)
+    assert c.proposed == [6, 7, 8] and c.committed == [6, 7, 8, 9] and c.n_accepted == 3
+    assert c.passes == {"draft": 3, "proposer": 1}
+    assert ctx_t.cache == PROMPT + [6, 7, 8] and ctx_d.cache == PROMPT + [6, 7]
+
+
+def test_spec_cycle_rejects_wrong_draft():
+    def bad_draft(prefix):
+        return onehot(V, 25 if len(prefix) == 4 else successor(prefix))
+    ctx_t, ctx_d = FakeContext(ar_model(), V), FakeContext(bad_draft, V)
+    c = rules.spec_cycle(ctx_t, ctx_d, PROMPT, k=3)
+    assert c.proposed == [6, 25, 26 % 20] and c.committed == [6, 7] and c.n_accepted == 1
+    assert ctx_t.cache == PROMPT + [6] and ctx_d.cache == PROMPT + [6]
+
+
+def make_engine(prop=None, n_ctx=64, eos_after=None, **ctx):
+    contexts = {"proposer": FakeContext(prop or proposer(), V), **ctx}
+    return Engine(contexts, is_eog=lambda t: t == EOS, mask_token=MASK, n_ctx=n_ctx, block_size=4)
+
+
+def run(engine, prompt, **kw):
+    cycles = list(engine.generate(prompt, Settings(**kw)))
+    return cycles, [t for c in cycles for t in c.committed]
+
+
+@pytest.mark.parametrize("mode", ["lossless", "ar"])
+def test_engine_modes_equal_greedy_and_cache_holds_committed(mode):
+    e = make_engine(proposer(wrong={3}))
+    cycles, out = run(e, PROMPT, mode=mode, max_new=23)
+    assert out == greedy(PROMPT, 23)
+    assert cycles[-1].stop == "length"
+    cache = e.contexts["proposer"].cache
+    assert cache == e.tokens[:len(cache)]
+    assert [c.start for c in cycles] == list(np.cumsum([0] + [len(c.committed) for c in cycles[:-1]]))
+
+
+def test_engine_cuts_run_after_end_of_generation():
+    def prop(prefix):   # proposes 6, 7, EOS, 9 ... and EOS is also the AR token after 7
+        m = 0
+        while prefix[-1 - m] == MASK:
+            m += 1
+        seq = [t for t in prefix if t != MASK]
+        nxt = EOS if seq[-1] == 7 or (m and (seq[-1] + m) == 7) else (seq[-1] + m + 1) % 20
+        return onehot(V, nxt)
+    e = make_engine(prop)
+    cycles, out = run(e, [4, 5], mode="lossless", max_new=50)
+    assert out == [6, 7, EOS] and cycles[-1].stop == "eog" and len(cycles) == 1
+    cache = e.contexts["proposer"].cache
+    assert cache == [4, 5, 6, 7, EOS][:len(cache)] and len(cache) >= 4   # nothing past the cut
+
+
+def test_engine_stops_when_context_full():
+    e = make_engine(n_ctx=10)
+    cycles, out = run(e, PROMPT, mode="lossless", max_new=50)
+    assert len(PROMPT) + len(out) == 10 and cycles[-1].stop == "context"
+    assert out == greedy(PROMPT, 7)
+
+
+def test_engine_reuses_cache_across_requests():
+    e = make_engine()
+    _, out = run(e, PROMPT, mode="lossless", max_new=8)
+    ctx = e.contexts["proposer"]
+    n_evals = len(ctx.evals)
+    follow = PROMPT + out + [2]
+    _, out2 = run(e, follow, mode="lossless", max_new=4)
+    assert out2 == greedy(follow, 4)
+    # the second request evaluated the new token(s) only, never the old prompt again
+    assert all(len(ev) <= 4 + 1 for ev in ctx.evals[n_evals:])
+
+
+def test_engine_interrupted_generation_keeps_committed_prefix():
+    e = make_engine()
+    gen = e.generate(PROMPT, Settings(mode="lossless", max_new=40))
+    first = next(gen)
+    gen.close()                                  # the consumer stops (Ctrl-C in the CLI)
+    ctx = e.contexts["proposer"]
+    assert e.tokens == PROMPT + first.committed
+    assert ctx.cache == e.tokens[:ctx.n_past] and MASK not in ctx.cache
+    _, out = run(e, e.tokens, mode="lossless", max_new=5)
+    assert out == greedy(PROMPT + first.committed, 5)
+
+
+def test_engine_errors():
+    e = make_engine()
+    with pytest.raises(ModeError, match="verifier"):
+        run(e, PROMPT, mode="prove")
+    with pytest.raises(ModeError, match="draft"):
+        run(e, PROMPT, mode="spec")
+    with pytest.raises(ModeError, match="unknown mode"):
+        run(e, PROMPT, mode="fast")
+    with pytest.raises(Exception, match="prompt has 64 tokens"):
+        run(e, [1] * 64, mode="ar")
+    no_mask = Engine({"proposer": FakeContext(ar_model(), V)}, is_eog=lambda t: False, mask_token=None, n_ctx=64)
+    with pytest.raises(ModeError, match="mask token"):
+        run(no_mask, PROMPT, mode="lossless")
+    assert no_mask.default_mode() == "ar"
+
+
+def test_top1_and_prob_of():
+    logits = np.log(np.array([[0.1, 0.7, 0.2], [0.5, 0.25, 0.25]], dtype=np.float32))
+    ids, p = rules.top1(logits)
+    assert ids.tolist() == [1, 0]
+    np.testing.assert_allclose(p, [0.7, 0.5], rtol=1e-6)
+    np.testing.assert_allclose(rules.prob_of(logits, [2, 1]), [0.2, 0.25], rtol=1e-6)
