@@ -201,8 +201,9 @@ class Context:
         if not self._ctx:
             raise LlamaError(f"{model.path}: could not create a context of {n_ctx} tokens ({_last_log()})")
         self._mem = ll.llama_get_memory(self._ctx)
-        self.n_ctx = ll.llama_n_ctx(self._ctx)
-        self.n_batch = n_batch
+        # llama.cpp rounds the cache up (to 256 cells) and clamps n_batch to the n_ctx asked for
+        self.n_ctx = min(n_ctx, ll.llama_n_ctx(self._ctx))
+        self.n_batch = ll.llama_n_batch(self._ctx)
         self.n_vocab = model.n_vocab
         self._batch = ll.llama_batch_init(n_batch, 0, 1)
         self.n_past = 0

@@ -1,0 +1,219 @@
+"""The decoding rules on real llama.cpp contexts, with tiny random-weight F32 GGUF models.
+
+F32 weights and an F32 KV cache, so batched and one-token evaluation agree and exactness can be
+demanded token for token.
+"""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from prove_local.chat import Conversation
+from prove_local.engine import Engine, Settings
+from prove_local.llama import Context, ContextFull, LlamaError, Model
+from tests.tiny import tiny_gguf
+
+PROMPTS = [
+    "Hello world", "def f(x): return x * 2", "The cat sat on the mat.", "12345 + 678 = ?",
+    "<|im_start|>user\nhi<|im_end|>", "Natalia sold clips to 48 of her friends.", "日本語のテキスト",
+    "a a a a a", "for i in range(10):\n    print(i)", "What is 7 times 8?", "   spaces   ", "🙂 emoji test",
+    "Question: how many apples?", "x = [1, 2, 3]", "The quick brown fox", "#### 72", "<think>hmm</think>",
+    "Weng earns $12 an hour.", "A\nB\nC", "if (a && b) { return; }",
+]
+F32 = dict(n_ctx=512, n_threads=2, type_k="f32", type_v="f32")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    prop = Model(tiny_gguf(d, seed=0))
+    ver = Model(tiny_gguf(d, seed=1, hidden=32, role="verifier"))
+    draft = Model(tiny_gguf(d, seed=0, mask=False, role="verifier"))  # same weights as the proposer
+    other = Model(tiny_gguf(d, seed=2, hidden=32, role="verifier"))
+    yield prop, ver, draft, other
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    prop, ver, draft, other = models
+    return Engine.load(prop, ver, other, **F32)
+
+
+def generate(engine, prompt, **kw):
+    cycles = list(engine.generate(prompt, Settings(**kw)))
+    return cycles, [t for c in cycles for t in c.committed]
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(engine, models):
+    prop = models[0]
+    return {p: generate(engine, prop.tokenize(p), mode="ar", max_new=64)[1] for p in PROMPTS}
+
+
+def test_metadata(models):
+    prop, ver, *_ = models
+    assert prop.mask_token is not None and prop.block_size == 16 and prop.role == "proposer"
+    assert ver.role == "verifier" and "<|im_start|>" in prop.chat_template
+
+
+@pytest.mark.parametrize("mode,extra", [("lossless", {}), ("lossless", {"block": 5}), ("spec", {"draft_k": 3}),
+                                        ("prove", {"theta": 1.01}), ("mars", {"tau": 1.01})])
+def test_exact_modes_equal_greedy_ar(engine, models, ar_outputs, mode, extra):
+    prop = models[0]
+    assert len(PROMPTS) >= 20
+    for p in PROMPTS:
+        cycles, out = generate(engine, prop.tokenize(p), mode=mode, max_new=64, **extra)
+        assert len(out) == 64 or cycles[-1].stop == "eog"
+        assert out == ar_outputs[p], (mode, p)
+        if mode in ("prove", "mars"):       # gate never passes: one token per cycle
+            assert all(len(c.committed) == 1 for c in cycles)
+
+
+def test_spec_with_identical_draft_accepts_everything(models):
+    prop, _, draft, _ = models
+    e = Engine.load(prop, draft=draft, **F32)
+    cycles, out = generate(e, prop.tokenize("Hello world"), mode="spec", max_new=40, draft_k=4)
+    assert all(c.n_accepted == len(c.proposed) for c in cycles[:-1])
+    assert out == generate(e, prop.tokenize("Hello world"), mode="ar", max_new=40)[1]
+
+
+def test_prove_theta_zero_commits_whole_blocks(engine, models):
+    cycles, out = generate(engine, models[0].tokenize("The quick brown fox"), mode="prove", theta=0.0,
+                           block=8, max_new=40)
+    assert [len(c.committed) for c in cycles] == [8] * 5
+    assert all(c.passes == {"proposer": 1, "verifier": 1} for c in cycles)
+
+
+def next_logits(ctx: Context, tokens: list[int]) -> np.ndarray:
+    """The logits after `tokens` from ctx's current cache (which must hold a prefix of them);
+    the cache is left as it was."""
+    n = ctx.n_past
+    assert n <= len(tokens)
+    pending = tokens[n:] if n < len(tokens) else tokens[-1:]
+    if n == len(tokens):
+        ctx.truncate(n - 1)
+    row = ctx.eval(pending)[0]
+    ctx.truncate(n)
+    return row
+
+
+@pytest.mark.parametrize("mode", ["lossless", "prove", "spec", "mars"])
+def test_kv_cache_holds_only_committed_tokens(models, mode):
+    prop, ver, _, other = models
+    e = Engine.load(prop, ver, other, **F32)
+    prompt = prop.tokenize("Natalia sold clips to 48 of her friends.")
+    checked = 0
+    for cycle in e.generate(prompt, Settings(mode=mode, max_new=40, block=6, theta=0.0005, tau=0.01, draft_k=3)):
+        for role, ctx in e.contexts.items():
+            if ctx.n_past == 0:
+                continue   # not used by this mode
+            got = next_logits(ctx, e.tokens)
+            fresh = Context(ctx.model, **F32)
+            want = fresh.eval(e.tokens)[0]
+            fresh.close()
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=f"{mode}/{role}")
+            checked += 1
+    assert checked >= 5
+
+
+def test_multi_turn_chat_equals_conversation_from_scratch(models):
+    prop = models[0]
+    e = Engine.load(prop, **F32)
+    conv = Conversation(prop)
+    for user in ["Hello there", "Tell me more", "Thanks!"]:
+        prompt = conv.prompt_tokens(user)
+        cycles, out = generate(e, prompt, mode="lossless", max_new=24)
+        if len(conv.messages) > 1:
+            assert e.prefill[0] < len(prompt) - 1    # the earlier turns came from the cache
+        conv.add_reply(prop.detokenize([t for t in out if not prop.is_eog(t)]))
+    fresh = Engine.load(prop, **F32)
+    assert generate(fresh, prompt, mode="ar", max_new=24)[1] == out
+
+
+def test_interrupted_generation_then_next_request(models):
+    prop = models[0]
+    e = Engine.load(prop, **F32)
+    prompt = prop.tokenize("Question: how many apples?")
+    gen = e.generate(prompt, Settings(mode="lossless", max_new=60, block=6))
+    next(gen), next(gen)
+    gen.close()
+    ctx = e.contexts["proposer"]
+    fresh = Context(prop, **F32)
+    np.testing.assert_allclose(next_logits(ctx, e.tokens), fresh.eval(e.tokens)[0], rtol=1e-4, atol=1e-3)
+    kept = list(e.tokens)
+    _, out = generate(e, kept, mode="lossless", max_new=20)
+    _, want = generate(Engine.load(prop, **F32), kept, mode="ar", max_new=20)
+    assert out == want
+
+
+def test_prompt_longer_than_context(models):
+    prop = models[0]
+    e = Engine.load(prop, n_ctx=32, n_threads=2)
+    with pytest.raises(ContextFull, match="prompt has 40 tokens"):
+        generate(e, [5] * 40, mode="ar")
+
+
+def test_context_fills_up_cleanly(models):
+    prop = models[0]
+    e = Engine.load(prop, n_ctx=64, n_threads=2, type_k="f32", type_v="f32")
+    prompt = prop.tokenize("The cat sat on the mat.")
+    cycles, out = generate(e, prompt, mode="lossless", max_new=500, block=8)
+    assert cycles[-1].stop == "context" and len(prompt) + len(out) == 64
+    _, ar = generate(e, prompt, mode="ar", max_new=500)
+    assert ar == out
+
+
+def test_bad_model_files(tmp_path, models):
+    with pytest.raises(LlamaError, match="no such model file"):
+        Model(tmp_path / "missing.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"PK\x03\x04not a gguf")
+    with pytest.raises(LlamaError, match=r"junk\.gguf: not a GGUF file"):
+        Model(junk)
+    data = models[0].path.read_bytes()
+    cut = tmp_path / "truncated.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(LlamaError, match=r"truncated\.gguf: llama\.cpp could not load"):
+        Model(cut)
+
+
+def test_verifier_with_other_vocabulary_is_refused(tmp_path, models):
+    import shutil
+    from convert import convert_checkpoint
+    from tests.tiny import make_checkpoint
+    ckpt = make_checkpoint(tmp_path / "hf", seed=3, hidden=32)
+    vocab = json.loads((ckpt / "tokenizer.json").read_text())
+    a, b = list(vocab["model"]["vocab"])[100:102]       # swap two tokens: same size, other vocabulary
+    vocab["model"]["vocab"][a], vocab["model"]["vocab"][b] = vocab["model"]["vocab"][b], vocab["model"]["vocab"][a]
+    (ckpt / "tokenizer.json").write_text(json.dumps(vocab))
+    other = Model(convert_checkpoint(ckpt, tmp_path / "other.gguf", role="verifier", progress=False))
+    with pytest.raises(LlamaError, match="vocabulary differs .* at token 10[01]"):
+        Engine.load(models[0], other, n_ctx=64)
+    shutil.rmtree(ckpt)
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "prove_local.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_json_and_errors(models, tmp_path):
+    prop = models[0]
+    r = cli("run", str(prop.path), "-p", "Hello there", "-n", "20", "--json", "--threads", "2", "--kv-type", "f32")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("mode", "text", "token_ids", "n_cycles", "n_passes", "tokens_per_cycle", "seconds", "tokens_per_second"):
+        assert key in out
+    assert out["mode"] == "lossless" and 0 < len(out["token_ids"]) <= 20
+    r2 = cli("run", str(prop.path), "-p", "Hello there", "-n", "20", "--json", "--mode", "ar", "--threads", "2", "--kv-type", "f32")
+    assert json.loads(r2.stdout)["token_ids"] == out["token_ids"]
+
+    r = cli("run", str(tmp_path / "nope.gguf"), "-p", "hi")
+    assert r.returncode == 1 and "nope.gguf: no such model file" in r.stderr and "Traceback" not in r.stderr
+    r = cli("run", str(models[2].path), "-p", "hi", "--mode", "lossless")
+    assert r.returncode == 1 and "needs a mask token" in r.stderr and "Traceback" not in r.stderr
+    r = cli("run", str(prop.path), "-p", "word " * 100, "--ctx", "32")
+    assert r.returncode == 1 and "the context holds 32" in r.stderr and "Traceback" not in r.stderr
+    r = cli("run", str(prop.path), "-p", "hi", "--mode", "prove")
+    assert r.returncode == 1 and "--verifier" in r.stderr
