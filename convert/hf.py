@@ -104,6 +104,8 @@ def read_hparams(config: dict, where: Path) -> Hparams:
     heads = get("num_attention_heads")
     rope = config.get("rope_parameters") or {}
     rope_scaling = config.get("rope_scaling") or None
+    if rope_scaling is not None and not isinstance(rope_scaling, dict):
+        raise ConvertError(f"{where}: key 'rope_scaling' must be an object, got {rope_scaling!r}")
     if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
         rope_scaling = None
     if hidden % heads and config.get("head_dim") is None:

@@ -298,6 +298,8 @@ BAD_INPUTS = {  # name -> (make_checkpoint kwargs, edit(ckpt), convert kwargs, t
                                {}, "not a readable safetensors"),
     "proposer without mask token": ({"mask": False}, lambda c: None, {"role": "proposer"}, "--role verifier"),
     "a2d model without mask token": ({"mask": False, "arch": "a2d-qwen2"}, lambda c: None, {}, "mask"),
+    "unsupported rope scaling": ({}, lambda c: _set_config(c, rope_scaling={"type": "dynamic", "factor": 2.0}),
+                                 {}, "rope_scaling"),
     "unknown outtype": ({}, lambda c: None, {"outtype": "q3_k"}, "q3_k"),
     "bad block size": ({}, lambda c: None, {"block_size": 0}, "block size"),
 }
@@ -398,3 +400,12 @@ def test_llama_cpp_quantizer_failure_is_a_convert_error(tmp_path):
     src.write_bytes(b"GGUF" + b"\0" * 60)
     with pytest.raises(ConvertError, match="not-a-model.gguf"):
         convert.export._quantize_with_llama_cpp(src, tmp_path / "dst.gguf", gguf.LlamaFileType.MOSTLY_Q4_K_M)
+
+
+def test_yarn_rope_scaling_is_written(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "hf")
+    _set_config(ckpt, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024})
+    model = Model(convert_checkpoint(ckpt, tmp_path / "m.gguf", progress=False))
+    assert model.meta("qwen2.rope.scaling.type") == "yarn"
+    assert float(model.meta("qwen2.rope.scaling.factor")) == 4.0
+    assert model.meta("qwen2.rope.scaling.original_context_length") == "1024"
