@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     add_run_parser(sub)
     from convert.cli import add_parser as add_convert
     add_convert(sub)
+    from prove_local.bench import add_parser as add_bench
+    add_bench(sub)
 
     args = parser.parse_args(argv)
     from .chat import TemplateMissing

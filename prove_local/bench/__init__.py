@@ -1,0 +1,171 @@
+"""`prove-local bench`: the decoding modes side by side on benchmark prompts, plus the ProVe
+paper's analyses (slot match rates, matched tokens along a response, detector AUCs, θ sweep,
+pass-cost curve). This module only defines the command line; the work is imported lazily.
+
+    data.py    prompts from GSM8K / MATH-500 / HumanEval / IFEval / BBH / MMLU-Pro / GPQA files
+    stats.py   the statistics, pure functions over cycle events
+    runner.py  models, pass-cost curves, interleaved runs
+    report.py  results.json, summary.md, plots
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+DEFAULT_MODES = "ar,lossless,prove,mars"
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"prove-local bench: error: not a list of numbers: {text!r}") from None
+
+
+def canonical_command(args) -> str:
+    """The command line that reproduces this run, every option spelled out."""
+    parts = ["prove-local", "bench"]
+    for opt in ("proposer", "verifier", "draft", "modes", "limit", "max_new", "theta", "tau", "block", "draft_k",
+                "mask_token", "threads", "ctx", "n_gpu_layers", "kv_type", "warmup", "pass_cost_reps", "pass_cost_max",
+                "bins", "system", "out"):
+        v = getattr(args, opt, None)
+        if v is not None:
+            parts += ["--" + opt.replace("_", "-"), str(v)]
+    for d in args.data:
+        parts += ["--data", str(d)]
+    for flag in ("raw", "flash_attn", "no_pass_cost", "no_plots"):
+        if getattr(args, flag, False):
+            parts.append("--" + flag.replace("_", "-"))
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def add_parser(sub) -> None:
+    from ..cli import EMBEDDED_PROPOSER
+
+    p = sub.add_parser("bench", help="benchmark the decoding modes and reproduce the paper's analyses",
+                       description="Run the decoding modes interleaved per prompt on benchmark prompts; write "
+                                   "DIR/results.json, DIR/summary.md, DIR/generations.jsonl and PNG plots.")
+    p.add_argument("--proposer", help=f"proposer GGUF (default: the embedded {EMBEDDED_PROPOSER.name})")
+    p.add_argument("--verifier", help="verifier GGUF for prove (default with the embedded proposer: the embedded verifier)")
+    p.add_argument("--draft", help="draft GGUF for spec (spec is added to the default modes when given)")
+    p.add_argument("--modes", help=f"comma-separated runs among ar,lossless,prove,mars,spec (default {DEFAULT_MODES}[,spec])")
+    p.add_argument("--data", action="append", required=True, metavar="PATH",
+                   help="prompt file or folder (GSM8K/MATH-500/HumanEval/IFEval jsonl, BBH json, MMLU-Pro/GPQA); repeatable")
+    p.add_argument("--limit", type=int, help="at most N prompts per --data path (round-robin over a folder's files)")
+    p.add_argument("--max-new", type=int, default=256, help="max new tokens per answer (default 256)")
+    p.add_argument("--theta", default="0.01,0.05,0.1", help="ProVe θ values to sweep (default 0.01,0.05,0.1)")
+    p.add_argument("--tau", type=float, default=0.95, help="MARS rule τ (default 0.95)")
+    p.add_argument("--block", type=int, help="block length (default: the GGUF's prove.block_size, else 16)")
+    p.add_argument("--draft-k", type=int, default=4, help="drafts per cycle for spec (default 4)")
+    p.add_argument("--mask-token", type=int, help="placeholder token id (overrides the GGUF's mask token)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    p.add_argument("--raw", action="store_true", help="plain prompts, no chat template")
+    p.add_argument("--system", help="system message for the chat template")
+    p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    p.add_argument("--ctx", type=int, default=4096, help="context size (default 4096)")
+    p.add_argument("--n-gpu-layers", type=int, help="layers to offload (default: all when llama.cpp has a GPU backend)")
+    p.add_argument("--flash-attn", action="store_true")
+    p.add_argument("--kv-type", choices=("f32", "f16", "q8_0", "q4_0"),
+                   help="KV cache type (default: f32 for an F32 proposer, so the exact modes can match ar exactly; f16 otherwise)")
+    p.add_argument("--warmup", type=int, default=16, help="tokens per run generated before measuring (default 16; 0: none)")
+    p.add_argument("--pass-cost-reps", type=int, default=5, help="repetitions per n of the pass-cost curve (default 5)")
+    p.add_argument("--pass-cost-max", type=int, default=64, help="largest n of the pass-cost curve (default 64)")
+    p.add_argument("--no-pass-cost", action="store_true", help="skip the pass-cost curve (no projected speedups)")
+    p.add_argument("--bins", type=int, default=5, help="position bins for matched tokens along a response (default 5)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    from ..chat import Conversation
+    from ..cli import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, UsageError
+    from ..engine import MODES, Engine
+    from ..llama import Model, gpu_offload_supported
+    from .data import DataError, load_prompts
+    from .report import write_outputs
+    from .runner import machine_info, make_runs, run_bench
+
+    modes = [m.strip() for m in (args.modes or DEFAULT_MODES + (",spec" if args.draft else "")).split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise UsageError(f"unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(MODES)}")
+    modes = list(dict.fromkeys(modes))
+    thetas = _floats(args.theta)
+    if "prove" in modes and not thetas:
+        raise UsageError("--theta needs at least one value")
+    proposer_path = Path(args.proposer) if args.proposer else EMBEDDED_PROPOSER
+    verifier_path = Path(args.verifier) if args.verifier else (
+        EMBEDDED_VERIFIER if not args.proposer and "prove" in modes else None)
+    if "prove" in modes and verifier_path is None:
+        raise UsageError("mode prove needs --verifier V.gguf (or leave it out of --modes)")
+    if "spec" in modes and not args.draft:
+        raise UsageError("mode spec needs --draft D.gguf (or leave it out of --modes)")
+    if args.max_new < 1 or (args.limit is not None and args.limit < 1):
+        raise UsageError("--max-new and --limit must be >= 1")
+    try:
+        prompts = [p for path in args.data for p in load_prompts(path, args.limit)]
+    except DataError as e:
+        raise UsageError(str(e)) from None
+    if not prompts:
+        raise UsageError("no prompts")
+
+    ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (-1 if gpu_offload_supported() else 0)
+    loaded: dict[Path, Model] = {}
+
+    def model(path: Path) -> Model:
+        key = Path(path).resolve() if Path(path).exists() else Path(path)
+        if key not in loaded:
+            loaded[key] = Model(path, n_gpu_layers=ngl)
+        return loaded[key]
+
+    models = {"proposer": model(proposer_path)}
+    if "prove" in modes:
+        models["verifier"] = model(verifier_path)
+    if "spec" in modes:
+        models["draft"] = model(Path(args.draft))
+    kv = args.kv_type or ("f32" if models["proposer"].meta("general.file_type") == "0" else "f16")
+    context_options = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
+    engine = Engine.load(models["proposer"], models.get("verifier"), models.get("draft"), mask_token=args.mask_token,
+                         **context_options)
+    runs = make_runs(modes, max_new=args.max_new, block=args.block, thetas=thetas, tau=args.tau, draft_k=args.draft_k)
+    for r in runs:
+        engine.check(r.settings)
+
+    prop = models["proposer"]
+    prompt_tokens, kept = [], []
+    for p in prompts:
+        toks = prop.tokenize(p.text, add_special=True) if args.raw else Conversation(prop, system=args.system).prompt_tokens(p.text)
+        if len(toks) + 2 > engine.n_ctx:
+            print(f"prove-local bench: skipping {p.id}: {len(toks)} prompt tokens do not fit --ctx {engine.n_ctx}", file=sys.stderr)
+            continue
+        prompt_tokens.append(toks)
+        kept.append(p)
+    if not kept:
+        raise UsageError("no prompt fits the context")
+
+    data = run_bench(engine, models, kept, prompt_tokens, runs, context_options=context_options, warmup=args.warmup,
+                     pass_cost=not args.no_pass_cost, pass_cost_reps=args.pass_cost_reps,
+                     pass_cost_max=args.pass_cost_max, progress=not args.quiet)
+    block = args.block or engine.block_size
+    meta = {
+        "command": canonical_command(args),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(args.threads),
+        "models": {role: {"path": str(m.path), "n_params": m.n_params, "n_vocab": m.n_vocab,
+                          "mask_token": (engine.mask_token if role == "proposer" else m.mask_token),
+                          "block_size": m.block_size} for role, m in models.items()},
+        "settings": {"modes": modes, "max_new": args.max_new, "block": block, "theta": thetas, "tau": args.tau,
+                     "draft_k": args.draft_k, "ctx": args.ctx, "kv_type": kv, "threads": args.threads,
+                     "n_gpu_layers": ngl, "warmup": args.warmup, "chat_template": not args.raw},
+        "data": {"paths": [str(p) for p in args.data], "limit": args.limit},
+        "bins": args.bins,
+    }
+    res = write_outputs(data, Path(args.out), meta=meta, plots=not args.no_plots)
+    from .report import modes_table
+    print(modes_table(res))
+    print(f"\nwrote {Path(args.out) / 'results.json'}, summary.md, generations.jsonl"
+          + (f" and {len(res['plots'])} plots" if res["plots"] else ""), file=sys.stderr)
+    return 0

@@ -1,0 +1,160 @@
+"""Running the benchmark: models, pass-cost curves, and every run interleaved per prompt."""
+from __future__ import annotations
+
+import gc
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from statistics import median
+
+from ..engine import Engine, Settings
+from ..llama import Context, Model
+from ..rules import Cycle
+from .data import Prompt
+
+PASS_COST_NS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
+
+
+@dataclass
+class Run:
+    """One measured configuration: a mode and its knobs. `name` keys results.json's `modes`."""
+    name: str
+    settings: Settings
+
+
+@dataclass
+class Generation:
+    prompt: int                   # index into the prompt list
+    run: str
+    tokens: list[int]             # generated token ids (committed, including a final EOG)
+    cycles: list[Cycle]
+    seconds: float                # wall time of the generation without the prompt prefill
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    text: str = ""
+
+
+@dataclass
+class BenchData:
+    prompts: list[Prompt]
+    prompt_tokens: list[list[int]]
+    runs: list[Run]
+    generations: list[Generation] = field(default_factory=list)
+    pass_cost: dict = field(default_factory=dict)     # role -> {n: seconds}
+    warmup_seconds: float = 0.0
+
+
+def make_runs(modes: list[str], *, max_new: int, block: int | None, thetas: list[float], tau: float,
+              draft_k: int) -> list[Run]:
+    runs = []
+    for mode in modes:
+        if mode == "prove":
+            for th in thetas:
+                name = "prove" if len(thetas) == 1 else f"prove@{th:g}"
+                runs.append(Run(name, Settings(mode="prove", max_new=max_new, block=block, theta=th, tau=tau, draft_k=draft_k)))
+        else:
+            runs.append(Run(mode, Settings(mode=mode, max_new=max_new, block=block, theta=thetas[0] if thetas else 0.05,
+                                           tau=tau, draft_k=draft_k)))
+    return runs
+
+
+def measure_pass_cost(model: Model, context_options: dict, fill: list[int], *, ns=PASS_COST_NS, reps: int = 5,
+                      n_fill: int = 256, seed: int = 0) -> dict[int, float]:
+    """Median seconds inside llama_decode of one pass of n tokens (logits on every row) after a
+    context of `n_fill` tokens, for each n; the n are shuffled within each repetition so that
+    drift spreads over all of them."""
+    opts = dict(context_options)
+    opts["n_ctx"] = n_fill + max(ns) + 8
+    ctx = Context(model, **opts)
+    try:
+        tokens = (fill * (n_fill // max(1, len(fill)) + 2))[:n_fill + max(ns)]
+        ctx.eval(tokens[:n_fill], rows=[])
+        ctx.eval(tokens[n_fill:n_fill + 8], rows=list(range(8)))   # warm-up pass
+        ctx.truncate(n_fill)
+        times: dict[int, list[float]] = {n: [] for n in ns}
+        rng = random.Random(seed)
+        for _ in range(reps):
+            order = list(ns)
+            rng.shuffle(order)
+            for n in order:
+                before = ctx.decode_seconds
+                ctx.eval(tokens[n_fill:n_fill + n], rows=list(range(n)))
+                times[n].append(ctx.decode_seconds - before)
+                ctx.truncate(n_fill)
+        return {n: median(t) for n, t in times.items()}
+    finally:
+        ctx.close()
+
+
+def generate_once(engine: Engine, tokens: list[int], settings: Settings) -> tuple[list[Cycle], float, tuple]:
+    gc.collect()
+    t0 = time.perf_counter()
+    cycles = list(engine.generate(tokens, settings))
+    wall = time.perf_counter() - t0
+    return cycles, max(0.0, wall - engine.prefill[1]), engine.prefill
+
+
+def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], prompt_tokens: list[list[int]],
+              runs: list[Run], *, context_options: dict, warmup: int = 16, pass_cost: bool = True,
+              pass_cost_reps: int = 5, pass_cost_max: int = 64, progress: bool = True) -> BenchData:
+    """Warm-up, pass-cost curves, then for each prompt every run once, the run order rotated from
+    one prompt to the next (A B C, B C A, ...) so that drift hits all runs alike."""
+    from tqdm import tqdm
+
+    data = BenchData(prompts, prompt_tokens, runs)
+    proposer = models["proposer"]
+    if warmup > 0 and prompt_tokens:
+        t0 = time.perf_counter()
+        for run in runs:
+            s = run.settings
+            generate_once(engine, prompt_tokens[0], Settings(mode=s.mode, max_new=warmup, block=s.block,
+                                                             theta=s.theta, tau=s.tau, draft_k=s.draft_k))
+        data.warmup_seconds = time.perf_counter() - t0
+    if pass_cost and prompt_tokens:
+        ns = tuple(n for n in PASS_COST_NS if n <= pass_cost_max)
+        seen: dict[int, dict] = {}
+        roles = [r for r in ("proposer", "verifier", "draft") if r in models and r in engine.contexts]
+        bar = tqdm(roles, desc="pass cost", unit="model", disable=not progress, file=sys.stderr, leave=False)
+        for role in bar:
+            m = models[role]
+            if id(m) not in seen:
+                seen[id(m)] = measure_pass_cost(m, context_options, prompt_tokens[0], ns=ns, reps=pass_cost_reps)
+            data.pass_cost[role] = seen[id(m)]
+    bar = tqdm(total=len(prompts) * len(runs), desc="bench", unit="gen", disable=not progress, file=sys.stderr,
+               dynamic_ncols=True)
+    try:
+        for i, tokens in enumerate(prompt_tokens):
+            k = i % len(runs)
+            for run in runs[k:] + runs[:k]:
+                bar.set_postfix_str(f"{prompts[i].id} {run.name}", refresh=False)
+                cycles, seconds, (n_pre, t_pre) = generate_once(engine, tokens, run.settings)
+                out = [t for c in cycles for t in c.committed]
+                data.generations.append(Generation(i, run.name, out, cycles, seconds, n_pre, t_pre,
+                                                   proposer.detokenize([t for t in out if not proposer.is_eog(t)])))
+                bar.update(1)
+    finally:
+        bar.close()
+    return data
+
+
+def machine_info(threads: int | None) -> dict:
+    import platform
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "threads": threads or os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import llama_cpp
+        info["llama_cpp_python"] = llama_cpp.__version__
+        info["gpu_offload"] = bool(llama_cpp.llama_supports_gpu_offload())
+    except Exception:  # pragma: no cover
+        pass
+    return info

@@ -1,0 +1,289 @@
+"""Benchmark statistics as pure functions over cycle events and token lists.
+
+A cycle is anything with the attributes of `prove_local.rules.Cycle` (proposed, p, q, committed,
+n_accepted, passes, seconds, decode_seconds, start). The greedy reference of a prompt is the AR
+output on that prompt in the same run: for exact modes the committed sequence equals it, so slot
+i of a cycle that started at generated position s is "on the greedy path" when
+proposed[i] == reference[s + i]. For lossy modes a cycle is only labelled while everything
+generated before it still equals the reference.
+"""
+from __future__ import annotations
+
+import math
+from statistics import median
+
+import numpy as np
+
+# The ProVe paper's GSM8K figures (32B MARS proposer), for the reference rows of tables and plots.
+PAPER_SLOT_MATCH_GSM8K = [0.96, 0.86, 0.79, 0.71, 0.67, 0.59, 0.53, 0.51, 0.47, 0.44, 0.39, 0.34, 0.34, 0.30, 0.28, 0.27]
+PAPER_AUC = {"p": 0.910, "q": 0.960, "pq": 0.964}
+
+
+# --------------------------------------------------------------------------- basic statistics
+def auc(scores, labels) -> float | None:
+    """Area under the ROC curve of `scores` as a detector of `labels` (True = positive), by the
+    rank statistic (Mann-Whitney U with average ranks for ties). None if a class is empty."""
+    s = np.asarray(scores, dtype=float)
+    y = np.asarray(labels, dtype=bool)
+    n_pos, n_neg = int(y.sum()), int((~y).sum())
+    if n_pos == 0 or n_neg == 0:
+        return None
+    order = np.argsort(s, kind="mergesort")
+    ranks = np.empty(len(s), dtype=float)
+    sorted_s = s[order]
+    i = 0
+    while i < len(s):                       # average ranks over runs of equal scores
+        j = i
+        while j + 1 < len(s) and sorted_s[j + 1] == sorted_s[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2.0 + 1.0
+        i = j + 1
+    u = ranks[y].sum() - n_pos * (n_pos + 1) / 2.0
+    return float(u / (n_pos * n_neg))
+
+
+def roc_curve(scores, labels) -> tuple[list[float], list[float]]:
+    """(false positive rates, true positive rates) over all thresholds, for plotting."""
+    s = np.asarray(scores, dtype=float)
+    y = np.asarray(labels, dtype=bool)
+    if y.all() or (~y).all():
+        return [0.0, 1.0], [0.0, 1.0]
+    order = np.argsort(-s, kind="mergesort")
+    s, y = s[order], y[order]
+    distinct = np.r_[np.nonzero(np.diff(s))[0], len(s) - 1]
+    tps = np.cumsum(y)[distinct]
+    fps = (distinct + 1) - tps
+    return [0.0] + (fps / (~y).sum()).tolist(), [0.0] + (tps / y.sum()).tolist()
+
+
+def common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def leading_run(flags) -> int:
+    n = 0
+    for f in flags:
+        if not f:
+            break
+        n += 1
+    return n
+
+
+# --------------------------------------------------------------------- per-slot greedy labels
+def slot_labels(cycles, generated: list[int], reference: list[int]) -> list[dict]:
+    """One record per labelled proposal slot: {"slot" (0-based), "p", "q" (or None), "match",
+    "start", "cycle"}. A cycle is labelled only if the output before it equals the reference
+    (always so for exact modes); slots past the end of the reference are not labelled."""
+    ok_until = common_prefix(generated, reference)
+    out = []
+    for ci, c in enumerate(cycles):
+        if c.start > ok_until:
+            break
+        for i, tok in enumerate(c.proposed):
+            pos = c.start + i
+            if pos >= len(reference):
+                break
+            out.append({"slot": i, "p": float(c.p[i]), "q": None if c.q is None else float(c.q[i]),
+                        "match": tok == reference[pos], "start": c.start, "cycle": ci})
+    return out
+
+
+def match_rate_by_slot(labels: list[dict], n_slots: int | None = None) -> tuple[list[float | None], list[int]]:
+    """How often slot i equals the greedy token: (rate per slot, labelled count per slot)."""
+    n_slots = n_slots or (max((r["slot"] for r in labels), default=-1) + 1)
+    hits, counts = [0] * n_slots, [0] * n_slots
+    for r in labels:
+        if r["slot"] < n_slots:
+            counts[r["slot"]] += 1
+            hits[r["slot"]] += bool(r["match"])
+    return [h / c if c else None for h, c in zip(hits, counts)], counts
+
+
+def matched_runs(cycles, generated: list[int], reference: list[int]) -> list[dict]:
+    """Per labelled cycle: how many leading proposed tokens equal the greedy continuation
+    ("matched tokens per block"), where the cycle started (`start`) and the response length
+    (`length` = len(reference)). A run that reaches the end of the reference before a mismatch or
+    the end of the block is censored and left out."""
+    ok_until = common_prefix(generated, reference)
+    out = []
+    for c in cycles:
+        if c.start > ok_until:
+            break
+        run = 0
+        for i, tok in enumerate(c.proposed):
+            pos = c.start + i
+            if pos >= len(reference):
+                run = None
+                break
+            if tok != reference[pos]:
+                break
+            run += 1
+        if run is not None:
+            out.append({"start": c.start, "matched": run, "block": len(c.proposed), "length": len(reference)})
+    return out
+
+
+def binned_means(xs, ys, edges) -> tuple[list[float | None], list[int]]:
+    """Mean of ys over the bins [edges[k], edges[k+1]) of xs (the last bin includes its right edge)."""
+    xs, ys = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    means, counts = [], []
+    for k in range(len(edges) - 1):
+        lo, hi = edges[k], edges[k + 1]
+        sel = (xs >= lo) & ((xs < hi) if k < len(edges) - 2 else (xs <= hi))
+        counts.append(int(sel.sum()))
+        means.append(float(ys[sel].mean()) if sel.any() else None)
+    return means, counts
+
+
+def matched_by_position(runs: list[dict], n_bins: int = 5) -> dict:
+    """Mean matched tokens per block against the relative position in the response
+    (start / response length) in `n_bins` equal bins, plus the overall mean."""
+    edges = [k / n_bins for k in range(n_bins + 1)]
+    rel = [r["start"] / r["length"] if r["length"] else 0.0 for r in runs]
+    means, counts = binned_means(rel, [r["matched"] for r in runs], edges)
+    return {"edges": edges, "mean": means, "n": counts,
+            "overall": float(np.mean([r["matched"] for r in runs])) if runs else None}
+
+
+def detector_aucs(labels: list[dict]) -> dict:
+    """AUC of p̃, q and p̃·q as detectors of "slot i is on the greedy path", over all labelled
+    slots (q and p̃·q only where every slot has a q)."""
+    y = [r["match"] for r in labels]
+    out = {"p": auc([r["p"] for r in labels], y), "n_pos": sum(map(bool, y)), "n_neg": len(y) - sum(map(bool, y))}
+    if labels and all(r["q"] is not None for r in labels):
+        out["q"] = auc([r["q"] for r in labels], y)
+        out["pq"] = auc([r["p"] * r["q"] for r in labels], y)
+    else:
+        out["q"] = out["pq"] = None
+    return out
+
+
+# --------------------------------------------------------------------------- speed and cost
+def speedups(mode_runs: list[tuple[int, float]], ar_runs: list[tuple[int, float]]) -> dict:
+    """Speedup vs AR from per-prompt (tokens, seconds) pairs, same prompts in the same order:
+    the median of per-prompt throughput ratios, and the ratio of total throughputs."""
+    ratios = []
+    for (nm, sm), (na, sa) in zip(mode_runs, ar_runs):
+        if nm and sm > 0 and na and sa > 0:
+            ratios.append((nm / sm) / (na / sa))
+    tm, sm = sum(n for n, _ in mode_runs), sum(s for _, s in mode_runs)
+    ta, sa = sum(n for n, _ in ar_runs), sum(s for _, s in ar_runs)
+    totals = (tm / sm) / (ta / sa) if sm > 0 and sa > 0 and ta and tm else None
+    return {"median": median(ratios) if ratios else None, "totals": totals, "n": len(ratios)}
+
+
+def throughput(runs: list[tuple[int, float]]) -> float | None:
+    tokens, seconds = sum(n for n, _ in runs), sum(s for _, s in runs)
+    return tokens / seconds if seconds > 0 else None
+
+
+def passes_per_token(cycles) -> dict:
+    tokens = sum(len(c.committed) for c in cycles)
+    passes: dict[str, int] = {}
+    for c in cycles:
+        for role, n in c.passes.items():
+            passes[role] = passes.get(role, 0) + n
+    return {r: n / tokens for r, n in passes.items()} if tokens else {}
+
+
+def tokens_per_cycle(cycles) -> float | None:
+    return sum(len(c.committed) for c in cycles) / len(cycles) if cycles else None
+
+
+def measured_cycle_cost(cycles, ar_cycles, decode_only: bool = False) -> float | None:
+    """Mean cycle time of a mode in proposer-pass units: ÷ the mean AR cycle (one 1-token pass).
+    decode_only: count only the time inside llama_decode."""
+    def mean_time(cs):
+        if not cs:
+            return None
+        t = [sum(c.decode_seconds.values()) if decode_only else c.seconds for c in cs]
+        return sum(t) / len(t)
+    m, a = mean_time(cycles), mean_time(ar_cycles)
+    return m / a if m is not None and a else None
+
+
+def overhead_share(cycles) -> float | None:
+    """Share of cycle wall time spent outside llama_decode."""
+    total = sum(c.seconds for c in cycles)
+    return 1.0 - sum(sum(c.decode_seconds.values()) for c in cycles) / total if total > 0 else None
+
+
+# ------------------------------------------------------------------- pass cost and projection
+def curve_ratio(curve: dict, n: float) -> float:
+    """t(n)/t(1) from a measured curve {n: seconds}, linear interpolation (and extrapolation past
+    the last point along the last segment's slope per token)."""
+    ns = sorted(curve)
+    t1 = curve[1] if 1 in curve else np.interp(1, ns, [curve[k] for k in ns])
+    if n in curve:
+        return curve[n] / t1
+    if n > ns[-1]:
+        a, b = ns[-2], ns[-1]
+        slope = (curve[b] - curve[a]) / (b - a) if b > a else curve[b] / b
+        return (curve[b] + slope * (n - b)) / t1
+    return float(np.interp(n, ns, [curve[k] for k in ns])) / t1
+
+
+def cycle_cost_units(mode: str, n_proposed: int, curves: dict | None, flat: bool = False) -> float:
+    """Cost of one cycle in units of the proposer's 1-token pass, from pass-cost curves
+    {"proposer"|"verifier"|"draft": {n: seconds}}. flat=True: every pass of n tokens costs what
+    its model's 1-token pass costs (the GPU-like regime of the paper's cost model); verifier and
+    draft passes are always scaled by their t(1) relative to the proposer's (the paper's ρ)
+    when those curves exist. Pass shapes: lossless = proposal of B rows + self-verification of
+    B rows; prove = proposal + verifier pass of B tokens; mars = proposal; spec = k one-token
+    draft passes + a target pass of k+1 tokens."""
+    def r(role, n):
+        if flat or not curves or role not in curves:
+            return 1.0
+        return curve_ratio(curves[role], n)
+
+    def rho(role):
+        if not curves or role not in curves or "proposer" not in curves:
+            return 1.0
+        return curves[role][min(curves[role])] / curves["proposer"][min(curves["proposer"])]
+
+    if mode == "ar":
+        return 1.0
+    if mode == "lossless":
+        return 2 * r("proposer", n_proposed)
+    if mode == "mars":
+        return r("proposer", n_proposed)
+    if mode == "prove":
+        return r("proposer", n_proposed) + rho("verifier") * r("verifier", n_proposed)
+    if mode == "spec":
+        return n_proposed * rho("draft") * r("draft", 1) + r("proposer", n_proposed + 1)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def projected(mode: str, cycles, curves: dict | None) -> dict:
+    """Projected cycle cost (proposer-pass units) and speedup = tokens per cycle ÷ cycle cost:
+    from the measured curves, and for a flat curve (`_flat`)."""
+    if not cycles:
+        return {"cycle_cost": None, "speedup": None, "cycle_cost_flat": None, "speedup_flat": None}
+    tokens = sum(len(c.committed) for c in cycles)
+    cost = sum(cycle_cost_units(mode, len(c.proposed), curves) for c in cycles)
+    flat = sum(cycle_cost_units(mode, len(c.proposed), curves, flat=True) for c in cycles)
+    n = len(cycles)
+    return {"cycle_cost": cost / n, "speedup": tokens / cost, "cycle_cost_flat": flat / n, "speedup_flat": tokens / flat}
+
+
+# ---------------------------------------------------------------------------- exactness
+def exact_match_share(outputs: list[list[int]], references: list[list[int]]) -> float | None:
+    """Share of prompts whose output equals the reference token for token."""
+    pairs = [(o, r) for o, r in zip(outputs, references) if r is not None and o is not None]
+    return sum(o == r for o, r in pairs) / len(pairs) if pairs else None
+
+
+def accuracy(flags) -> float | None:
+    flags = [f for f in flags if f is not None]
+    return sum(map(bool, flags)) / len(flags) if flags else None
+
+
+def fmt(x, digits: int = 2, suffix: str = "") -> str:
+    """Table cell: a number or '–'."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:.{digits}f}{suffix}"

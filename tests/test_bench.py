@@ -1,0 +1,331 @@
+"""`prove-local bench`: statistics on hand-made event streams with known answers, prompt loading,
+the report on synthetic data, and one small end-to-end run on tiny random-weight models."""
+import itertools
+import json
+import random
+
+import pytest
+
+from prove_local.bench import data as bdata
+from prove_local.bench import stats
+from prove_local.bench.report import build_results, summary_markdown, write_outputs
+from prove_local.bench.runner import BenchData, Generation, Run, make_runs
+from prove_local.engine import Settings
+from prove_local.rules import Cycle
+
+
+def cyc(start, proposed, committed, n_accepted=None, p=None, q=None, passes=None, seconds=1.0, decode=None):
+    c = Cycle(list(proposed), p or [0.5] * len(proposed), q, list(committed),
+              len(committed) if n_accepted is None else n_accepted, passes or {"proposer": 1})
+    c.start, c.seconds, c.decode_seconds = start, seconds, decode or {"proposer": seconds * 0.9}
+    return c
+
+
+# ---------------------------------------------------------------------------------------- AUC
+def test_auc_known_values():
+    assert stats.auc([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx(0.75)
+    assert stats.auc([1, 2, 3], [0, 1, 1]) == 1.0
+    assert stats.auc([3, 2, 1], [0, 1, 1]) == 0.0
+    assert stats.auc([0.5] * 6, [0, 1, 0, 1, 1, 0]) == 0.5                 # all tied
+    assert stats.auc([0.2, 0.2, 0.9], [0, 1, 1]) == pytest.approx(0.75)    # a tie counts one half
+    assert stats.auc([0.1, 0.2], [1, 1]) is None and stats.auc([], []) is None
+
+
+def test_auc_equals_pairwise_definition():
+    rng = random.Random(3)
+    s = [rng.choice([0.1, 0.2, 0.3, 0.5, 0.9]) for _ in range(60)]
+    y = [rng.random() < 0.4 for _ in range(60)]
+    pos = [a for a, l in zip(s, y) if l]
+    neg = [a for a, l in zip(s, y) if not l]
+    brute = sum((a > b) + 0.5 * (a == b) for a, b in itertools.product(pos, neg)) / (len(pos) * len(neg))
+    assert stats.auc(s, y) == pytest.approx(brute)
+    fpr, tpr = stats.roc_curve(s, y)
+    area = sum((fpr[i + 1] - fpr[i]) * (tpr[i + 1] + tpr[i]) / 2 for i in range(len(fpr) - 1))
+    assert area == pytest.approx(brute) and fpr[-1] == tpr[-1] == 1.0
+
+
+# ---------------------------------------------------------------------- slots vs greedy path
+REF = [10, 11, 12, 13, 14, 15, 16, 17]
+
+
+def test_slot_labels_and_rates_exact_mode():
+    # lossless-like: block 4; cycle 0 matches 2 then fails, cycle 1 (start 3) matches all 4
+    cycles = [cyc(0, [10, 11, 99, 98], [10, 11, 12], p=[0.9, 0.8, 0.3, 0.2], q=[0.9, 0.7, 0.1, 0.5]),
+              cyc(3, [13, 14, 15, 16], [13, 14, 15, 16, 17], p=[0.9, 0.9, 0.6, 0.4], q=[0.9, 0.9, 0.8, 0.3])]
+    labels = stats.slot_labels(cycles, REF, REF)
+    assert [r["match"] for r in labels] == [True, True, False, False, True, True, True, True]
+    rate, n = stats.match_rate_by_slot(labels, 4)
+    assert rate == [1.0, 1.0, 0.5, 0.5] and n == [2, 2, 2, 2]
+    runs = stats.matched_runs(cycles, REF, REF)
+    assert [(r["start"], r["matched"]) for r in runs] == [(0, 2), (3, 4)]
+    a = stats.detector_aucs(labels)
+    assert a["n_pos"] == 6 and a["n_neg"] == 2
+    assert a["p"] == pytest.approx(stats.auc([0.9, 0.8, 0.3, 0.2, 0.9, 0.9, 0.6, 0.4], [1, 1, 0, 0, 1, 1, 1, 1]))
+    assert a["pq"] == pytest.approx(stats.auc([0.81, 0.56, 0.03, 0.1, 0.81, 0.81, 0.48, 0.12], [1, 1, 0, 0, 1, 1, 1, 1]))
+
+
+def test_slot_labels_stop_at_divergence_and_reference_end():
+    # lossy run: commits a wrong token at position 2, so cycles starting after 2 are not labelled
+    gen = [10, 11, 50, 51, 52]
+    cycles = [cyc(0, [10, 11, 50], [10, 11, 50], q=None), cyc(3, [51, 52, 53], [51, 52])]
+    labels = stats.slot_labels(cycles, gen, REF)
+    assert [(r["slot"], r["match"]) for r in labels] == [(0, True), (1, True), (2, False)]
+    assert all(r["q"] is None for r in labels) and stats.detector_aucs(labels)["q"] is None
+    # a cycle whose start equals the divergence point is still labelled (its context is on the path)
+    cycles2 = [cyc(0, [10, 11], [10, 11]), cyc(2, [50, 51], [50])]
+    assert len(stats.slot_labels(cycles2, [10, 11, 50], REF)) == 4
+    # slots beyond the reference are not labelled; a run reaching the end is censored
+    short = [10, 11, 12]
+    c = [cyc(0, [10, 11, 12, 13], [10, 11, 12])]
+    assert len(stats.slot_labels(c, short, short)) == 3
+    assert stats.matched_runs(c, short, short) == []
+    assert stats.matched_runs([cyc(0, [10, 99, 12, 13], [10])], short, short)[0]["matched"] == 1
+
+
+def test_matched_by_position_bins():
+    runs = [{"start": s, "matched": m, "block": 4, "length": 100} for s, m in
+            [(0, 1), (10, 3), (30, 2), (50, 4), (70, 5), (99, 7), (100, 9)]]
+    r = stats.matched_by_position(runs, n_bins=4)
+    assert r["edges"] == [0, 0.25, 0.5, 0.75, 1.0]
+    assert r["mean"] == [2.0, 2.0, 4.5, 8.0] and r["n"] == [2, 1, 2, 2]
+    assert r["overall"] == pytest.approx(31 / 7)
+    assert stats.binned_means([0.1], [1.0], [0.5, 1.0]) == ([None], [0])
+
+
+# ------------------------------------------------------------------------------ speed, cost
+def test_speedups_median_and_totals():
+    ar = [(100, 10.0), (50, 10.0), (10, 1.0)]        # 10, 5, 10 tok/s
+    mode = [(100, 5.0), (50, 2.5), (10, 2.0)]        # 20, 20, 5 tok/s: ratios 2, 4, 0.5
+    s = stats.speedups(mode, ar)
+    assert s["median"] == 2.0 and s["n"] == 3
+    assert s["totals"] == pytest.approx((160 / 9.5) / (160 / 21.0))
+    assert stats.speedups([(0, 0.0)], [(0, 0.0)]) == {"median": None, "totals": None, "n": 0}
+    assert stats.throughput(mode) == pytest.approx(160 / 9.5)
+
+
+def test_passes_tokens_per_cycle_and_measured_cost():
+    ar = [cyc(i, [1], [1], seconds=0.01, decode={"proposer": 0.009}) for i in range(4)]
+    ll = [cyc(0, [1] * 4, [1, 1, 1], passes={"proposer": 2}, seconds=0.05, decode={"proposer": 0.045}),
+          cyc(3, [1] * 4, [1], passes={"proposer": 2}, seconds=0.03, decode={"proposer": 0.018})]
+    assert stats.tokens_per_cycle(ll) == 2.0 and stats.tokens_per_cycle([]) is None
+    assert stats.passes_per_token(ll) == {"proposer": 1.0}
+    pv = [cyc(0, [1] * 4, [1, 1], passes={"proposer": 1, "verifier": 1})]
+    assert stats.passes_per_token(pv) == {"proposer": 0.5, "verifier": 0.5}
+    assert stats.measured_cycle_cost(ll, ar) == pytest.approx(4.0)
+    assert stats.measured_cycle_cost(ll, ar, decode_only=True) == pytest.approx(0.0315 / 0.009)
+    assert stats.overhead_share(ll) == pytest.approx(1 - 0.063 / 0.08)
+    assert stats.measured_cycle_cost(ll, []) is None
+
+
+def test_pass_cost_curve_projection():
+    curve = {1: 1.0, 2: 1.5, 4: 2.0, 8: 4.0, 16: 8.0}
+    assert stats.curve_ratio(curve, 4) == 2.0
+    assert stats.curve_ratio(curve, 3) == 1.75                      # interpolated
+    assert stats.curve_ratio(curve, 32) == pytest.approx(16.0)     # extrapolated along the last slope
+    curves = {"proposer": curve, "verifier": {n: t / 4 for n, t in curve.items()}, "draft": {1: 0.5, 8: 1.0}}
+    cu = stats.cycle_cost_units
+    assert cu("ar", 1, curves) == 1.0
+    assert cu("lossless", 16, curves) == 16.0                      # two 16-row passes of 8 units
+    assert cu("mars", 8, curves) == 4.0
+    assert cu("prove", 16, curves) == pytest.approx(8.0 + 0.25 * 8.0)
+    assert cu("spec", 4, curves) == pytest.approx(4 * 0.5 + 2.5)    # 4 drafts of ρ=0.5, target pass of 5 tokens
+    assert cu("lossless", 16, curves, flat=True) == 2.0            # paper: ProVe-lossless costs 2
+    assert cu("prove", 16, curves, flat=True) == 1.25              # paper: 1 + ρ
+    assert cu("spec", 5, curves, flat=True) == 3.5                 # paper: 1 + kρ
+    cycles = [cyc(0, [1] * 16, [1] * 6), cyc(6, [1] * 16, [1] * 2)]
+    pr = stats.projected("lossless", cycles, curves)
+    assert pr["cycle_cost"] == 16.0 and pr["speedup"] == 0.25 and pr["speedup_flat"] == 2.0
+    with pytest.raises(ValueError):
+        cu("beam", 4, curves)
+
+
+def test_exact_match_and_accuracy():
+    assert stats.exact_match_share([[1, 2], [1, 3], [4]], [[1, 2], [1, 2], [4]]) == pytest.approx(2 / 3)
+    assert stats.exact_match_share([[1]], [None]) is None
+    assert stats.accuracy([True, False, None, True]) == pytest.approx(2 / 3)
+    assert stats.accuracy([None]) is None
+
+
+# ---------------------------------------------------------------------------- answers, data
+@pytest.mark.parametrize("family,text,answer,ok", [
+    ("gsm8k", "She sold 48 + 24 = 72 clips.\n#### 72", "72", True),
+    ("gsm8k", "#### 1,234.0", "1234", True),
+    ("gsm8k", "the total is 70 dollars, so 71", "70", False),
+    ("gsm8k", "no digits at all", "5", False),
+    ("math500", "so the answer is $\\boxed{\\dfrac{1}{2}}$.", "\\frac{1}{2}", True),
+    ("math500", "\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)", True),
+    ("math500", "The answer is 0.50", "0.5", True),
+    ("math500", "\\boxed{7}", "8", False),
+    ("bbh", "Let's think. So the answer is (B).", "(B)", True),
+    ("bbh", "So the answer is True.", "True", True),
+    ("bbh", "So the answer is valid.", "invalid", False),
+    ("mmlu-pro", "The answer is (C)", "C", True),
+    ("humaneval", "def f(): pass", None, None),
+])
+def test_check_answer(family, text, answer, ok):
+    assert bdata.check_answer(family, text, answer) is ok
+
+
+def test_load_prompts_by_format(tmp_path):
+    (tmp_path / "g.jsonl").write_text(json.dumps({"question": "Q1?", "answer": "work\n#### 1,000"}) + "\n")
+    (tmp_path / "m.jsonl").write_text(json.dumps({"problem": "P", "answer": "\\frac12", "unique_id": "t/1.json"}) + "\n")
+    (tmp_path / "h.jsonl").write_text(json.dumps({"task_id": "HumanEval/7", "prompt": "def f():\n", "entry_point": "f"}) + "\n")
+    (tmp_path / "i.jsonl").write_text(json.dumps({"key": 5, "prompt": "Write", "instruction_id_list": [], "kwargs": []}) + "\n")
+    (tmp_path / "b.json").write_text(json.dumps({"canary": "x", "examples": [{"input": "I1", "target": "(A)"}, {"input": "I2", "target": "B"}]}))
+    (tmp_path / "mmlu.jsonl").write_text(json.dumps({"question": "Q", "options": ["x", "y", "z"], "answer_index": 2}) + "\n")
+    (tmp_path / "gpqa.csv").write_text("Question,Correct Answer,Incorrect Answer 1,Incorrect Answer 2,Incorrect Answer 3\nQ?,right,w1,w2,w3\n")
+    (tmp_path / "train.jsonl").write_text("not json\n")      # skipped in a folder
+    (tmp_path / "README.md").write_text("# readme")
+    ps = {}
+    for p in bdata.load_prompts(tmp_path):
+        ps.setdefault(p.family, p)
+    assert sorted(ps) == ["bbh", "gpqa", "gsm8k", "humaneval", "ifeval", "math500", "mmlu-pro"]
+    assert ps["gsm8k"].answer == "1000" and ps["gsm8k"].text == "Q1?"
+    assert ps["math500"].id == "m/t/1.json" and ps["humaneval"].id == "HumanEval/7" and "def f():" in ps["humaneval"].text
+    assert ps["mmlu-pro"].answer == "C" and "(C) z" in ps["mmlu-pro"].text
+    g = ps["gpqa"]
+    assert f"({g.answer}) right" in g.text
+    assert ps["bbh"].answer == "(A)"
+    # --limit: round-robin over a folder's files
+    first = bdata.load_prompts(tmp_path, limit=3)
+    assert len(first) == 3 and len({p.source for p in first}) == 3
+    assert [p.text for p in bdata.load_prompts(tmp_path / "b.json", limit=5)] == ["I1", "I2"]
+    with pytest.raises(bdata.DataError, match="no known format"):
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"foo": 1}) + "\n")
+        bdata.load_file(tmp_path / "bad.jsonl")
+    with pytest.raises(bdata.DataError, match="no such"):
+        bdata.load_prompts(tmp_path / "missing")
+
+
+def test_shared_dev_sets_load():
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2] / "shared" / "datasets"
+    if not root.is_dir():
+        pytest.skip("no shared datasets here")
+    fams = {name: bdata.load_prompts(root / name, limit=30) for name in ("gsm8k", "humaneval", "bbh", "ifeval", "math500")}
+    assert {n: {p.family for p in ps} for n, ps in fams.items()} == {
+        "gsm8k": {"gsm8k"}, "humaneval": {"humaneval"}, "bbh": {"bbh"}, "ifeval": {"ifeval"}, "math500": {"math500"}}
+    assert len({p.source for p in fams["bbh"]}) == 27 and all(len(ps) == 30 for ps in fams.values())
+
+
+# ------------------------------------------------------------------- report on synthetic data
+def synthetic() -> BenchData:
+    prompts = [bdata.Prompt("g/0", "gsm8k", "q", "13"), bdata.Prompt("g/1", "gsm8k", "q", "99")]
+    runs = make_runs(["ar", "lossless", "prove"], max_new=8, block=4, thetas=[0.01, 0.1], tau=0.95, draft_k=4)
+    assert [r.name for r in runs] == ["ar", "lossless", "prove@0.01", "prove@0.1"]
+    ref = [10, 11, 12, 13]
+    gens = []
+    for i in range(2):
+        gens.append(Generation(i, "ar", ref, [cyc(k, [t], [t], seconds=0.01) for k, t in enumerate(ref)], 0.04, text="#### 13"))
+        gens.append(Generation(i, "lossless", ref, [cyc(0, [10, 11, 12, 99], ref, passes={"proposer": 2}, seconds=0.02,
+                                                        p=[0.9, 0.8, 0.7, 0.1], q=[0.9, 0.9, 0.9, 0.2])], 0.02, text="#### 13"))
+        bad = [10, 11, 50, 51]
+        gens.append(Generation(i, "prove@0.01", bad, [cyc(0, [10, 11, 50, 51], bad, passes={"proposer": 1, "verifier": 1},
+                                                          seconds=0.01, p=[0.9, 0.8, 0.5, 0.4], q=[0.9, 0.9, 0.3, 0.2])], 0.01, text="#### 50"))
+        gens.append(Generation(i, "prove@0.1", ref[:2] + [12, 13],
+                               [cyc(0, [10, 11, 50, 51], [10, 11], passes={"proposer": 1, "verifier": 1}, seconds=0.01,
+                                    p=[0.9, 0.8, 0.5, 0.4], q=[0.9, 0.9, 0.1, 0.2]),
+                                cyc(2, [12, 13, 7, 7], [12, 13], passes={"proposer": 1, "verifier": 1}, seconds=0.01,
+                                    p=[0.9, 0.9, 0.1, 0.1], q=[0.9, 0.9, 0.1, 0.1])], 0.02, text="#### 13"))
+    d = BenchData(prompts, [[1, 2, 3]] * 2, runs, gens)
+    d.pass_cost = {"proposer": {1: 0.01, 2: 0.015, 4: 0.02, 8: 0.04}, "verifier": {1: 0.005, 2: 0.006, 4: 0.008, 8: 0.01}}
+    return d
+
+
+def test_build_results_on_synthetic_runs(tmp_path):
+    res = build_results(synthetic(), meta={"command": "prove-local bench …", "settings": {"max_new": 8, "block": 4}})
+    m = res["modes"]
+    assert m["ar"]["speedup_vs_ar"] == {"median": 1.0, "totals": 1.0}
+    assert m["lossless"]["speedup_vs_ar"]["median"] == 2.0 and m["lossless"]["tokens_per_cycle"] == 4.0
+    assert m["lossless"]["exact_match_vs_ar"] == 1.0 and m["prove@0.01"]["exact_match_vs_ar"] == 0.0
+    assert m["ar"]["accuracy"] == 0.5 and m["prove@0.01"]["accuracy"] == 0.0     # prompt g/1's answer is 99
+    assert m["lossless"]["passes_per_token"] == {"proposer": 0.5}
+    assert m["lossless"]["cycle_cost"]["measured"] == 2.0
+    assert m["lossless"]["cycle_cost"]["projected"] == 4.0 and m["lossless"]["projected_speedup"]["curve"] == 1.0
+    assert m["prove@0.1"]["cycle_cost"]["projected_flat"] == 1.5
+    assert res["position_match_rate"]["lossless"]["rate"] == [1.0, 1.0, 1.0, 0.0]
+    # prove@0.01 diverges at position 2 within its only cycle: that cycle is still labelled
+    assert res["position_match_rate"]["prove@0.01"]["rate"] == [1.0, 1.0, 0.0, 0.0]
+    assert res["auc"]["prove@0.1"]["n_pos"] == 8 and res["auc"]["prove@0.1"]["pq"] == 1.0
+    assert [r["theta"] for r in res["theta_sweep"]] == [0.01, 0.1]
+    assert res["matched_tokens_by_position"]["lossless"]["overall"] == 3.0
+    assert res["pass_cost"]["proposer"]["ratio"] == [1.0, 1.5, 2.0, 4.0]
+    assert res["prompts"][0]["runs"]["prove@0.01"]["first_divergence"] == 2
+    md = summary_markdown({**res, "plots": []})
+    assert "| `lossless` |" in md and "paper (GSM8K, 32B)" in md and "θ" in md
+
+
+def test_write_outputs_atomic_and_plots(tmp_path):
+    res = write_outputs(synthetic(), tmp_path / "out", meta={"command": "x", "settings": {}})
+    names = sorted(f.name for f in (tmp_path / "out").iterdir())
+    assert names == sorted(["results.json", "summary.md", "generations.jsonl"] + res["plots"])
+    assert set(res["plots"]) == {"speedup.png", "match_rate_by_slot.png", "matched_by_position.png", "roc.png",
+                                 "theta_sweep.png", "pass_cost.png"}
+    assert all((tmp_path / "out" / p).read_bytes()[:4] == b"\x89PNG" for p in res["plots"])
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["modes"]["lossless"]["tokens"] == 8
+
+
+# ----------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    from tests.tiny import tiny_gguf
+    d = tmp_path_factory.mktemp("bench-models")
+    return (tiny_gguf(d, seed=0), tiny_gguf(d, seed=1, hidden=32, role="verifier"),
+            tiny_gguf(d, seed=2, hidden=32, role="verifier", mask=False))
+
+
+def test_bench_end_to_end(tiny_models, tmp_path, capsys):
+    from prove_local.cli import main
+    prop, ver, draft = tiny_models
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "x\n#### 3"}) + "\n"
+                            for q in ("What is 1 + 2?", "Natalia sold 48 clips.", "unused third prompt")))
+    out = tmp_path / "out"
+    rc = main(["bench", "--proposer", str(prop), "--verifier", str(ver), "--draft", str(draft),
+               "--modes", "ar,lossless,prove,mars,spec", "--data", str(data), "--limit", "2", "--max-new", "32",
+               "--theta", "0.01,0.1", "--threads", "1", "--ctx", "512", "--kv-type", "f32", "--warmup", "4",
+               "--pass-cost-reps", "2", "--pass-cost-max", "16", "--out", str(out), "-q"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert list(res["modes"]) == ["ar", "lossless", "prove@0.01", "prove@0.1", "mars", "spec"]
+    for name, m in res["modes"].items():
+        assert m["n_prompts"] == 2 and 2 <= m["tokens"] <= 64
+        assert m["tokens_per_second"] > 0 and m["tokens_per_cycle"] >= 1
+        assert m["speedup_vs_ar"]["median"] > 0 and m["speedup_vs_ar"]["totals"] > 0
+        assert m["cycle_cost"]["projected"] > 0 and m["projected_speedup"]["flat"] > 0
+    # F32 weights and KV cache: the exact modes reproduce ar token for token
+    for name in ("lossless", "spec"):
+        assert res["modes"][name]["exact_match_vs_ar"] == 1.0
+    assert res["modes"]["ar"]["passes_per_token"] == {"proposer": 1.0}
+    assert res["modes"]["lossless"]["passes_per_token"]["proposer"] == pytest.approx(
+        2 / res["modes"]["lossless"]["tokens_per_cycle"], rel=1e-3)
+    rates = res["position_match_rate"]["lossless"]
+    assert len(rates["rate"]) == 16 and rates["rate"][0] == 1.0     # slot 1 is the AR token
+    assert set(res["auc"]) == {"lossless", "prove@0.01", "prove@0.1", "mars", "spec"}
+    assert set(res["pass_cost"]) == {"proposer", "verifier", "draft"} and res["pass_cost"]["proposer"]["ratio"][0] == 1.0
+    assert [p["id"] for p in res["prompts"]] == ["gsm/0", "gsm/1"]
+    assert res["data"]["families"] == {"gsm8k": 2} and "--max-new 32" in res["command"]
+    assert len((out / "generations.jsonl").read_text().splitlines()) == 12
+    md = (out / "summary.md").read_text()
+    assert "## Speed and quality per run" in md and "## Cost of one pass" in md
+    for p in ("speedup.png", "match_rate_by_slot.png", "matched_by_position.png", "roc.png", "theta_sweep.png", "pass_cost.png"):
+        assert (out / p).read_bytes()[:4] == b"\x89PNG", p
+    assert not [f for f in out.iterdir() if f.name.startswith(".")]     # no temp files left
+    assert "| `lossless` |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--modes", "ar,spec"], "needs --draft"),
+    (["--modes", "ar,beam"], "unknown mode"),
+    (["--modes", "prove"], "needs --verifier"),
+    (["--modes", "ar", "--data", "/nonexistent/x.jsonl"], "no such file"),
+])
+def test_bench_usage_errors(tiny_models, tmp_path, capsys, argv, message):
+    from prove_local.cli import main
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n")
+    args = ["bench", "--proposer", str(tiny_models[0]), "--out", str(tmp_path / "o")] + argv
+    if "--data" not in argv:
+        args += ["--data", str(data)]
+    assert main(args) == 1
+    assert message in capsys.readouterr().err
