@@ -63,6 +63,8 @@ def load_engine(args):
         raise UsageError("--mode spec needs --draft D.gguf")
     ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (-1 if gpu_offload_supported() else 0)
     kw = dict(n_gpu_layers=ngl)
+    from .memory import check_fits
+    check_fits([model, verifier, args.draft], args.ctx, args.kv_type, ngl, flash_attn=args.flash_attn)
     prop = Model(model, **kw)
     ver = Model(verifier, **kw) if verifier else None
     draft = (prop if Path(args.draft) == model else Model(args.draft, **kw)) if args.draft else None
@@ -176,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     add_run_parser(sub)
     from convert.cli import add_parser as add_convert
     add_convert(sub)
+    from prove_local.pull import add_parser as add_pull
+    add_pull(sub)
     from prove_local.bench import add_parser as add_bench
     add_bench(sub)
 

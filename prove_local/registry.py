@@ -1,0 +1,226 @@
+"""The model registry: models.txt (format documented at the top of that file).
+
+    model NAME ROLES SOURCE SHAPE QUANT BLOCK SIZE MEMORY
+    pair  NAME MAIN PARTNER MODE MEMORY
+
+`load()` reads the copy inside the package (prove_local/models.txt; the repository root's models.txt
+points to it). Every problem is a RegistryError naming the file and line.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGED = Path(__file__).with_name("models.txt")
+
+ROLES = ("proposer", "verifier", "draft", "target")
+QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k")   # convert.OUTTYPES
+MODES = ("ar", "lossless", "prove", "mars", "spec")
+MODE_MAIN = {"lossless": "proposer", "prove": "proposer", "mars": "proposer", "ar": None, "spec": None}
+MODE_PARTNER = {"prove": "verifier", "spec": "draft"}           # modes that need a second model
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)([MG])$")
+
+
+class RegistryError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    roles: tuple[str, ...]
+    source: str                 # "hf:OWNER/REPO" or "embedded:FILE.gguf"
+    shape: str | None           # key of memory.SHAPES, None for embedded files
+    quant: str
+    block: int | None
+    size: int                   # bytes (approximate)
+    memory: int                 # bytes (approximate)
+    line: int
+
+    @property
+    def repo(self) -> str | None:
+        return self.source[3:] if self.source.startswith("hf:") else None
+
+    @property
+    def embedded(self) -> str | None:
+        return self.source[len("embedded:"):] if self.source.startswith("embedded:") else None
+
+    @property
+    def convert_role(self) -> str:
+        """The converter's --role: proposer for MARS models, verifier (plain AR model) for the rest."""
+        return "proposer" if "proposer" in self.roles else "verifier"
+
+
+@dataclass(frozen=True)
+class Pair:
+    name: str
+    main: str
+    partner: str | None
+    mode: str
+    memory: int
+    line: int
+
+
+@dataclass
+class Registry:
+    models: dict[str, Model]
+    pairs: dict[str, Pair]
+    path: str = "models.txt"
+
+    def get(self, name: str) -> Model | Pair:
+        if name in self.models:
+            return self.models[name]
+        if name in self.pairs:
+            return self.pairs[name]
+        close = [n for n in [*self.models, *self.pairs] if name.lower() in n or n in name.lower()]
+        hint = f"; did you mean {', '.join(close[:4])}?" if close else ""
+        raise RegistryError(f"unknown model {name!r}{hint} (`prove-local pull --list` shows the registry)")
+
+    def pair_for(self, model: str) -> Pair | None:
+        """The recommended pair of a model: the first pair naming it as MAIN."""
+        return next((p for p in self.pairs.values() if p.main == model), None)
+
+
+def parse_size(text: str) -> int:
+    m = SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"size {text!r} is not a number followed by M or G (e.g. 4.4G, 15M)")
+    return int(float(m.group(1)) * (1024 ** 3 if m.group(2) == "G" else 1024 ** 2))
+
+
+def parse(text: str, path: str = "models.txt") -> Registry:
+    from .memory import SHAPES
+
+    models: dict[str, Model] = {}
+    pairs: dict[str, Pair] = {}
+    pair_lines: list[tuple[int, list[str]]] = []
+
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+
+        def fail(msg: str):
+            raise RegistryError(f"{path}:{lineno}: {msg}")
+
+        cols = line.split()
+        kind = cols[0]
+        if kind == "model":
+            if len(cols) != 9:
+                fail(f"a model line has 9 columns (model NAME ROLES SOURCE SHAPE QUANT BLOCK SIZE MEMORY), "
+                     f"this one has {len(cols)}")
+            _, name, roles, source, shape, quant, block, size, memory = cols
+        elif kind == "pair":
+            if len(cols) != 6:
+                fail(f"a pair line has 6 columns (pair NAME MAIN PARTNER MODE MEMORY), this one has {len(cols)}")
+            pair_lines.append((lineno, cols))
+            continue
+        else:
+            fail(f"a line starts with 'model' or 'pair', not {kind!r}")
+
+        if not NAME_RE.match(name):
+            fail(f"bad name {name!r} (lower case letters, digits, '.', '_', '-')")
+        if name in models:
+            fail(f"model {name!r} is already defined on line {models[name].line}")
+        role_list = tuple(roles.split(","))
+        for r in role_list:
+            if r not in ROLES:
+                fail(f"{name}: unknown role {r!r} (choose from {', '.join(ROLES)})")
+        if len(set(role_list)) != len(role_list):
+            fail(f"{name}: a role is listed twice in {roles!r}")
+        if "proposer" in role_list and len(role_list) > 1:
+            fail(f"{name}: a proposer (MARS model) has no other role")
+        if source.startswith("hf:"):
+            if not REPO_RE.match(source[3:]):
+                fail(f"{name}: bad Hugging Face repo id {source[3:]!r} (expected OWNER/REPO)")
+        elif source.startswith("embedded:"):
+            if not source.endswith(".gguf") or "/" in source:
+                fail(f"{name}: an embedded source names a .gguf file in prove_local/models/, got {source!r}")
+        else:
+            fail(f"{name}: source {source!r} starts with neither hf: nor embedded:")
+        if shape == "-":
+            if not source.startswith("embedded:"):
+                fail(f"{name}: a downloaded model needs a SHAPE (one of {', '.join(SHAPES)})")
+            shape_key = None
+        elif shape in SHAPES:
+            shape_key = shape
+        else:
+            fail(f"{name}: unknown shape {shape!r} (add it to prove_local/memory.py SHAPES; known: {', '.join(SHAPES)})")
+        if quant not in QUANTS:
+            fail(f"{name}: unknown quantization {quant!r} (choose from {', '.join(QUANTS)})")
+        if "proposer" in role_list:
+            if not block.isdigit() or int(block) < 1:
+                fail(f"{name}: a proposer needs a positive block size, got {block!r}")
+            block_n = int(block)
+        elif block != "-":
+            fail(f"{name}: only proposers have a block size; write '-' (got {block!r})")
+        else:
+            block_n = None
+        try:
+            size_b, mem_b = parse_size(size), parse_size(memory)
+        except ValueError as e:
+            fail(f"{name}: {e}")
+        if mem_b < size_b:
+            fail(f"{name}: memory {memory} is less than the file size {size}")
+        models[name] = Model(name, role_list, source, shape_key, quant, block_n, size_b, mem_b, lineno)
+
+    for lineno, cols in pair_lines:
+        def fail(msg: str):
+            raise RegistryError(f"{path}:{lineno}: {msg}")
+
+        _, name, main, partner, mode, memory = cols
+        if not NAME_RE.match(name):
+            fail(f"bad pair name {name!r} (lower case letters, digits, '.', '_', '-')")
+        if name in pairs or name in models:
+            other = pairs[name].line if name in pairs else models[name].line
+            fail(f"name {name!r} is already used on line {other}")
+        if mode not in MODES:
+            fail(f"{name}: unknown mode {mode!r} (choose from {', '.join(MODES)})")
+        if main not in models:
+            fail(f"{name}: MAIN {main!r} is not a model defined in this file")
+        need = MODE_MAIN[mode]
+        m = models[main]
+        if need and need not in m.roles:
+            fail(f"{name}: mode {mode} needs a {need} as MAIN, and {main} is {'/'.join(m.roles)}")
+        if mode in ("ar", "spec") and not {"target", "proposer"} & set(m.roles):
+            fail(f"{name}: mode {mode} runs a target (or proposer) model as MAIN, and {main} is {'/'.join(m.roles)}")
+        want = MODE_PARTNER.get(mode)
+        if partner == "-":
+            if want:
+                fail(f"{name}: mode {mode} needs a {want} as PARTNER")
+            partner_name = None
+        else:
+            if not want:
+                fail(f"{name}: mode {mode} uses no second model; write '-' as PARTNER")
+            if partner not in models:
+                fail(f"{name}: PARTNER {partner!r} is not a model defined in this file")
+            if want not in models[partner].roles:
+                fail(f"{name}: {partner} is not a {want} (its roles: {'/'.join(models[partner].roles)})")
+            fam = [_family(models[x]) for x in (main, partner)]
+            if None not in fam and fam[0] != fam[1]:
+                fail(f"{name}: {main} ({fam[0]}) and {partner} ({fam[1]}) do not share a tokenizer")
+            partner_name = partner
+        try:
+            mem_b = parse_size(memory)
+        except ValueError as e:
+            fail(f"{name}: {e}")
+        pairs[name] = Pair(name, main, partner_name, mode, mem_b, lineno)
+
+    return Registry(models, pairs, path)
+
+
+def _family(m: Model) -> str | None:
+    """Tokenizer family from the shape name (qwen2.5-7b -> qwen2.5); None for embedded files."""
+    return m.shape.split("-")[0] if m.shape else None
+
+
+def load(path: str | Path | None = None) -> Registry:
+    p = Path(path) if path else PACKAGED
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise RegistryError(f"{p}: cannot read the model registry ({e.strerror or e})") from None
+    return parse(text, str(p))

@@ -1,0 +1,435 @@
+"""GPU check (scripts/gpu_check.sh runs this): pass cost t(n)/t(1) on random-weight models shaped like
+Qwen2.5-7B and Qwen2.5-32B at Q4_K_M, and the embedded pair in ar / lossless / prove; writes JSON.
+
+    python scripts/gpu_check.py --out gpu_check.json            # GPU: full offload, real shapes
+    python scripts/gpu_check.py --cpu --out cpu_check.json      # CPU: small shapes, about a minute
+
+Random weights decode at the speed of real ones (same tensor types and shapes; no data-dependent
+kernels), so the GGUFs are written directly: llama.cpp's Q4_K_M type mix per tensor, each block filled
+with random quants and a small fixed scale. Nothing is quantized, so writing 19 GB takes about as long
+as the disk needs. The JSON is rewritten after every stage, so a run cut short keeps what it measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from prove_local.memory import BLOCKS, SHAPES, Shape, _tensor_shapes, estimate, shape_info, tensor_type  # noqa: E402
+
+GPU_SHAPES = {"qwen2.5-7b": SHAPES["qwen2.5-7b"], "qwen2.5-32b": SHAPES["qwen2.5-32b"]}
+# small shapes for the CPU form: multiples of 256 so that the K-quants apply as on the real models
+CPU_SHAPES = {
+    "cpu-small": Shape(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=4096, tied=False),
+    "cpu-medium": Shape(layers=6, hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1024, vocab=4096, tied=False),
+}
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips to her friends in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
+    "Betty is saving money for a new wallet which costs $100. Betty has only half of the money she needs. Her parents "
+    "decided to give her $15 for that purpose, and her grandparents twice as much as her parents. How much more money "
+    "does Betty need to buy the wallet?",
+]
+
+
+# ------------------------------------------------------------------------------ random GGUF
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable character map (byte-level BPE token text)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+# per ggml type: (offset of the f16 scale fields in a block, their values) and how to draw the quant bytes;
+# scales are chosen so the weights have a standard deviation of roughly 0.02
+def _template(ggml_type: str, n_blocks: int, rng) -> np.ndarray:
+    per, nbytes = BLOCKS[ggml_type]
+    if ggml_type == "f16":
+        return (rng.standard_normal(n_blocks) * 0.02).astype(np.float16).view(np.uint8)
+    if ggml_type == "f32":
+        return (rng.standard_normal(n_blocks) * 0.02).astype(np.float32).view(np.uint8)
+    b = rng.integers(0, 256, size=(n_blocks, nbytes), dtype=np.uint8)
+
+    def put_f16(offset: int, value: float):
+        b[:, offset:offset + 2] = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)
+
+    if ggml_type == "q8_0":            # d, qs[32]
+        put_f16(0, 2.7e-4)
+    elif ggml_type in ("q4_0", "q5_0"):  # d, (qh[4],) qs
+        put_f16(0, 2.2e-3)
+    elif ggml_type == "q4_k":          # d, dmin, scales[12], qs[128]
+        put_f16(0, 6.5e-5)
+        put_f16(2, 6.5e-5 * 7.5)
+    elif ggml_type == "q5_k":          # d, dmin, scales[12], qh[32], qs[128]
+        put_f16(0, 3.5e-5 * 2)
+        put_f16(2, 3.5e-5 * 2 * 15.5)
+    elif ggml_type == "q6_k":          # ql[128], qh[64], scales[16] (int8), d
+        b[:, 192:208] = rng.integers(-16, 17, size=(n_blocks, 16)).astype(np.int8).view(np.uint8)
+        put_f16(208, 1.1e-4)
+    else:
+        raise ValueError(ggml_type)
+    return b.reshape(-1)
+
+
+class _Tiled:
+    """Stands in for an array in GGUFWriter.write_tensor_data: `nbytes` of a repeated template."""
+
+    def __init__(self, nbytes: int, template: np.ndarray):
+        self.nbytes, self.template = nbytes, template
+
+    def tofile(self, f) -> None:
+        left = self.nbytes
+        while left:
+            chunk = self.template[:min(left, len(self.template))]
+            chunk.tofile(f)
+            left -= len(chunk)
+
+
+def write_random_gguf(path: Path, shape: Shape, quant: str = "q4_k_m", seed: int = 0, name: str = "random") -> Path:
+    """A Qwen2-architecture GGUF with random weights in llama.cpp's `quant` type mix, loadable by llama.cpp."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, "qwen2")
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(name)
+    ftypes = {"q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+              "f16": gguf.LlamaFileType.MOSTLY_F16}
+    w.add_file_type(ftypes[quant])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_context_length(32768)
+    w.add_embedding_length(shape.hidden)
+    w.add_block_count(shape.layers)
+    w.add_feed_forward_length(shape.intermediate)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_key_length(shape.head_dim)
+    w.add_value_length(shape.head_dim)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    # vocabulary: the 256 byte tokens, a merge, three control tokens, then unused padding rows
+    tokens = _bytes_to_unicode() + ["Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    types = [gguf.TokenType.NORMAL] * 257 + [gguf.TokenType.CONTROL] * 3
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), shape.vocab)]
+    types += [gguf.TokenType.UNUSED] * (shape.vocab - len(types))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(257)
+    w.add_eos_token_id(259)
+
+    plan = []
+    for tname, tshape in _tensor_shapes(shape):
+        t = tensor_type(tname, tshape, quant, shape.layers, shape.tied)
+        rows_first = tuple(tshape)
+        if len(tshape) == 1:
+            data = np.zeros(tshape, np.float32) if tname.endswith(".bias") else np.ones(tshape, np.float32)
+            plan.append((tname, data.shape, np.float32, data.nbytes, None, data))
+            continue
+        qtype = gguf.GGMLQuantizationType[t.upper()]
+        byte_shape = gguf.quant_shape_to_byte_shape(rows_first, qtype)
+        plan.append((tname, byte_shape, np.uint8, math.prod(byte_shape), qtype, t))
+    for tname, shp, dtype, nbytes, qtype, _ in plan:
+        if qtype is None:
+            w.add_tensor_info(tname, shp, np.dtype(dtype), nbytes)
+        else:
+            w.add_tensor_info(tname, shp, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    templates: dict[str, np.ndarray] = {}
+    for tname, shp, dtype, nbytes, qtype, payload in plan:
+        if qtype is None:
+            w.write_tensor_data(payload)
+        else:
+            if payload not in templates:
+                per, bb = BLOCKS[payload]
+                templates[payload] = _template(payload, max(1, (16 << 20) // bb), rng)   # ~16 MiB, repeated
+            w.write_tensor_data(_Tiled(nbytes, templates[payload]))
+    w.close()
+    return path
+
+
+# ----------------------------------------------------------------------------- measurements
+def pass_costs(model, n_max: int, reps: int, n_prefix: int, threads: int | None, flash_attn: bool,
+               deadline: float) -> dict:
+    """Median seconds of one llama_decode of n tokens (logits of every row, as a proposal pass asks),
+    after a prefix of n_prefix tokens, for n = 1..n_max; the cache is cut back after each pass."""
+    from prove_local.llama import Context
+
+    ctx = Context(model, n_ctx=n_prefix + n_max + 64, n_threads=threads, n_batch=max(512, n_max),
+                  flash_attn=flash_attn, type_k="f16", type_v="f16")
+    rng = np.random.default_rng(1)
+    vocab_ok = min(256, model.n_vocab)
+    ctx.eval([int(x) for x in rng.integers(0, vocab_ok, n_prefix)], rows=[])
+    times: dict[int, float] = {}
+    for n in range(1, n_max + 1):
+        if time.monotonic() > deadline:
+            break
+        toks = [int(x) for x in rng.integers(0, vocab_ok, n)]
+        rows = list(range(n))
+        samples = []
+        for r in range(reps + 1):                  # the first one warms up
+            t0 = time.perf_counter()
+            ctx.eval(toks, rows)
+            dt = time.perf_counter() - t0
+            ctx.truncate(n_prefix)
+            if r:
+                samples.append(dt)
+        times[n] = statistics.median(samples)
+    ctx.close()
+    t1 = times.get(1)
+    return {"n_prefix": n_prefix, "reps": reps, "flash_attn": flash_attn,
+            "t_ms": {n: round(t * 1e3, 4) for n, t in times.items()},
+            "ratio": {n: round(t / t1, 3) for n, t in times.items()} if t1 else {}}
+
+
+def run_pair(proposer: Path, verifier: Path, ngl: int, threads: int | None, max_new: int, deadline: float) -> dict:
+    """ar, lossless and prove on a few GSM8K-style prompts: wall-clock seconds and the ratio to ar."""
+    from prove_local.chat import Conversation, TemplateMissing
+    from prove_local.engine import Engine, Settings, summarize
+    from prove_local.llama import Model
+
+    prop, ver = Model(proposer, n_gpu_layers=ngl), Model(verifier, n_gpu_layers=ngl)
+    engine = Engine.load(prop, ver, n_ctx=2048, n_threads=threads, type_k="f32", type_v="f32")
+    prompts = []
+    for text in PROMPTS:
+        try:
+            prompts.append(Conversation(prop).prompt_tokens(text))
+        except TemplateMissing:
+            prompts.append(prop.tokenize(text, add_special=True))
+    out = {"proposer": str(proposer), "verifier": str(verifier), "n_gpu_layers": ngl, "max_new": max_new,
+           "modes": {}}
+    ar_tokens = []
+    for mode in ("ar", "lossless", "prove"):
+        if time.monotonic() > deadline:
+            out["cut_short"] = True
+            break
+        settings = Settings(mode=mode, max_new=max_new)
+        # warm-up on the first prompt, then the timed runs
+        list(engine.generate(prompts[0], settings))
+        seconds, tokens, cycles, outputs = 0.0, 0, 0, []
+        passes: dict[str, int] = {}
+        for p in prompts:
+            engine.tokens = []                 # no KV reuse between prompts: each one from scratch
+            engine._sync()
+            t0 = time.perf_counter()
+            cyc = list(engine.generate(p, settings))
+            dt = time.perf_counter() - t0
+            s = summarize(cyc, dt)
+            seconds += dt
+            tokens += s["n_tokens"]
+            cycles += s["n_cycles"]
+            for k, v in s["n_passes"].items():
+                passes[k] = passes.get(k, 0) + v
+            outputs.append([t for c in cyc for t in c.committed])
+        out["modes"][mode] = {"seconds": round(seconds, 4), "tokens": tokens, "cycles": cycles,
+                              "tokens_per_cycle": round(tokens / cycles, 3) if cycles else 0.0,
+                              "tokens_per_second": round(tokens / seconds, 2) if seconds else 0.0, "passes": passes}
+        if mode == "ar":
+            ar_tokens = outputs
+        else:
+            out["modes"][mode]["same_as_ar"] = outputs == ar_tokens
+    ar = out["modes"].get("ar")
+    for mode, r in out["modes"].items():
+        if ar and r["tokens_per_second"]:
+            r["speed_vs_ar"] = round(r["tokens_per_second"] / ar["tokens_per_second"], 3)
+    for m in (prop, ver):
+        m.close()
+    return out
+
+
+def gpu_facts() -> dict:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return {}
+    try:
+        r = subprocess.run([exe, "--query-gpu=name,memory.total,memory.free,driver_version,compute_cap",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"error": str(e)}
+    gpus = []
+    for line in r.stdout.strip().splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 5:
+            gpus.append(dict(zip(("name", "memory_total_mib", "memory_free_mib", "driver", "compute_cap"), parts)))
+    return {"gpus": gpus}
+
+
+def gpu_used_mib() -> int | None:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        r = subprocess.run([exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=20)
+        return sum(int(x) for x in r.stdout.split())
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+# ------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--cpu", action="store_true", help="CPU form: small shapes, no offload")
+    ap.add_argument("--work", help="folder for the random GGUFs (default: a new temp folder, removed after)")
+    ap.add_argument("--shapes", help="comma-separated subset of the shapes to measure")
+    ap.add_argument("--n-max", type=int, default=64, help="largest pass length (default 64)")
+    ap.add_argument("--reps", type=int, help="timed passes per n (default 5 on GPU, 3 on CPU)")
+    ap.add_argument("--prefix", type=int, default=512, help="tokens in the cache before each pass (default 512)")
+    ap.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    ap.add_argument("--flash-attn", action="store_true", help="flash attention in the pass-cost contexts")
+    ap.add_argument("--proposer", help="proposer GGUF for the pair (default: the embedded one)")
+    ap.add_argument("--verifier", help="verifier GGUF for the pair (default: the embedded one)")
+    ap.add_argument("--max-new", type=int, default=128, help="new tokens per prompt in the pair runs")
+    ap.add_argument("--budget", type=float, default=420, help="seconds; later stages are skipped past it (default 420)")
+    ap.add_argument("--keep", action="store_true", help="keep the random GGUFs")
+    ap.add_argument("--install", help="JSON text describing the install step (from gpu_check.sh)")
+    a = ap.parse_args(argv)
+
+    t_start = time.monotonic()
+    deadline = t_start + a.budget
+    out_path = Path(a.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    import llama_cpp
+
+    from prove_local.llama import gpu_offload_supported
+    offload = gpu_offload_supported()
+    result: dict = {
+        "version": 1, "form": "cpu" if a.cpu else "gpu",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine(),
+                 **gpu_facts()},
+        "llama_cpp": {"version": getattr(llama_cpp, "__version__", "?"), "gpu_offload": offload},
+        "install": json.loads(a.install) if a.install else None,
+        "models": [], "pair": None, "errors": [],
+    }
+
+    def save():
+        result["elapsed_s"] = round(time.monotonic() - t_start, 2)
+        tmp = out_path.with_suffix(out_path.suffix + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, out_path)
+
+    def log(msg: str):
+        print(f"[gpu_check {time.monotonic() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    if not a.cpu and not offload:
+        result["errors"].append("llama.cpp has no GPU backend (install a CUDA build: scripts/gpu_check.sh --wheel)")
+        log(result["errors"][-1])
+    ngl = 0 if a.cpu else -1
+    reps = a.reps or (3 if a.cpu else 5)
+    shapes = CPU_SHAPES if a.cpu else GPU_SHAPES
+    if a.shapes:
+        shapes = {k: v for k, v in {**GPU_SHAPES, **CPU_SHAPES}.items() if k in a.shapes.split(",")}
+    if a.work:
+        work = Path(a.work)
+        work.mkdir(parents=True, exist_ok=True)
+    else:
+        import tempfile
+        work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    save()
+
+    from prove_local.llama import LlamaError, Model
+    try:
+        for name, shape in shapes.items():
+            if time.monotonic() > deadline:
+                result["errors"].append(f"{name}: skipped, past the time budget")
+                save()
+                continue
+            entry: dict = {"name": name, "quant": "q4_k_m", "shape": vars(shape), "n_params": shape.n_params}
+            result["models"].append(entry)
+            path = work / f"{name}.q4_k_m.gguf"
+            est_bytes = shape_info(shape, "q4_k_m").weight_bytes
+            need_s = est_bytes / 2e8 + 30          # write at >= 200 MB/s, load, measure
+            if deadline - time.monotonic() < need_s:
+                entry["error"] = f"skipped: about {need_s:.0f} s needed, {deadline - time.monotonic():.0f} s left"
+                log(f"{name}: {entry['error']}")
+                save()
+                continue
+            free_disk = shutil.disk_usage(work).free
+            if free_disk < est_bytes * 1.05:
+                entry["error"] = f"not enough disk in {work}: {free_disk >> 20} MiB free, {est_bytes >> 20} MiB needed"
+                log(entry["error"])
+                save()
+                continue
+            try:
+                t0 = time.perf_counter()
+                write_random_gguf(path, shape, "q4_k_m", name=name)
+                entry["write_s"] = round(time.perf_counter() - t0, 2)
+                entry["file_bytes"] = path.stat().st_size
+                entry["estimate"] = estimate([shape_info(shape, "q4_k_m", name)], a.prefix + a.n_max + 64, "f16",
+                                             ngl).as_dict()
+                log(f"{name}: wrote {entry['file_bytes'] >> 20} MiB in {entry['write_s']} s")
+                used0 = gpu_used_mib()
+                t0 = time.perf_counter()
+                model = Model(path, n_gpu_layers=ngl)
+                entry["load_s"] = round(time.perf_counter() - t0, 2)
+                used1 = gpu_used_mib()
+                if used0 is not None and used1 is not None:
+                    entry["gpu_mib_after_load"] = used1 - used0
+                entry["pass_cost"] = pass_costs(model, a.n_max, reps, a.prefix, a.threads, a.flash_attn, deadline)
+                used2 = gpu_used_mib()
+                if used0 is not None and used2 is not None:
+                    entry["gpu_mib_with_context_peak"] = used2 - used0
+                model.close()
+                r = entry["pass_cost"]["ratio"]
+                log(f"{name}: t(1) {entry['pass_cost']['t_ms'].get(1)} ms; t(n)/t(1) "
+                    + ", ".join(f"{n}:{r[n]}" for n in (2, 4, 8, 16, 32, 64) if n in r))
+            except (LlamaError, OSError, ValueError) as e:
+                entry["error"] = f"{type(e).__name__}: {e}"
+                log(entry["error"])
+            finally:
+                if not a.keep:
+                    path.unlink(missing_ok=True)
+            save()
+
+        emb = ROOT / "prove_local" / "models"
+        proposer = Path(a.proposer) if a.proposer else emb / "mars-gsm8k-proposer.gguf"
+        verifier = Path(a.verifier) if a.verifier else emb / "gsm8k-verifier.gguf"
+        if not (proposer.is_file() and verifier.is_file()):
+            result["pair"] = {"skipped": f"pair files not found ({proposer}, {verifier})"}
+        elif time.monotonic() > deadline:
+            result["pair"] = {"skipped": "past the time budget"}
+        else:
+            try:
+                result["pair"] = run_pair(proposer, verifier, ngl, a.threads, a.max_new, deadline)
+                log("pair: " + ", ".join(f"{m} {r['tokens_per_second']} tok/s ({r.get('speed_vs_ar', 1)}x)"
+                                         for m, r in result["pair"]["modes"].items()))
+            except (LlamaError, OSError, ValueError) as e:
+                result["pair"] = {"error": f"{type(e).__name__}: {e}"}
+                log(result["pair"]["error"])
+        save()
+    finally:
+        if not a.keep and not a.work:
+            shutil.rmtree(work, ignore_errors=True)
+    log(f"wrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
