@@ -1,0 +1,191 @@
+"""Training module (issue 4): MARS mask and target alignment against hand-computed cases, the
+train-time mask against the inference-time proposal pass, and a miniature end-to-end run
+(train -> HF folder -> convert -> llama.cpp logits == torch logits)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from train.mars import IGNORE, mars_attention_mask, mars_inputs, shift_targets
+from train.model import Qwen2Config, Qwen2ForCausalLM, load_hf, save_hf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rows(text: str) -> torch.Tensor:
+    return torch.tensor([[c == "1" for c in row.split()[-1]] for row in text.strip().splitlines()])
+
+
+def test_mars_mask_hand_computed_L6_block3():
+    # Layout [n0..n5 | c0..c5]; noisy n_p in block k = p // 3 sees c_j for j < 3k and n_q for 3k <= q <= p.
+    expected = _rows("""
+        n0 100000000000
+        n1 110000000000
+        n2 111000000000
+        n3 000100111000
+        n4 000110111000
+        n5 000111111000
+        c0 000000100000
+        c1 000000110000
+        c2 000000111000
+        c3 000000111100
+        c4 000000111110
+        c5 000000111111
+    """)
+    got = mars_attention_mask(6, 3)
+    assert got.dtype == torch.bool
+    assert torch.equal(got, expected)
+
+
+def test_mars_mask_with_noisy_start_keeps_only_later_blocks():
+    # layout [n3 n4 n5 | c0..c5]
+    expected = _rows("""
+        n3 100111000
+        n4 110111000
+        n5 111111000
+        c0 000100000
+        c1 000110000
+        c2 000111000
+        c3 000111100
+        c4 000111110
+        c5 000111111
+    """)
+    assert torch.equal(mars_attention_mask(6, 3, noisy_start=3), expected)
+    with pytest.raises(AssertionError):
+        mars_attention_mask(6, 3, noisy_start=2)
+
+
+def test_right_shift_alignment_hand_computed():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1]])  # assistant tokens 13, 14, 15
+    labels = shift_targets(ids, loss_mask)
+    # output at p predicts token p+1, only where token p+1 is an assistant token
+    assert labels.tolist() == [[IGNORE, IGNORE, 13, 14, 15, IGNORE]]
+
+    x, pos, y, m = mars_inputs(ids, labels, mask_id=99, block=3)
+    assert x.tolist() == [[99] * 6 + [10, 11, 12, 13, 14, 15]]
+    assert pos.tolist() == [[0, 1, 2, 3, 4, 5] * 2]
+    # noisy row at position p has the same target as the clean row at p: x[p+1]
+    assert y.tolist() == [[IGNORE, IGNORE, 13, 14, 15, IGNORE] * 2]
+    # the mask at position 3 (block 1) sees clean tokens 0..2 only and predicts token 4 (= 14):
+    # two tokens after the last clean token it sees, i.e. slot 2 of a proposal after token 12.
+    assert m[3].nonzero().flatten().tolist() == [3, 6, 7, 8]
+    assert y[0, 3].item() == 14
+
+    x2, pos2, y2, _ = mars_inputs(ids, labels, mask_id=99, block=3, noisy_start=3)
+    assert x2.tolist() == [[99] * 3 + [10, 11, 12, 13, 14, 15]]
+    assert pos2.tolist() == [[3, 4, 5, 0, 1, 2, 3, 4, 5]]
+    assert y2.tolist() == [[14, 15, IGNORE, IGNORE, IGNORE, 13, 14, 15, IGNORE]]
+
+
+def _tiny_model(seed=0, vocab=64) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    m = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # make biases and norms non-trivial
+        for n, p in m.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return m.eval()
+
+
+@torch.no_grad()
+def test_training_mask_equals_inference_proposal_pass():
+    """The noisy rows of one [noisy | clean] forward equal the rows of the inference pass
+    [context ..., last committed token, <|mask|> x (B-1)] with plain causal attention."""
+    block, L, mask_id = 4, 12, 63
+    m = _tiny_model()
+    ids = torch.randint(0, 60, (1, L))
+    x, pos, _, mask = mars_inputs(ids, torch.full_like(ids, IGNORE), mask_id, block)
+    train_logits = m(x, pos, mask)[0]
+    for k in range(1, L // block):
+        t = block * k - 1                      # last committed token
+        inf_ids = torch.cat([ids[:, : t + 1], torch.full((1, block - 1), mask_id)], dim=1)
+        inf = m(inf_ids)[0]                    # causal, positions 0..t+block-1
+        # slot 1 = row of the last real token = clean row t of the training pass
+        torch.testing.assert_close(inf[t], train_logits[L + t], rtol=1e-5, atol=1e-5)
+        for j in range(1, block):              # slot j+1 = row of the j-th mask = noisy row t + j
+            torch.testing.assert_close(inf[t + j], train_logits[t + j], rtol=1e-5, atol=1e-5)
+
+
+def test_hf_names_and_config_round_trip(tmp_path):
+    m = _tiny_model()
+    save_hf(m, tmp_path, model_type="a2d-qwen2")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["model_type"] == "a2d-qwen2"
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "rms_norm_eps", "rope_theta", "vocab_size",
+                "max_position_embeddings", "tie_word_embeddings", "torch_dtype"):
+        assert key in cfg, key
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and "model.norm.weight" in names
+    assert "lm_head.weight" not in names  # tied
+    for suffix in ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                   "self_attn.v_proj.bias", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+                   "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+                   "post_attention_layernorm.weight"):
+        assert f"model.layers.1.{suffix}" in names, suffix
+    m2 = load_hf(tmp_path)
+    ids = torch.randint(0, 64, (1, 9))
+    torch.testing.assert_close(m(ids), m2(ids))
+
+
+def test_miniature_training_run_end_to_end(tmp_path):
+    """Train a few steps on a few examples with the real pipeline, convert, and compare logits."""
+    pytest.importorskip("llama_cpp")
+    from tokenizers import Tokenizer
+
+    from prove_local.llama import Context, Model
+    from train.pipeline import VERIFIER_GGUF, PROPOSER_GGUF, main
+
+    train_rows = [json.loads(l) for l in (ROOT / "train" / "data" / "gsm8k_train.jsonl").open()][:40]
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text("".join(json.dumps(r) + "\n" for r in train_rows[-4:]))
+    out, models = tmp_path / "run", tmp_path / "models"
+    summary = main([
+        "--out", str(out), "--limit", "16", "--dev-data", str(dev), "--models-dir", str(models),
+        "--vocab", "320", "--hidden", "48", "--layers", "2", "--inter", "96", "--heads", "4",
+        "--kv-heads", "2", "--v-hidden", "32", "--v-layers", "1", "--v-heads", "2", "--v-kv-heads", "1",
+        "--v-inter", "64", "--stage1-epochs", "3", "--stage2-epochs", "2", "--verifier-epochs", "2",
+        "--max-tokens", "2048", "--warmup", "2", "--eval-every", "0", "--final-eval-n", "4",
+        "--jobs", "1", "--threads", "2", "--no-progress", "--bf16", "0",
+    ])
+    for name in ("proposer", "verifier", "baseline"):
+        assert (out / "hf" / name / "model.safetensors").exists(), name
+    assert json.loads((out / "hf" / "proposer" / "config.json").read_text())["model_type"] == "a2d-qwen2"
+    assert (out / "loss_curves.png").exists()
+    ev = summary["eval"]
+    assert ev["proposer"]["slots_dev200"]["blocks"] > 0
+    assert np.isfinite(ev["proposer_vs_baseline_dev_ar_loss_rel"])
+    losses = [r["loss"] for r in json.loads((out / "curves" / "proposer_stage1_ar.json").read_text())["log"]]
+    assert losses[-1] < losses[0]  # it learns
+
+    tok = Tokenizer.from_file(str(out / "hf" / "proposer" / "tokenizer.json"))
+    prompt = "<|im_start|>user\nTom has 3 apples and buys 5 more. How many?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode(prompt).ids + [tok.token_to_id("<|mask|>")] * 3
+    for name, fname, role in (("proposer", PROPOSER_GGUF, "proposer"), ("verifier", VERIFIER_GGUF, "verifier")):
+        path = models / fname
+        assert path.exists(), summary.get("convert")
+        ref = load_hf(out / "hf" / name).eval()
+        with torch.no_grad():
+            want = ref(torch.tensor([ids]))[0].numpy()
+        model = Model(path)
+        ctx = Context(model, n_ctx=256, n_threads=2, type_k="f32", type_v="f32", flash_attn=False)
+        try:
+            got = ctx.eval(ids, list(range(len(ids))))
+            assert model.meta("prove.role") == role
+            assert model.meta("prove.block_size") == "16"
+            if role == "proposer":
+                assert model.meta("tokenizer.ggml.mask_token_id") == str(tok.token_to_id("<|mask|>"))
+        finally:
+            ctx.close()
+            model.close()
+        assert np.ptp(want) > 0.5  # not flat
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-3)
