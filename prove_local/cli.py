@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     add_run_parser(sub)
     from convert.cli import add_parser as add_convert
     add_convert(sub)
+    from ui.app import add_parser as add_ui
+    add_ui(sub)
     from prove_local.pull import add_parser as add_pull
     add_pull(sub)
     from prove_local.bench import add_parser as add_bench

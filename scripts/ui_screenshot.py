@@ -1,0 +1,96 @@
+"""Screenshot of the chat UI for the README: a real answer with the cycle inspector open.
+
+    python scripts/ui_screenshot.py                       # the embedded models
+    python scripts/ui_screenshot.py MODEL.gguf --verifier V.gguf --mode prove
+    python scripts/ui_screenshot.py --tiny                # random-weight test models (gibberish text)
+
+Starts the UI in this process on a free port, drives it in Debian's chromium (Playwright with
+`executable_path`), sends a GSM8K-style question, opens the inspector on one cycle, runs
+"Compare with AR", and saves the page to docs/ui-screenshot.png (or --out).
+"""
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import tempfile
+from argparse import Namespace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+            "How many clips did Natalia sell altogether in April and May?")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", help="proposer GGUF (default: the embedded proposer)")
+    ap.add_argument("--verifier", help="verifier GGUF")
+    ap.add_argument("--draft", help="draft GGUF")
+    ap.add_argument("--tiny", action="store_true", help="use tiny random-weight test models")
+    ap.add_argument("--mode", help="decoding mode to select (default: the page's default)")
+    ap.add_argument("--question", default=QUESTION)
+    ap.add_argument("-n", "--max-new", type=int, default=160)
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--out", default=str(ROOT / "docs" / "ui-screenshot.png"))
+    ap.add_argument("--chromium", default="/usr/bin/chromium")
+    a = ap.parse_args()
+
+    from playwright.sync_api import sync_playwright
+
+    from ui.app import build_app, launch
+    from ui.runtime import Runtime
+
+    model, verifier = a.model, a.verifier
+    if a.tiny:
+        from tests.tiny import tiny_gguf
+        d = Path(tempfile.mkdtemp(prefix="ui-shot-"))
+        model, verifier = str(tiny_gguf(d, seed=0)), str(tiny_gguf(d, seed=1, hidden=32, role="verifier"))
+    args = Namespace(model=model, verifier=verifier, draft=a.draft, ctx=4096, threads=a.threads, kv_type=None,
+                     flash_attn=False, n_gpu_layers=None, mask_token=None, parallel=1, system=None)
+    runtime = Runtime.from_args(args)
+    if runtime.error:
+        print(f"error: {runtime.error}", file=sys.stderr)
+        return 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo = build_app(runtime, max_new=a.max_new)
+    launch(demo, runtime, port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=a.chromium, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1360, "height": 1000}, device_scale_factor=1)
+            page.set_default_timeout(600_000)
+            page.goto(f"http://127.0.0.1:{port}/")
+            page.wait_for_selector("#chat .chat-scroll")
+            if a.mode:
+                page.click("#mode input")
+                page.click(f'ul[role="listbox"] li[data-value="{a.mode}"]')
+            page.fill("#prompt textarea", a.question)
+            page.click("#send")
+            page.wait_for_selector('#chat .answer.done[data-turn="0"]')
+            picked = page.get_attribute("#inspector .inspector", "data-cycle")
+            if picked:   # click the run of the cycle the inspector opened on (it gets outlined)
+                page.click(f'#chat span.cyc[data-pick="{picked}"] >> nth=0')
+                page.wait_for_selector(f'#chat span.cyc.sel[data-pick="{picked}"]')
+            page.click("#compare")
+            page.wait_for_selector("#comparison .compare")
+            page.evaluate("() => document.querySelector('#pick').blur()")
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=a.out, full_page=True)
+            print(page.inner_text("#stats"))
+            print(page.inner_text("#comparison .cmp-head"))
+            browser.close()
+    finally:
+        demo.close()
+    print(f"saved {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""The chat UI: the projection of cycles to spans and inspector rows (pure), the session runtime on
+tiny GGUFs, and the page end to end in Debian's chromium (Playwright with `executable_path`).
+
+The browser test does not skip: without /usr/bin/chromium it fails and says what to install.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+from prove_local.chat import Conversation
+from prove_local.engine import Engine, Settings
+from prove_local.llama import Model
+from prove_local.rules import Cycle
+from tests.tiny import tiny_gguf
+from ui import view
+from ui.runtime import Runtime, Session, UIError, compare_with_ar, run_turn
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning",
+                                        "ignore:.*:Warning:gradio.queueing")
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = os.environ.get("PROVE_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+F32 = dict(n_ctx=512, n_threads=1, type_k="f32", type_v="f32")
+MAX_NEW = 40
+
+
+# ------------------------------------------------------------------------ pure projection
+class FakePieces:
+    """token id -> bytes; ids >= 100 are control tokens (empty pieces)."""
+    table = {1: b"Hel", 2: b"lo", 3: b" wor", 4: b"ld", 5: b"\n", 6: "é".encode()[:1], 7: "é".encode()[1:],
+             8: b"<b>&", 9: b" !"}
+
+    def piece(self, t, special=False):
+        return self.table.get(t, b"") if t < 100 else (b"<|im_end|>" if special else b"")
+
+
+def cyc(proposed, p, q, committed, n_accepted, index=0, stop=None):
+    return Cycle(proposed, p, q, committed, n_accepted, {"proposer": 1}, index=index, stop=stop)
+
+
+def name(t):
+    return view.token_label(FakePieces().piece(t, True))
+
+
+def test_spans_alternate_per_cycle_and_concatenate_to_the_text():
+    cycles = [cyc([1, 2, 3], [.9] * 3, None, [1, 2], 2, 0),             # mars-like
+              cyc([3, 4, 4], [.9] * 3, [.9] * 3, [3, 4, 5], 2, 1),       # lossless: 5 is the correction
+              cyc([6, 7, 8, 9], [.9] * 4, [.9] * 4, [6, 7, 8, 9, 1], 4, 2),  # bonus token 1, é split in cycle
+              cyc([6], [.5], None, [6], 1, 3),                              # a split UTF-8 byte ...
+              cyc([7, 200], [.5, .5], None, [7, 200], 2, 4, stop="eog")]    # ... completed here, then EOG
+    v = view.AnswerView(FakePieces())
+    for c in cycles:
+        v.add(c)
+    v.finish()
+    want = b"".join(FakePieces().piece(t) for c in cycles for t in c.committed).decode("utf-8", "replace")
+    assert v.text == want == "Hello world\né<b>& !Helé"
+    assert [(s.cycle, s.kind) for s in v.spans] == [(0, "run"), (1, "run"), (1, "fix"), (2, "run"), (2, "fix"), (4, "run")]
+    assert v.tokens == [t for c in cycles for t in c.committed]
+    h = view.spans_html(3, v.spans, selected=1)
+    assert h.count('class="cyc c0"') == 3 and h.count('class="cyc c1 sel"') == 1 and h.count('class="cyc fix') == 2
+    assert 'data-pick="3:2"' in h and "&lt;b&gt;&amp;" in h and "<b>" not in h
+
+
+def test_inspector_rows_prove():
+    # slots 1-2 pass p*q >= theta, slot 3 fails (the run ends), slot 4 passes after the failure
+    c = cyc([1, 2, 3, 4], [0.5, 0.9, 0.9, 0.9], [0.2, 0.5, 0.01, 0.9], [1, 2], 2)
+    rows = view.inspect_cycle(c, "prove", theta=0.05, token_text=name)
+    assert [r.slot for r in rows] == [1, 2, 3, 4]
+    assert [r.gate for r in rows] == [True, True, False, True]
+    assert [r.status for r in rows] == ["committed", "committed", "dropped", "dropped"]
+    assert rows[0].pq == pytest.approx(0.1) and rows[0].verdict == "p̃·q ≥ θ = 0.05"
+    assert "run ends" in rows[2].verdict and "after the first failure" in rows[3].verdict
+    assert rows[0].text == "Hel" and rows[2].text == "␣wor"
+    # slot 1 fails the gate but is committed anyway: it is the proposer's AR token
+    c = cyc([1, 2], [0.5, 0.9], [0.01, 0.9], [1], 1)
+    rows = view.inspect_cycle(c, "prove", theta=0.05, token_text=name)
+    assert [(r.gate, r.status) for r in rows] == [(False, "committed"), (True, "dropped")]
+    assert "AR token" in rows[0].verdict and "after the first failure" in rows[1].verdict
+
+
+def test_inspector_rows_mars_and_ar():
+    rows = view.inspect_cycle(cyc([1, 2, 3], [0.99, 0.97, 0.5], None, [1, 2], 2), "mars", tau=0.95, token_text=name)
+    assert [(r.gate, r.status, r.q, r.pq) for r in rows] == [(True, "committed", None, None)] * 2 + [(False, "dropped", None, None)]
+    rows = view.inspect_cycle(cyc([5], [0.3], None, [5], 1), "ar", token_text=name)
+    assert len(rows) == 1 and rows[0].status == "committed" and rows[0].text == "↵"
+
+
+def test_inspector_rows_lossless_correction_and_bonus():
+    c = cyc([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8, .1, .5], [1, 2, 9], 2)
+    rows = view.inspect_cycle(c, "lossless", token_text=name)
+    assert [r.status for r in rows] == ["committed", "committed", "dropped", "dropped", "correction"]
+    assert [r.gate for r in rows] == [True, True, False, None, None]
+    assert "␣!" in rows[2].verdict and rows[4].slot is None and rows[4].text == "␣!"
+    full = view.inspect_cycle(cyc([1, 2], [.9, .9], [.9, .9], [1, 2, 3], 2), "lossless", token_text=name)
+    assert full[-1].status == "bonus"
+    # cut by max new tokens inside the accepted run: no correction token, the rest is "cut"
+    cut = view.inspect_cycle(cyc([1, 2, 3], [.9] * 3, [.9] * 3, [1], 1, stop="length"), "lossless", token_text=name)
+    assert [r.status for r in cut] == ["committed", "dropped", "dropped"] and "stopped" in cut[1].verdict
+
+
+def test_inspector_rows_spec():
+    c = Cycle([1, 2, 3], [.9, .8, .7], [.6, .1, .2], [1, 4], 1, {"draft": 3, "proposer": 1})
+    rows = view.inspect_cycle(c, "spec", token_text=name)
+    assert [r.status for r in rows] == ["committed", "dropped", "dropped", "correction"]
+    assert rows[1].gate is False and "target" in rows[1].verdict
+
+
+def test_inspector_and_compare_html_escape_model_text():
+    c = cyc([8, 2], [.9, .01], [.9, .9], [8], 1, index=4)
+    rows = view.inspect_cycle(c, "prove", theta=0.05, token_text=name)
+    h = view.inspector_html(c, rows, "prove", theta=0.05, tau=0.95, context="<script>x</script>", turn=2, n_cycles=9)
+    assert "<script>" not in h and "&lt;b&gt;&amp;" in h and 'data-cycle="2:4"' in h and "cycle 5 of 9" in h
+    assert h.count("<th>") == 2 and "committed 1 of 2" in h
+    stats = {"n_tokens": 3, "n_cycles": 2, "tokens_per_cycle": 1.5, "n_passes": {"proposer": 2},
+             "tokens_per_second": 10.0, "stop": "eog"}
+    cmp = view.compare_html("lossless", "a<b", [view.Span("a<b", 0, "run")], stats, "a<b", stats, 1.5)
+    assert "identical ✓" in cmp and "1.50×" in cmp and "a<b" not in cmp
+    assert "differ" in view.compare_html("lossless", "a", [], stats, "b", stats, None)
+    assert view.banner_html("x <y>") == '<div class="banner error" role="alert">x &lt;y&gt;</div>'
+
+
+# ------------------------------------------------------------------------ runtime, tiny GGUFs
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ui-models")
+    return tiny_gguf(d, seed=0), tiny_gguf(d, seed=1, hidden=32, role="verifier")
+
+
+@pytest.fixture(scope="module")
+def models(paths):
+    return Model(paths[0]), Model(paths[1])
+
+
+def reference(models, turns: list[str], mode="lossless", **kw) -> list[str]:
+    """Answers the runtime itself gives, turn by turn, on a fresh engine."""
+    prop, ver = models
+    e = Engine.load(prop, ver, **F32)
+    conv = Conversation(prop)
+    out = []
+    for user in turns:
+        ids = [t for c in e.generate(conv.prompt_tokens(user), Settings(mode=mode, max_new=MAX_NEW, **kw))
+               for t in c.committed]
+        out.append(prop.detokenize([t for t in ids if not prop.is_eog(t)]))
+        conv.add_reply(out[-1])
+    return out
+
+
+def ui_args(**kw):
+    base = dict(model=None, verifier=None, draft=None, ctx=512, threads=1, kv_type="f32", flash_attn=False,
+                n_gpu_layers=0, mask_token=None, parallel=1, system=None)
+    base.update(kw)
+    return Namespace(**base)
+
+
+def test_runtime_turns_equal_the_engine_and_compare(models, paths):
+    rt = Runtime(*models, parallel=1, **F32)
+    assert rt.error is None and rt.default_mode == "lossless" and set(rt.modes) == {"ar", "lossless", "prove", "mars"}
+    assert "draft" in rt.mode_errors["spec"]
+    sess = Session()
+    users = ["What is 7 times 8?", "And 9 times 9?"]
+    for user in users:
+        turns = list(run_turn(rt, sess, user, Settings(mode="lossless", max_new=MAX_NEW)))
+        assert turns[-1].running is False and turns[-1].stats["n_tokens"] >= 1
+    assert [t.view.text for t in sess.turns] == reference(models, users)
+    cmp = compare_with_ar(rt, sess)
+    assert cmp["identical"] and cmp["speedup"] > 0
+    # another session on the same engine: the engine's KV reuse keeps them apart
+    other = Session()
+    list(run_turn(rt, other, "Hello", Settings(mode="prove", max_new=MAX_NEW, theta=0.01)))
+    assert other.turns[0].view.text == reference(models, ["Hello"], mode="prove", theta=0.01)[0]
+
+
+def test_stop_mid_answer_then_next_turn(models):
+    rt = Runtime(*models, **F32)
+    sess = Session()
+    prompt = "Natalia sold clips to 48 of her friends in April. How many clips did she sell?"
+    gen = run_turn(rt, sess, prompt, Settings(mode="lossless", max_new=MAX_NEW, block=2))
+    next(gen)
+    sess.stop_requested = True                      # what the Stop button does
+    last = list(gen)[-1]
+    assert last.note == "stopped" and last.stats["stop"] == "stopped" and len(last.view.cycles) == 2
+    assert sess.messages[-1] == {"role": "assistant", "content": last.view.text}
+    list(run_turn(rt, sess, "Go on", Settings(mode="lossless", max_new=MAX_NEW)))
+    prop, ver = models
+    conv = Conversation(prop)
+    conv.prompt_tokens(prompt)
+    conv.add_reply(last.view.text)
+    ids = [t for c in Engine.load(prop, **F32).generate(conv.prompt_tokens("Go on"), Settings(mode="ar", max_new=MAX_NEW))
+           for t in c.committed]
+    assert sess.turns[-1].view.tokens == ids
+
+
+def test_runtime_errors_are_messages(models, paths, tmp_path):
+    rt = Runtime.from_args(ui_args(model=str(tmp_path / "missing.gguf")))
+    assert rt.error.startswith("model failed to load") and "missing.gguf" in rt.error and rt.modes == []
+    with pytest.raises(UIError, match="model failed to load"):
+        list(run_turn(rt, Session(), "hi", Settings()))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" * 10)
+    assert "not a GGUF file" in Runtime.from_args(ui_args(model=str(bad))).error
+    rt = Runtime.from_args(ui_args(model=str(paths[0]), ctx=64))
+    assert rt.error is None and "prove" in rt.mode_errors
+    sess = Session()
+    with pytest.raises(UIError, match="context full"):
+        list(run_turn(rt, sess, "long " * 80, Settings(max_new=8)))
+    assert sess.turns == [] and sess.messages == []
+    turns = list(run_turn(rt, sess, "hi", Settings(max_new=200)))   # fills the context: cut, with a note
+    assert turns[-1].stats["stop"] in ("context", "eog") and (turns[-1].stats["stop"] == "eog" or "context" in turns[-1].note)
+
+
+# ------------------------------------------------------------------------ the page in chromium
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc=None, log: Path | None = None, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"`prove-local ui` exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
+    pytest.fail(f"the UI did not answer at {url}")
+
+
+@pytest.fixture(scope="module")
+def server(paths, tmp_path_factory):
+    port = free_port()
+    cmd = [sys.executable, "-m", "prove_local.cli", "ui", str(paths[0]), "--verifier", str(paths[1]),
+           "--port", str(port), "--ctx", "512", "--kv-type", "f32", "--threads", "1", "--parallel", "2",
+           "-n", str(MAX_NEW)]
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
+    log = tmp_path_factory.mktemp("ui-server") / "stderr.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/", proc, log)
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).is_file():
+        pytest.fail(f"{CHROMIUM} is missing: the browser test needs Debian's chromium "
+                    "(apt-get install -y chromium), as .ci/run installs it")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("the Python package playwright is missing: pip install playwright==1.65.2 (the test extra)")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def open_page(browser, url):
+    page = browser.new_page(viewport={"width": 1360, "height": 1100})
+    page.set_default_timeout(60_000)
+    page.goto(url)
+    page.wait_for_selector("#chat .chat-scroll")
+    return page
+
+
+def send(page, text: str, turn: int):
+    page.fill("#prompt textarea", text)
+    page.click("#send")
+    return lambda: page.wait_for_selector(f'#chat .answer.done[data-turn="{turn}"]')
+
+
+def answer_spans(page, turn: int) -> list[dict]:
+    return page.eval_on_selector_all(f'#chat .answer[data-turn="{turn}"] span.cyc',
+                                     "els => els.map(e => ({text: e.textContent, cls: e.className, pick: e.dataset.pick}))")
+
+
+def test_page_end_to_end(browser, server, models, tmp_path):
+    prompt = "Natalia sold clips to 48 of her friends in April. How many clips did she sell?"
+    want = reference(models, [prompt])[0]
+    page = open_page(browser, server)
+    send(page, prompt, 0)()
+    spans = answer_spans(page, 0)
+    assert "".join(s["text"] for s in spans) == want
+    cycles = [int(s["pick"].split(":")[1]) for s in spans]
+    assert cycles == sorted(cycles)
+    for s, c in zip(spans, cycles):                     # alternating colors; correction tokens marked
+        assert ("fix" in s["cls"]) or (f"c{c % 2}" in s["cls"])
+    assert "tokens/cycle" in page.inner_text("#stats") and "tokens/s" in page.inner_text("#stats")
+
+    # open the inspector on one cycle by clicking its run
+    target = spans[min(1, len(spans) - 1)]
+    page.click(f'#chat .answer[data-turn="0"] span.cyc[data-pick="{target["pick"]}"] >> nth=0')
+    page.wait_for_selector(f'#inspector .inspector[data-cycle="{target["pick"]}"]')
+    heads = page.eval_on_selector_all("#inspector .insp-table tr:first-child th", "els => els.map(e => e.textContent)")
+    assert heads[0] == "slot" and heads[1] == "1" and len(heads) >= 3
+    assert page.locator("#inspector .insp-table .tok").count() == len(heads) - 1
+    statuses = page.eval_on_selector_all("#inspector td.status", "els => els.map(e => e.textContent)")
+    assert statuses[0] == "committed" and set(statuses) <= {"committed", "dropped", "correction", "bonus"}
+
+    page.click("#compare")
+    page.wait_for_selector("#comparison .compare")
+    head = page.inner_text("#comparison .cmp-head")
+    assert "speedup" in head and "×" in head and "identical" in head, head
+    shot = tmp_path / "ui-screenshot.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("PROVE_ARTIFACTS"):
+        Path(os.environ["PROVE_ARTIFACTS"]).mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, Path(os.environ["PROVE_ARTIFACTS"]) / shot.name)
+    print(f"screenshot: {shot}")
+    page.close()
+
+
+def test_two_sessions_at_once_give_their_answers_alone(browser, server, models):
+    prompts = ["Weng earns $12 an hour for babysitting. How much did she earn?", "def f(x): return x * 2"]
+    alone = [reference(models, [p]) for p in prompts]
+    follow_up = reference(models, [prompts[0], "And for 50 minutes?"])
+    pages = [open_page(browser, server) for _ in prompts]
+    waits = [send(pg, p, 0) for pg, p in zip(pages, prompts)]     # both generate at the same time
+    for w in waits:
+        w()
+    for pg, want in zip(pages, alone):
+        assert "".join(s["text"] for s in answer_spans(pg, 0)) == want[0]
+    send(pages[0], "And for 50 minutes?", 1)()                     # a second turn, after the other session ran
+    assert "".join(s["text"] for s in answer_spans(pages[0], 1)) == follow_up[1]
+    for pg in pages:
+        pg.close()
+
+
+def test_errors_show_in_the_page(browser, models, paths, tmp_path):
+    from ui.app import build_app, launch
+
+    apps = []
+    try:
+        for rt in (Runtime.from_args(ui_args(model=str(tmp_path / "nope.gguf"))),
+                   Runtime.from_args(ui_args(model=str(paths[0]), ctx=64))):
+            port = free_port()
+            demo = build_app(rt, max_new=8)
+            launch(demo, rt, port=port, prevent_thread_lock=True, quiet=True)
+            apps.append((demo, f"http://127.0.0.1:{port}/"))
+        page = open_page(browser, apps[0][1])
+        assert "model failed to load" in page.inner_text("#banner") and "nope.gguf" in page.inner_text("#banner")
+        page.goto(apps[1][1])
+        page.wait_for_selector("#chat .chat-scroll")
+        page.fill("#prompt textarea", "long " * 80)
+        page.click("#send")
+        page.wait_for_selector("#banner .banner.error")
+        assert "context full" in page.inner_text("#banner")
+        page.close()
+    finally:
+        for demo, _ in apps:
+            demo.close()

@@ -1,0 +1,374 @@
+"""`prove-local ui`: a Gradio chat that shows every decoding cycle.
+
+The page streams each answer as colored runs (one color per cycle, alternating; the lossless /
+spec correction or bonus token in its own color). Clicking a run opens that cycle in the
+inspector: every proposed slot with p̃, q, p̃·q, the gate's verdict, committed or dropped.
+Gradio is imported only when the command runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 7860
+MODE_CHOICES = {
+    "ar": "ar · greedy, one token per pass",
+    "lossless": "lossless · ProVe-lossless (exact)",
+    "prove": "prove · ProVe with the verifier (p̃·q ≥ θ)",
+    "mars": "mars · MARS confidence rule (p̃ ≥ τ)",
+    "spec": "spec · speculative decoding (exact)",
+}
+STREAM_INTERVAL = 0.1       # seconds between page updates while an answer streams
+
+CSS = """
+.gradio-container {max-width: 1280px !important; margin: auto;}
+#title h1 {margin-bottom: 0;}
+#models {color: var(--body-text-color-subdued); font-size: 0.9em;}
+.chat-scroll {height: 400px; overflow-y: auto; display: flex; flex-direction: column-reverse;
+  border: 1px solid var(--border-color-primary); border-radius: 10px; padding: 10px;
+  background: var(--background-fill-secondary);}
+.chat-empty {margin: auto; color: var(--body-text-color-subdued);}
+.msg {display: flex; margin: 6px 0;}
+.msg.user {justify-content: flex-end;}
+.msg .bubble {max-width: 88%; padding: 8px 12px; border-radius: 12px; line-height: 1.55;
+  white-space: pre-wrap; word-break: break-word; font-size: 0.95em;}
+.msg.user .bubble {background: #4f46e5; color: white;}
+.msg.bot .bubble {background: var(--background-fill-primary); border: 1px solid var(--border-color-primary);}
+.answer .text {font-family: var(--font-mono); font-size: 0.92em;}
+.answer .footer, .compare .footer {margin-top: 6px; font-size: 0.78em; color: var(--body-text-color-subdued);
+  white-space: normal; font-family: var(--font);}
+.answer .note {margin-top: 6px; font-size: 0.85em; color: #b91c1c; white-space: normal;}
+.cyc {border-radius: 3px; cursor: pointer; padding: 1px 0;}
+.cyc.c0, .tok.c0 {background: #dbeafe; color: #1e3a8a;}
+.cyc.c1, .tok.c1 {background: #fde68a; color: #78350f;}
+.cyc.fix, .tok.fix {background: #bbf7d0; color: #14532d; box-shadow: inset 0 -2px 0 #16a34a;}
+.cyc.sel {outline: 2px solid #db2777; outline-offset: 0;}
+.cyc:hover {filter: brightness(0.93);}
+.typing {color: var(--body-text-color-subdued);}
+.legend {display: flex; gap: 8px; align-items: center; font-size: 0.82em; margin: 2px 0 6px 0; flex-wrap: wrap;}
+.legend .cyc {padding: 2px 6px; cursor: default;}
+.legend .hint {color: var(--body-text-color-subdued);}
+.stats {font-size: 0.85em; color: var(--body-text-color-subdued);}
+.banner {padding: 10px 14px; border-radius: 8px; font-weight: 600; margin: 4px 0;}
+.banner.error {background: #fee2e2; color: #991b1b; border: 1px solid #fca5a5;}
+.banner.warn {background: #fef3c7; color: #92400e; border: 1px solid #fcd34d;}
+.inspector {border: 1px solid var(--border-color-primary); border-radius: 10px; padding: 10px;
+  background: var(--background-fill-primary);}
+.insp-head {font-size: 0.9em; margin-bottom: 6px;}
+.ctx {font-family: var(--font-mono); font-size: 0.82em; color: var(--body-text-color-subdued);
+  white-space: pre-wrap; margin-bottom: 6px;}
+.ctx-label {font-family: var(--font); font-weight: 600; margin-right: 6px;}
+.cursor {color: #db2777;}
+.insp-table {overflow-x: auto;}
+.insp-table table {border-collapse: collapse; font-size: 0.82em; width: auto; margin: 0;}
+.insp-table th, .insp-table td {border: 1px solid var(--border-color-primary); padding: 3px 6px;
+  text-align: center; white-space: nowrap; font-variant-numeric: tabular-nums;}
+.insp-table th.rowhead {text-align: right; background: var(--background-fill-secondary);}
+.tok {font-family: var(--font-mono); padding: 1px 4px; border-radius: 3px; white-space: pre;}
+.tok.drop {background: #f3f4f6; color: #9ca3af; text-decoration: line-through;}
+.status.committed {color: #1d4ed8;}
+.status.dropped {color: #9ca3af;}
+.status.correction, .status.bonus {color: #15803d; font-weight: 600;}
+.pass {color: #16a34a; font-weight: 700;}
+.fail {color: #dc2626; font-weight: 700;}
+.na {color: #9ca3af;}
+.insp-foot {font-size: 0.78em; color: var(--body-text-color-subdued); margin-top: 6px;}
+.verdicts {font-size: 0.82em; margin-top: 4px;}
+.verdicts ol {margin: 4px 0 0 0; padding-left: 0; list-style: none; columns: 2;}
+.compare {border: 1px solid var(--border-color-primary); border-radius: 10px; padding: 10px;}
+.cmp-cols {display: flex; gap: 12px; margin-top: 8px;}
+.cmp-col {flex: 1; min-width: 0;}
+.cmp-title {font-weight: 600; margin-bottom: 4px;}
+.cmp-col .text {font-family: var(--font-mono); font-size: 0.88em; white-space: pre-wrap; word-break: break-word;
+  max-height: 260px; overflow-y: auto;}
+#pick {display: none !important;}
+#insp-bar {align-items: center; margin-top: 8px;}
+#insp-title h3 {margin: 0;}
+#cycle_no input {text-align: center;}
+"""
+
+# Clicking a colored run writes "turn:cycle|nonce" into the hidden #pick box; its change event
+# opens that cycle in the inspector.
+HEAD = """
+<script>
+document.addEventListener('click', (ev) => {
+  const el = ev.target.closest ? ev.target.closest('[data-pick]') : null;
+  if (!el) return;
+  const box = document.querySelector('#pick textarea, #pick input');
+  if (!box) return;
+  box.value = el.dataset.pick + '|' + Date.now();
+  box.dispatchEvent(new Event('input', {bubbles: true}));
+});
+</script>
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "ui", help="chat in the browser, every decoding cycle visible",
+        description="Start a local Gradio chat that colors each cycle's committed tokens and shows, for any "
+                    "cycle, the proposed block with p̃, q, the gate's verdict and what was dropped.")
+    p.add_argument("model", nargs="?", metavar="MODEL.gguf", help="proposer GGUF (default: the embedded proposer)")
+    p.add_argument("--verifier", metavar="V.gguf", help="verifier GGUF for mode prove "
+                   "(default with the embedded proposer: the embedded verifier)")
+    p.add_argument("--draft", metavar="D.gguf", help="draft GGUF for mode spec")
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="answers decoded at the same time, each on its own contexts (default 1: requests queue)")
+    p.add_argument("--mask-token", type=int, help="placeholder token id (overrides the GGUF's mask token)")
+    p.add_argument("--system", help="system message for the chat template")
+    p.add_argument("-n", "--max-new", type=int, default=256, help="initial max new tokens (default 256)")
+    p.add_argument("--threads", type=int, help="CPU threads per context (default: all cores)")
+    p.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
+    p.add_argument("--n-gpu-layers", type=int, help="layers to offload (default: all with a GPU backend, else 0)")
+    p.add_argument("--flash-attn", action="store_true", help="use flash attention")
+    p.add_argument("--kv-type", choices=("f32", "f16", "q8_0", "q4_0"),
+                   help="KV cache type (default: f32 for F32 models, f16 otherwise)")
+    p.set_defaults(func=cmd_ui)
+    return p
+
+
+def cmd_ui(args) -> int:
+    from .runtime import Runtime
+
+    if args.parallel < 1:
+        print("prove-local ui: error: --parallel must be >= 1", file=sys.stderr)
+        return 2
+    runtime = Runtime.from_args(args)
+    if runtime.error:
+        print(f"prove-local ui: {runtime.error} (the page shows this too)", file=sys.stderr)
+    demo = build_app(runtime, max_new=args.max_new)
+    launch(demo, runtime, host=args.host, port=args.port, share=args.share)
+    return 0
+
+
+def launch(demo, runtime, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, share: bool = False, **kw):
+    import gradio as gr
+
+    demo.queue(default_concurrency_limit=len(runtime._engines))
+    return demo.launch(server_name=host, server_port=port, share=bool(share), ssr_mode=False, mcp_server=False,
+                       css=CSS, head=HEAD, theme=gr.themes.Soft(primary_hue="indigo"), show_error=False, footer_links=["gradio"], **kw)
+
+
+def build_app(runtime, *, max_new: int = 256):
+    """The page, on a loaded `Runtime` (or one whose `error` says why not)."""
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    import gradio as gr
+
+    from prove_local.engine import MODES, Settings
+
+    from . import view
+    from .runtime import Session, UIError, compare_with_ar, run_turn
+
+    parallel = len(runtime._engines)
+    modes = runtime.modes
+    default_mode = runtime.default_mode if runtime.default_mode in modes else (modes[0] if modes else "ar")
+    placeholder = ("Ask something, e.g. a GSM8K question. Each cycle's committed tokens get one color; "
+                   "click a run to see the whole proposed block.")
+
+    # ------------------------------------------------------------------ rendering helpers
+    def messages_of(sess):
+        return [view.Message(t.user, t.view.spans, view.stats_line(t.stats, t.settings.mode), t.running, t.note)
+                for t in sess.turns]
+
+    def chat(sess):
+        return view.chat_html(messages_of(sess), sess.selected, placeholder)
+
+    def inspector(sess):
+        if not sess.selected or sess.selected[0] >= len(sess.turns):
+            return '<div class="inspector empty">No cycle selected: send a prompt, then click a colored run.</div>'
+        t, c = sess.selected
+        turn = sess.turns[t]
+        cycles = turn.view.cycles
+        if not cycles:
+            return ""
+        c = min(c, len(cycles) - 1)
+        cycle = cycles[c]
+        s = turn.settings
+        rows = view.inspect_cycle(cycle, s.mode, s.theta, s.tau, runtime.token_text)
+        context = "".join(sp.text for sp in turn.view.spans if sp.cycle < c) or turn.user
+        return view.inspector_html(cycle, rows, s.mode, theta=s.theta, tau=s.tau, context=context,
+                                   turn=t, n_cycles=len(cycles))
+
+    def stats(sess):
+        if not sess.turns or not sess.turns[-1].stats:
+            return ""
+        t = sess.turns[-1]
+        st = t.stats
+        passes = ", ".join(f"{r} {n}" for r, n in st["n_passes"].items())
+        ppt = ", ".join(f"{r} {v:.2f}" for r, v in st["passes_per_token"].items())
+        return (f'<div class="stats"><b>last answer</b> · {view.esc(view.MODE_LABELS[t.settings.mode])} · '
+                f'{st["n_tokens"]} tokens in {st["n_cycles"]} cycles · <b>{st["tokens_per_cycle"]:.2f} tokens/cycle</b> · '
+                f'<b>{st["tokens_per_second"]:.1f} tokens/s</b> · passes: {passes} · passes/token: {ppt} · '
+                f'stop: {st["stop"]}</div>')
+
+    def cycle_number(sess):
+        return (sess.selected[1] + 1) if sess.selected else 1
+
+    def default_cycle(turn) -> int:
+        """The cycle the inspector opens on: the longest committed run that still dropped something."""
+        best, key = 0, (-1, -1)
+        for i, c in enumerate(turn.view.cycles):
+            k = (int(c.n_accepted < len(c.proposed)), len(c.committed))
+            if k > key:
+                best, key = i, k
+        return best
+
+    def compare_panel(sess):
+        if not sess.turns or not sess.turns[-1].compare:
+            return ""
+        t = sess.turns[-1]
+        cmp = t.compare
+        return view.compare_html(t.settings.mode, cmp["mode_text"], t.view.spans, t.stats, cmp["ar_text"],
+                                 cmp["ar_stats"], cmp["speedup"], turn=len(sess.turns) - 1)
+
+    # ------------------------------------------------------------------ handlers
+    def send(text, mode, theta, tau, block, max_new_, draft_k, sess):
+        sess = sess if isinstance(sess, Session) else Session()
+        text = (text or "").strip()
+        if not text:
+            yield chat(sess), stats(sess), inspector(sess), cycle_number(sess), view.banner_html(
+                "type a message first", "warn"), compare_panel(sess), gr.update(), sess
+            return
+        settings = Settings(mode=mode, max_new=int(max_new_), block=int(block), theta=float(theta),
+                            tau=float(tau), draft_k=int(draft_k))
+        banner = ""
+        last = 0.0
+        try:
+            for turn in run_turn(runtime, sess, text, settings):
+                now = time.monotonic()
+                if turn.running and now - last < STREAM_INTERVAL:
+                    continue
+                last = now
+                t = len(sess.turns) - 1
+                if turn.view.cycles:
+                    sess.selected = (t, default_cycle(turn) if not turn.running else len(turn.view.cycles) - 1)
+                if not turn.running and turn.note and turn.stats and turn.stats["stop"] == "context":
+                    banner = view.banner_html(turn.note, "warn")
+                yield (chat(sess), stats(sess), inspector(sess), cycle_number(sess), banner, compare_panel(sess),
+                       "" if not turn.running else gr.update(), sess)
+        except UIError as e:
+            yield (chat(sess), stats(sess), inspector(sess), cycle_number(sess), view.banner_html(str(e)),
+                   compare_panel(sess), gr.update(), sess)
+
+    def stop(sess):
+        if isinstance(sess, Session):
+            sess.stop_requested = True
+        return sess
+
+    def clear(sess):
+        sess = Session(engine_hint=sess.engine_hint if isinstance(sess, Session) else None)
+        return chat(sess), "", inspector(sess), 1, "", "", sess
+
+    def select(sess, turn: int, cycle: int):
+        sess = sess if isinstance(sess, Session) else Session()
+        if sess.turns:
+            turn = turn if 0 <= turn < len(sess.turns) else len(sess.turns) - 1
+            n = len(sess.turns[turn].view.cycles)
+            if n:
+                sess.selected = (turn, max(0, min(cycle, n - 1)))
+        return chat(sess), inspector(sess), cycle_number(sess), sess
+
+    def pick(value, sess):
+        try:
+            t, c = (int(x) for x in (value or "").split("|")[0].split(":"))
+        except ValueError:
+            return select(sess, -1, 0)
+        return select(sess, t, c)
+
+    def goto(number, sess):
+        turn = sess.selected[0] if isinstance(sess, Session) and sess.selected else -1
+        return select(sess, turn, int(number or 1) - 1)
+
+    def step(delta):
+        def f(sess):
+            t, c = sess.selected if isinstance(sess, Session) and sess.selected else (-1, 0)
+            return select(sess, t, c + delta)
+        return f
+
+    def compare(sess):
+        sess = sess if isinstance(sess, Session) else Session()
+        try:
+            compare_with_ar(runtime, sess)
+        except UIError as e:
+            return compare_panel(sess), view.banner_html(str(e)), sess
+        return compare_panel(sess), "", sess
+
+    def mode_changed(mode):
+        return (gr.update(visible=mode == "prove"), gr.update(visible=mode == "mars"),
+                gr.update(visible=mode in ("lossless", "prove", "mars")), gr.update(visible=mode == "spec"))
+
+    # ------------------------------------------------------------------ layout
+    names = runtime.names()
+    model_line = " · ".join(f"**{role}** `{name}`" for role, name in names.items())
+    if names:
+        model_line += f" · context {runtime.n_ctx} tokens · {parallel} decoding slot{'s' if parallel > 1 else ''}"
+    def why(m, msg):
+        if "mask token" in msg:
+            return "the proposer has no mask token"
+        return {"prove": "needs --verifier V.gguf", "spec": "needs --draft D.gguf"}.get(m, msg)
+    unavailable = "; ".join(f"{m} ({why(m, msg)})" for m, msg in runtime.mode_errors.items())
+
+    with gr.Blocks(title="prove-local", analytics_enabled=False) as demo:
+        state = gr.State(lambda: Session())
+        gr.Markdown("# ProVe local · proposer–verifier decoding, cycle by cycle", elem_id="title")
+        gr.Markdown(model_line or "no model loaded", elem_id="models")
+        banner = gr.HTML(view.banner_html(runtime.error), elem_id="banner")
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=5):
+                gr.HTML(view.legend_html(), padding=False)
+                chat_box = gr.HTML(view.chat_html([], None, placeholder), elem_id="chat", padding=False)
+                with gr.Row():
+                    box = gr.Textbox(show_label=False, placeholder="Message (Enter sends, Shift+Enter: new line)",
+                                     lines=2, max_lines=8, scale=6, elem_id="prompt", autofocus=True)
+                    with gr.Column(scale=1, min_width=110):
+                        send_btn = gr.Button("Send", variant="primary", elem_id="send")
+                        stop_btn = gr.Button("Stop", size="sm", elem_id="stop")
+                stats_box = gr.HTML("", elem_id="stats", padding=False)
+            with gr.Column(scale=2, min_width=260):
+                mode = gr.Dropdown([(MODE_CHOICES[m], m) for m in (modes or MODES)], value=default_mode,
+                                   label="mode", elem_id="mode",
+                                   info=("not available with these models: " + unavailable) if unavailable else None)
+                theta = gr.Slider(0.0, 1.0, value=0.05, step=0.005, label="θ (ProVe gate: commit while p̃·q ≥ θ)",
+                                  visible=default_mode == "prove", elem_id="theta")
+                tau = gr.Slider(0.0, 1.0, value=0.95, step=0.01, label="τ (MARS rule: commit while p̃ ≥ τ)",
+                                visible=default_mode == "mars", elem_id="tau")
+                block = gr.Slider(1, 64, value=runtime.block_size, step=1, label="block length",
+                                  visible=default_mode in ("lossless", "prove", "mars"), elem_id="block")
+                draft_k = gr.Slider(1, 16, value=4, step=1, label="draft tokens per cycle (spec)",
+                                    visible=default_mode == "spec", elem_id="draft_k")
+                max_new = gr.Slider(1, 2048, value=max_new, step=1, label="max new tokens", elem_id="max_new")
+                compare_btn = gr.Button("Compare with AR", elem_id="compare")
+                clear_btn = gr.Button("Clear conversation", size="sm", elem_id="clear")
+        with gr.Row(equal_height=True, elem_id="insp-bar"):
+            gr.Markdown("### Cycle inspector", elem_id="insp-title")
+            prev_btn = gr.Button("◀ previous", size="sm", scale=0, min_width=110, elem_id="prev")
+            cycle_no = gr.Number(value=1, precision=0, minimum=1, label="cycle", show_label=False, container=False,
+                                 scale=0, min_width=80, elem_id="cycle_no")
+            next_btn = gr.Button("next ▶", size="sm", scale=0, min_width=110, elem_id="next")
+        insp_box = gr.HTML(inspector(Session()), elem_id="inspector", padding=False)
+        compare_box = gr.HTML("", elem_id="comparison", padding=False)
+        pick_box = gr.Textbox(elem_id="pick", visible="hidden", show_label=False)
+
+        gen_outputs = [chat_box, stats_box, insp_box, cycle_no, banner, compare_box, box, state]
+        send_event = gr.on([send_btn.click, box.submit], send,
+                           [box, mode, theta, tau, block, max_new, draft_k, state], gen_outputs,
+                           concurrency_limit=parallel, concurrency_id="decode", show_progress="hidden")
+        stop_btn.click(stop, state, state, queue=False, show_progress="hidden")
+        clear_btn.click(clear, state, [chat_box, stats_box, insp_box, cycle_no, banner, compare_box, state],
+                        queue=False, show_progress="hidden")
+        compare_btn.click(compare, state, [compare_box, banner, state], concurrency_limit=parallel,
+                          concurrency_id="decode", show_progress="minimal")
+        sel_outputs = [chat_box, insp_box, cycle_no, state]
+        pick_box.change(pick, [pick_box, state], sel_outputs, queue=False, show_progress="hidden")
+        cycle_no.submit(goto, [cycle_no, state], sel_outputs, queue=False, show_progress="hidden")
+        prev_btn.click(step(-1), state, sel_outputs, queue=False, show_progress="hidden")
+        next_btn.click(step(1), state, sel_outputs, queue=False, show_progress="hidden")
+        mode.change(mode_changed, mode, [theta, tau, block, draft_k], queue=False, show_progress="hidden")
+        del send_event
+    return demo

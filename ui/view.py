@@ -1,0 +1,317 @@
+"""Pure projection of the runtime's `Cycle` events to what the page shows.
+
+No decoding happens here: the rules' decisions are read back from the events (`committed`,
+`n_accepted`, `p`, `q`) and the per-mode gate (θ, τ) is only re-evaluated to *explain* them.
+
+- `AnswerView`: one answer's cycles -> colored spans (alternating per cycle; the lossless / spec
+  correction or bonus token is a span of its own kind). The spans' texts concatenate to the
+  runtime's own text (the `TextStream` detokenization of the committed tokens).
+- `inspect_cycle`: one cycle -> one `SlotRow` per proposed slot (+ one for a correction / bonus
+  token): token, p̃, q, p̃·q, the gate's verdict and whether the token was committed or dropped.
+- `*_html`: HTML for the page (every piece of model or user text is escaped).
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+
+from prove_local.engine import TextStream
+
+MODE_LABELS = {
+    "ar": "AR (greedy)",
+    "lossless": "ProVe-lossless",
+    "prove": "ProVe",
+    "mars": "MARS rule",
+    "spec": "speculative",
+}
+EXACT_MODES = ("ar", "lossless", "spec")   # output equals greedy AR (up to llama.cpp's batch rounding)
+Q_MEANING = {
+    "ar": "no verifier",
+    "lossless": "q: the proposer's own probability of the token in its verify pass",
+    "prove": "q: the verifier's probability of the token, teacher-forced",
+    "mars": "no verifier: the rule looks at p̃ only",
+    "spec": "p̃: the draft's confidence; q: the target's probability of the drafted token",
+}
+
+
+# ----------------------------------------------------------------------------------- spans
+@dataclass
+class Span:
+    text: str
+    cycle: int     # the cycle's index within its answer
+    kind: str      # "run": accepted proposals; "fix": lossless/spec correction or bonus token
+
+
+@dataclass
+class AnswerView:
+    """Spans of one answer, built incrementally as cycles arrive. `piece_model` is anything with
+    `.piece(token) -> bytes` (a `prove_local.llama.Model`), used through the runtime's TextStream."""
+    piece_model: object
+    cycles: list = field(default_factory=list)
+    spans: list = field(default_factory=list)
+    done: bool = False
+
+    def __post_init__(self):
+        self._stream = TextStream(self.piece_model)
+
+    def add(self, cycle) -> None:
+        self.cycles.append(cycle)
+        k = len(self.cycles) - 1
+        na = cycle.n_accepted
+        for kind, ids in (("run", cycle.committed[:na]), ("fix", cycle.committed[na:])):
+            if ids:
+                text = self._stream.feed(ids)
+                if text:
+                    self.spans.append(Span(text, k, kind))
+
+    def finish(self) -> None:
+        if not self.done:
+            tail = self._stream.flush()
+            if tail:
+                self.spans.append(Span(tail, max(0, len(self.cycles) - 1), "run"))
+            self.done = True
+            self._stream = None          # drop the model reference
+
+    @property
+    def text(self) -> str:
+        return "".join(s.text for s in self.spans)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for c in self.cycles for t in c.committed]
+
+    def __deepcopy__(self, memo):        # session state may be deep-copied; the model is shared
+        new = AnswerView.__new__(AnswerView)
+        new.piece_model, new.cycles, new.spans, new.done = self.piece_model, list(self.cycles), list(self.spans), self.done
+        new._stream = self._stream
+        return new
+
+
+# ------------------------------------------------------------------------------- inspector
+@dataclass
+class SlotRow:
+    slot: int | None        # 1-based block slot; None for a correction / bonus token
+    token: int
+    text: str               # display text of the token
+    p: float | None         # proposer (spec: draft) confidence p̃
+    q: float | None
+    pq: float | None
+    gate: bool | None       # the rule's test for this slot: True pass, False fail, None not evaluated
+    verdict: str            # the gate's verdict in words
+    status: str             # "committed", "dropped", "correction" or "bonus"
+
+
+def _leading(flags) -> int:
+    n = 0
+    for f in flags:
+        if not f:
+            break
+        n += 1
+    return n
+
+
+def token_label(raw: bytes) -> str:
+    """Display text of one token's bytes: visible whitespace, escaped partial UTF-8."""
+    try:
+        s = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        s = "".join(f"\\x{b:02x}" if b >= 0x80 else chr(b) for b in raw)
+    if not s:
+        return "∅"
+    return s.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍")
+
+
+def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, token_text=str) -> list[SlotRow]:
+    """One row per proposed slot, then one for the correction / bonus token (lossless, spec).
+    `token_text(id) -> str` names a token (e.g. `lambda t: token_label(model.piece(t, True))`)."""
+    d, p, q = cycle.proposed, cycle.p, cycle.q
+    k, na = len(d), cycle.n_accepted
+    extra = cycle.committed[na:]
+    cut = f"cut: the answer stopped here ({cycle.stop})"
+    rows = []
+    if mode in ("prove", "mars"):
+        if mode == "prove":
+            ok = [p[i] * q[i] >= theta for i in range(k)]
+            name, thr = "p̃·q", f"θ = {theta:g}"
+        else:
+            ok = [p[i] >= tau for i in range(k)]
+            name, thr = "p̃", f"τ = {tau:g}"
+        first_fail = _leading(ok)
+        run = max(1, first_fail)
+    for i in range(k):
+        qi = q[i] if q is not None else None
+        pq = p[i] * qi if qi is not None else None
+        committed = i < na
+        if mode == "ar":
+            gate, verdict = True, "the AR token: always committed"
+        elif mode in ("prove", "mars"):
+            gate = ok[i]
+            if committed:
+                verdict = f"{name} ≥ {thr}" if ok[i] else f"{name} < {thr}, committed anyway: slot 1 is the proposer's AR token"
+            elif i < run:
+                verdict = cut
+            elif i == first_fail:
+                verdict = f"{name} < {thr}: the run ends here"
+            else:
+                verdict = (f"{name} ≥ {thr}, but after the first failure" if ok[i]
+                           else f"{name} < {thr}, after the first failure")
+        else:  # lossless, spec: matched against the target's greedy token
+            target = "the proposer's" if mode == "lossless" else "the target's"
+            if committed:
+                gate = True
+                verdict = ("slot 1 is the AR token: always matches" if mode == "lossless" and i == 0
+                           else f"= {target} greedy token")
+            elif i == na and extra:
+                gate = False
+                verdict = f"≠ {target} greedy token {token_text(extra[0])}: replaced"
+            elif not extra and cycle.stop:
+                gate, verdict = None, cut
+            else:
+                gate, verdict = None, "not checked: after the first mismatch"
+        rows.append(SlotRow(i + 1, d[i], token_text(d[i]), p[i], qi, pq, gate, verdict,
+                            "committed" if committed else "dropped"))
+    for t in extra:
+        bonus = na >= k
+        who = "proposer's" if mode == "lossless" else "target's"
+        rows.append(SlotRow(None, t, token_text(t), None, None, None, None,
+                            f"the {who} own next token after a full match" if bonus
+                            else f"the {who} greedy token at the first mismatch",
+                            "bonus" if bonus else "correction"))
+    return rows
+
+
+# ------------------------------------------------------------------------------------ HTML
+def esc(s: str) -> str:
+    return html.escape(s, quote=True).replace("\t", "&#9;").replace("\r", "&#13;")
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "—"
+    if x >= 0.001 or x == 0:
+        return f"{x:.3f}"
+    return f"{x:.0e}"
+
+
+def spans_html(turn: int, spans: list[Span], selected: int | None = None) -> str:
+    out = []
+    for s in spans:
+        cls = f"cyc {'fix' if s.kind == 'fix' else 'c' + str(s.cycle % 2)}"
+        if selected is not None and s.cycle == selected:
+            cls += " sel"
+        out.append(f'<span class="{cls}" data-pick="{turn}:{s.cycle}" title="cycle {s.cycle + 1}">{esc(s.text)}</span>')
+    return "".join(out)
+
+
+def stats_line(stats: dict | None, mode: str) -> str:
+    if not stats:
+        return ""
+    passes = ", ".join(f"{r} {n}" for r, n in stats["n_passes"].items())
+    stop = stats.get("stop")
+    return (f"{MODE_LABELS.get(mode, mode)} · {stats['n_tokens']} tokens · {stats['n_cycles']} cycles · "
+            f"{stats['tokens_per_cycle']:.2f} tokens/cycle · passes: {passes or '—'} · "
+            f"{stats['tokens_per_second']:.1f} tokens/s" + (f" · stop: {stop}" if stop else ""))
+
+
+@dataclass
+class Message:
+    """One exchange as the chat shows it."""
+    user: str
+    spans: list[Span]
+    footer: str = ""
+    running: bool = False
+    note: str = ""          # e.g. an error for this turn
+
+
+def chat_html(messages: list[Message], selected: tuple[int, int] | None = None, placeholder: str = "") -> str:
+    if not messages:
+        return f'<div class="chat-scroll"><div class="chat-empty">{esc(placeholder)}</div></div>'
+    parts = []
+    for t, m in enumerate(messages):
+        sel = selected[1] if selected and selected[0] == t else None
+        state = "running" if m.running else "done"
+        parts.append(f'<div class="msg user"><div class="bubble">{esc(m.user)}</div></div>')
+        body = spans_html(t, m.spans, sel) or ('<span class="typing">…</span>' if m.running else "")
+        note = f'<div class="note">{esc(m.note)}</div>' if m.note else ""
+        footer = f'<div class="footer">{esc(m.footer)}</div>' if m.footer else ""
+        parts.append(f'<div class="msg bot"><div class="bubble answer {state}" data-turn="{t}">'
+                     f'<div class="text">{body}</div>{note}{footer}</div></div>')
+    return f'<div class="chat-scroll"><div class="chat-inner">{"".join(parts)}</div></div>'
+
+
+def legend_html() -> str:
+    return ('<div class="legend"><span class="cyc c0">cycle n</span><span class="cyc c1">cycle n+1</span>'
+            '<span class="cyc fix">correction / bonus token</span>'
+            '<span class="hint">click any colored run to inspect its cycle</span></div>')
+
+
+def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: float, context: str = "",
+                   turn: int = 0, n_cycles: int = 1) -> str:
+    """The cycle as a table, slots left to right: token, p̃, q, p̃·q, gate, committed / dropped."""
+    par = cycle.index % 2
+    head = ['<th class="rowhead">slot</th>']
+    tok = ['<th class="rowhead">token</th>']
+    pr = ['<th class="rowhead">p̃</th>']
+    qr = ['<th class="rowhead">q</th>']
+    pqr = ['<th class="rowhead">p̃·q</th>']
+    gr_ = ['<th class="rowhead">gate</th>']
+    st = ['<th class="rowhead">result</th>']
+    for r in rows:
+        status_cls = {"committed": f"c{par}", "dropped": "drop"}.get(r.status, "fix")
+        head.append(f'<th>{r.slot if r.slot is not None else "+1"}</th>')
+        tok.append(f'<td><span class="tok {status_cls}" title="id {r.token}">{esc(r.text)}</span></td>')
+        pr.append(f"<td>{_fmt(r.p)}</td>")
+        qr.append(f"<td>{_fmt(r.q)}</td>")
+        pqr.append(f"<td>{_fmt(r.pq)}</td>")
+        mark = {True: '<span class="pass">✓</span>', False: '<span class="fail">✗</span>', None: '<span class="na">·</span>'}[r.gate]
+        gr_.append(f'<td title="{esc(r.verdict)}">{mark}</td>')
+        st.append(f'<td class="status {r.status}">{r.status}</td>')
+    table = "".join(f"<tr>{''.join(row)}</tr>" for row in (head, tok, pr, qr, pqr, gr_, st))
+    n_prop = sum(1 for r in rows if r.slot is not None)
+    n_comm = sum(1 for r in rows if r.status == "committed")
+    extra = [r for r in rows if r.slot is None]
+    summary = f"committed {n_comm} of {n_prop} proposed tokens"
+    if extra:
+        summary += f" + the {extra[0].status} token {esc(extra[0].text)}"
+    gate = {"prove": f"gate: p̃·q ≥ θ = {theta:g}", "mars": f"gate: p̃ ≥ τ = {tau:g}",
+            "lossless": "gate: proposed token = the proposer's greedy token (verify pass)",
+            "spec": "gate: drafted token = the target's greedy token",
+            "ar": "no gate: one token per cycle"}.get(mode, "")
+    passes = ", ".join(f"{r} {n}" for r, n in cycle.passes.items())
+    verdicts = "".join(
+        f'<li><b>{r.slot if r.slot is not None else "+1"}</b> <span class="tok {"drop" if r.status == "dropped" else ("fix" if r.slot is None else "c" + str(par))}">'
+        f"{esc(r.text)}</span> {esc(r.verdict)}</li>" for r in rows)
+    ctx = (f'<div class="ctx"><span class="ctx-label">context</span> …{esc(context[-80:])}'
+           f'<span class="cursor">▌</span></div>') if context else ""
+    return (f'<div class="inspector" data-cycle="{turn}:{cycle.index}">'
+            f'<div class="insp-head"><b>answer {turn + 1}, cycle {cycle.index + 1} of {n_cycles}</b> · '
+            f'{esc(MODE_LABELS.get(mode, mode))} · {summary} · passes: {esc(passes)} · '
+            f'{cycle.seconds * 1000:.1f} ms</div>{ctx}'
+            f'<div class="insp-table"><table>{table}</table></div>'
+            f'<div class="insp-foot">{esc(gate)} · {esc(Q_MEANING.get(mode, ""))}</div>'
+            f'<details class="verdicts"><summary>verdict per slot</summary><ol>{verdicts}</ol></details></div>')
+
+
+def compare_html(mode: str, mode_text: str, mode_spans: list[Span], mode_stats: dict, ar_text: str,
+                 ar_stats: dict, speedup: float | None, turn: int = 0) -> str:
+    same = mode_text == ar_text
+    if mode in EXACT_MODES:
+        verdict = ('<span class="pass">texts identical ✓</span>' if same else
+                   '<span class="fail">texts differ ✗ (exact mode: llama.cpp batch rounding on quantized '
+                   'weights or an f16 KV cache can do this)</span>')
+    else:
+        verdict = (f'texts {"identical" if same else "differ"} ({esc(MODE_LABELS.get(mode, mode))} is lossy; '
+                   f'differences are expected)')
+    sp = f"{speedup:.2f}×" if speedup else "—"
+    return (f'<div class="compare"><div class="cmp-head"><b>speedup {sp}</b> '
+            f'(decode tokens/s, {esc(MODE_LABELS.get(mode, mode))} vs AR) · {verdict}</div>'
+            f'<div class="cmp-cols"><div class="cmp-col"><div class="cmp-title">{esc(MODE_LABELS.get(mode, mode))}</div>'
+            f'<div class="text">{spans_html(turn, mode_spans)}</div><div class="footer">{esc(stats_line(mode_stats, mode))}</div></div>'
+            f'<div class="cmp-col"><div class="cmp-title">AR (greedy)</div><div class="text ar">{esc(ar_text)}</div>'
+            f'<div class="footer">{esc(stats_line(ar_stats, "ar"))}</div></div></div></div>')
+
+
+def banner_html(message: str | None, level: str = "error") -> str:
+    if not message:
+        return ""
+    return f'<div class="banner {level}" role="alert">{esc(message)}</div>'
