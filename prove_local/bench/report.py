@@ -245,7 +245,7 @@ def summary_markdown(res: dict) -> str:
     st = res.get("settings", {})
     L.append(f"- prompts: {d['n_prompts']} ({', '.join(f'{k} {v}' for k, v in d['families'].items())}); "
              f"max new tokens {st.get('max_new')}, block {st.get('block')}, greedy, one request at a time")
-    L.append(f"- machine: {mach.get('cpu', '?')}, {mach.get('threads')} threads, llama-cpp-python {mach.get('llama_cpp_python', '?')}"
+    L.append(f"- machine: {mach.get('cpu', '?')}, {mach.get('threads')} thread(s), llama-cpp-python {mach.get('llama_cpp_python', '?')}"
              f"{', GPU offload' if mach.get('gpu_offload') else ''}; runs interleaved per prompt after a warm-up; "
              "times exclude the prompt prefill")
     L += ["", "## Speed and quality per run", "",
@@ -268,8 +268,10 @@ def summary_markdown(res: dict) -> str:
     if res["position_match_rate"]:
         n = max(len(v["rate"]) for v in res["position_match_rate"].values())
         header = ["run"] + [str(i + 1) for i in range(n)]
-        rows = [[f"`{k}`"] + [_pct(x) for x in v["rate"]] for k, v in res["position_match_rate"].items()]
-        rows.append(["paper (GSM8K, 32B)"] + [_pct(x) for x in stats.PAPER_SLOT_MATCH_GSM8K[:n]])
+        rows = [[f"`{k}`"] + [_pct(x) for x in v["rate"]] + [""] * (n - len(v["rate"]))
+                for k, v in res["position_match_rate"].items()]
+        rows.append(["paper (GSM8K, 32B)"] + [_pct(x) for x in stats.PAPER_SLOT_MATCH_GSM8K[:n]]
+                    + [""] * (n - len(stats.PAPER_SLOT_MATCH_GSM8K[:n])))
         L += ["## How often slot i of a block equals the greedy token", "",
               f"Reference: the `{res['reference']}` output of the same prompt; cycles of lossy runs count only while "
               "their output still equals it. For `spec` the slots are the draft's tokens.", "", _table(header, rows), ""]

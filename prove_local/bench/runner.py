@@ -14,7 +14,7 @@ from ..llama import Context, Model
 from ..rules import Cycle
 from .data import Prompt
 
-PASS_COST_NS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
+PASS_COST_NS = tuple(range(1, 17)) + tuple(range(20, 65, 4))
 
 
 @dataclass
