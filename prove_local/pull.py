@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from . import registry
-from .memory import GiB, estimate, gib, shape_info
+from .memory import GiB, estimate, shape_info
 from .registry import Model, Pair, RegistryError
 
 EMBEDDED_DIR = Path(__file__).parent / "models"

@@ -302,7 +302,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, help="timed passes per n (default 5 on GPU, 3 on CPU)")
     ap.add_argument("--prefix", type=int, default=512, help="tokens in the cache before each pass (default 512)")
     ap.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
-    ap.add_argument("--flash-attn", action="store_true", help="flash attention in the pass-cost contexts")
+    ap.add_argument("--flash-attn", choices=("off", "on", "both"),
+                    help="flash attention in the pass-cost contexts (default: both on GPU, off on CPU)")
     ap.add_argument("--proposer", help="proposer GGUF for the pair (default: the embedded one)")
     ap.add_argument("--verifier", help="verifier GGUF for the pair (default: the embedded one)")
     ap.add_argument("--max-new", type=int, default=128, help="new tokens per prompt in the pair runs")
@@ -392,14 +393,21 @@ def main(argv=None) -> int:
                 used1 = gpu_used_mib()
                 if used0 is not None and used1 is not None:
                     entry["gpu_mib_after_load"] = used1 - used0
-                entry["pass_cost"] = pass_costs(model, a.n_max, reps, a.prefix, a.threads, a.flash_attn, deadline)
+                fa = a.flash_attn or ("off" if a.cpu else "both")
+                if fa in ("off", "both"):
+                    entry["pass_cost"] = pass_costs(model, a.n_max, reps, a.prefix, a.threads, False, deadline)
+                if fa in ("on", "both"):
+                    key = "pass_cost_flash_attn" if fa == "both" else "pass_cost"
+                    entry[key] = pass_costs(model, a.n_max, reps, a.prefix, a.threads, True, deadline)
                 used2 = gpu_used_mib()
                 if used0 is not None and used2 is not None:
                     entry["gpu_mib_with_context_peak"] = used2 - used0
                 model.close()
-                r = entry["pass_cost"]["ratio"]
-                log(f"{name}: t(1) {entry['pass_cost']['t_ms'].get(1)} ms; t(n)/t(1) "
-                    + ", ".join(f"{n}:{r[n]}" for n in (2, 4, 8, 16, 32, 64) if n in r))
+                for key in ("pass_cost", "pass_cost_flash_attn"):
+                    if key in entry:
+                        r = entry[key]["ratio"]
+                        log(f"{name} {key}: t(1) {entry[key]['t_ms'].get(1)} ms; t(n)/t(1) "
+                            + ", ".join(f"{n}:{r[n]}" for n in (2, 4, 8, 16, 32, 64) if n in r))
             except (LlamaError, OSError, ValueError) as e:
                 entry["error"] = f"{type(e).__name__}: {e}"
                 log(entry["error"])
