@@ -260,3 +260,37 @@ def test_gpu_check_cpu_form_writes_json(pulled, tmp_path):
     assert set(modes) == {"ar", "lossless", "prove"}
     assert modes["lossless"]["same_as_ar"] is True                 # F32 weights and KV cache: exact
     assert all(modes[m]["tokens"] > 0 and modes[m]["speed_vs_ar"] > 0 for m in modes)
+
+
+def test_pull_downloads_only_the_needed_files_then_converts(monkeypatch, tmp_path, tiny_dirs, capsys):
+    """The download path with the hub replaced by a local folder: selection, conversion, clean-up."""
+    import shutil
+    from collections import namedtuple
+
+    import huggingface_hub
+
+    src = tiny_dirs[1]
+    listing = [(p.name, p.stat().st_size) for p in src.iterdir()] + [("pytorch_model.bin", 10), ("README.md", 5)]
+    calls = []
+
+    def fake_snapshot(repo, local_dir, allow_patterns, **kw):
+        calls.append((repo, sorted(allow_patterns)))
+        for name in allow_patterns:
+            shutil.copy(src / name, Path(local_dir) / name)
+        return str(local_dir)
+
+    monkeypatch.setattr(pull, "remote_files", lambda repo: listing)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    models = tmp_path / "models"
+    rc = pull.cmd_pull(_args("qwen2.5-1.5b-instruct", "--quant", "q8_0", "--models-dir", str(models), "-q"))
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert calls == [("Qwen/Qwen2.5-1.5B-Instruct", sorted(n for n, _ in listing if n not in ("pytorch_model.bin", "README.md")))]
+    out = models / "qwen2.5-1.5b-instruct.q8_0.gguf"
+    assert out.is_file() and not (models / ".download" / "qwen2.5-1.5b-instruct").exists()
+    assert captured.out.strip().splitlines()[-1] == f"prove-local run {out} --mode ar"
+
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(pull.shutil, "disk_usage", lambda p: Usage(1, 1, 1000))
+    rc = pull.cmd_pull(_args("qwen2.5-3b-instruct", "--models-dir", str(models)))
+    assert rc == 1 and "needs about" in capsys.readouterr().err
