@@ -70,7 +70,7 @@ def main() -> int:
             page.wait_for_selector("#chat .chat-scroll")
             if a.mode:
                 page.click("#mode input")
-                page.click(f'ul[role="listbox"] li[data-value="{a.mode}"]')
+                page.click(f'li[role="option"][aria-label^="{a.mode} "]')
             page.fill("#prompt textarea", a.question)
             page.click("#send")
             page.wait_for_selector('#chat .answer.done[data-turn="0"]')

@@ -130,6 +130,22 @@ def test_inspector_and_compare_html_escape_model_text():
     assert view.banner_html("x <y>") == '<div class="banner error" role="alert">x &lt;y&gt;</div>'
 
 
+def test_command_line_defaults_are_safe():
+    import argparse
+
+    from ui.app import add_parser
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    a = parser.parse_args(["ui"])
+    assert (a.model, a.host, a.port, a.share, a.parallel) == (None, "127.0.0.1", 7860, False, 1)
+    a = parser.parse_args(["ui", "m.gguf", "--verifier", "v.gguf", "--draft", "d.gguf", "--port", "9000"])
+    assert (a.model, a.verifier, a.draft, a.port) == ("m.gguf", "v.gguf", "d.gguf", 9000)
+    # `prove-local run` does not pay for gradio: the ui command imports it when it runs
+    out = subprocess.run([sys.executable, "-c", "import sys, prove_local.cli, ui.app; print('gradio' in sys.modules)"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
 # ------------------------------------------------------------------------ runtime, tiny GGUFs
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
@@ -187,6 +203,8 @@ def test_stop_mid_answer_then_next_turn(models):
     prompt = "Natalia sold clips to 48 of her friends in April. How many clips did she sell?"
     gen = run_turn(rt, sess, prompt, Settings(mode="lossless", max_new=MAX_NEW, block=2))
     next(gen)
+    with pytest.raises(UIError, match="still being generated"):   # one answer at a time per session
+        next(run_turn(rt, sess, "again", Settings()))
     sess.stop_requested = True                      # what the Stop button does
     last = list(gen)[-1]
     assert last.note == "stopped" and last.stats["stop"] == "stopped" and len(last.view.cycles) == 2

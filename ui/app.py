@@ -212,9 +212,9 @@ def build_app(runtime, *, max_new: int = 256):
 
     def default_cycle(turn) -> int:
         """The cycle the inspector opens on: the longest committed run that still dropped something."""
-        best, key = 0, (-1, -1)
+        best, key = 0, (-1, -1, -1)
         for i, c in enumerate(turn.view.cycles):
-            k = (int(c.n_accepted < len(c.proposed)), len(c.committed))
+            k = (int(c.stop is None), int(c.n_accepted < len(c.proposed)), len(c.committed))
             if k > key:
                 best, key = i, k
         return best
@@ -312,7 +312,10 @@ def build_app(runtime, *, max_new: int = 256):
         if "mask token" in msg:
             return "the proposer has no mask token"
         return {"prove": "needs --verifier V.gguf", "spec": "needs --draft D.gguf"}.get(m, msg)
-    unavailable = "; ".join(f"{m} ({why(m, msg)})" for m, msg in runtime.mode_errors.items())
+    reasons: dict[str, list[str]] = {}
+    for m, msg in runtime.mode_errors.items():
+        reasons.setdefault(why(m, msg), []).append(m)
+    unavailable = "; ".join(f"{', '.join(ms)}: {r}" for r, ms in reasons.items())
 
     with gr.Blocks(title="prove-local", analytics_enabled=False) as demo:
         state = gr.State(lambda: Session())

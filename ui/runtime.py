@@ -180,6 +180,8 @@ def run_turn(runtime: Runtime, sess: Session, user: str, settings: Settings):
     the end). Errors end up in `turn.note` and raise `UIError` after the last yield."""
     if runtime.error:
         raise UIError(runtime.error)
+    if sess.turns and sess.turns[-1].running:
+        raise UIError("an answer is still being generated in this session: wait for it, or press Stop")
     sess.stop_requested = False
     try:
         prompt = runtime.prompt_tokens(sess.messages, user)
@@ -202,6 +204,15 @@ def run_turn(runtime: Runtime, sess: Session, user: str, settings: Settings):
                     yield turn
     except (LlamaError, ModeError) as e:
         error = _error_text(e, runtime)
+    except GeneratorExit:       # the page went away mid-answer: the engine was released above
+        turn.running, turn.note = False, "interrupted"
+        turn.view.finish()
+        if turn.view.cycles:
+            sess.messages += [{"role": "user", "content": user},
+                              {"role": "assistant", "content": runtime.reply_text(turn.view.tokens)}]
+        raise
+    except Exception as e:      # keep the session usable and say what happened
+        error = f"internal error: {type(e).__name__}: {e}"
     turn.seconds = time.perf_counter() - t0
     turn.view.finish()
     turn.running = False
