@@ -13,7 +13,8 @@
 #                     architecture (needs nvcc, cmake, ninja, scikit-build-core; several minutes)
 #   --total SECONDS   wall-clock budget for the whole script (default 480); stages that would not fit are skipped
 #   --out FILE        JSON result (default gpu_check.json)
-# Environment: PYTHON (default python3), CUDA_ARCH (e.g. 90; default from nvidia-smi's compute_cap).
+# Environment: PYTHON (default python3), CUDA_ARCH (e.g. 90; default from nvidia-smi's compute_cap),
+#              EXTRA_CMAKE_ARGS (added to the CUDA build's CMAKE_ARGS; the multimodal library is left out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -29,7 +30,7 @@ while [ $# -gt 0 ]; do
     --total) TOTAL=$2; shift 2 ;;
     --cpu) CPU=1; shift ;;
     --) shift; EXTRA+=("$@"); break ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) EXTRA+=("$1"); shift ;;
   esac
 done
@@ -51,7 +52,7 @@ elif [ -n "$SRC" ]; then
   ARCH=${CUDA_ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .')}
   ARCH=${ARCH:-90}
   log "building llama-cpp-python from $SRC with CUDA for sm_$ARCH (GGML_NATIVE=OFF)"
-  CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$ARCH -DGGML_NATIVE=OFF" \
+  CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$ARCH -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF ${EXTRA_CMAKE_ARGS:-}" \
   CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
     "${PIP[@]}" --no-build-isolation --force-reinstall "$SRC" || { log "CUDA build failed"; exit 1; }
   METHOD="build sm_$ARCH"
