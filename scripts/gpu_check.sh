@@ -30,7 +30,7 @@ while [ $# -gt 0 ]; do
     --total) TOTAL=$2; shift 2 ;;
     --cpu) CPU=1; shift ;;
     --) shift; EXTRA+=("$@"); break ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) EXTRA+=("$1"); shift ;;
   esac
 done
