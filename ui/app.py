@@ -143,7 +143,21 @@ def cmd_ui(args) -> int:
     if runtime.error:
         print(f"prove-local ui: {runtime.error} (the page shows this too)", file=sys.stderr)
     demo = build_app(runtime, max_new=args.max_new)
-    launch(demo, runtime, host=args.host, port=args.port, share=args.share)
+    try:
+        _, local_url, share_url = launch(demo, runtime, host=args.host, port=args.port, share=args.share,
+                                         prevent_thread_lock=True, quiet=True)
+    except OSError as e:
+        print(f"prove-local ui: error: cannot listen on {args.host}:{args.port} ({e}); try --port", file=sys.stderr)
+        return 1
+    print(f"prove-local ui: open {local_url}" + (f" (public link: {share_url})" if share_url else
+          "" if args.host != DEFAULT_HOST else " (this machine only; --host 0.0.0.0 or --share to open it up)"),
+          file=sys.stderr)
+    try:
+        demo.block_thread()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        demo.close()
     return 0
 
 
