@@ -174,7 +174,7 @@ def build_app(runtime, *, max_new: int = 256):
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     import gradio as gr
 
-    from prove_local.engine import MODES, Settings
+    from prove_local.engine import MODES, Settings, summarize
 
     from . import view
     from .runtime import Session, UIError, compare_with_ar, run_turn
@@ -187,8 +187,15 @@ def build_app(runtime, *, max_new: int = 256):
 
     # ------------------------------------------------------------------ rendering helpers
     def messages_of(sess):
-        return [view.Message(t.user, t.view.spans, view.stats_line(t.stats, t.settings.mode), t.running, t.note)
+        return [view.Message(t.user, t.view.spans, view.stats_line(live_stats(t), t.settings.mode), t.running, t.note)
                 for t in sess.turns]
+
+    def live_stats(t):
+        """The finished answer's statistics, or those of the cycles so far while it streams."""
+        if t.stats or not t.view.cycles:
+            return t.stats
+        cycles = list(t.view.cycles)
+        return summarize(cycles, sum(c.seconds for c in cycles))
 
     def chat(sess):
         return view.chat_html(messages_of(sess), sess.selected, placeholder)
@@ -210,16 +217,16 @@ def build_app(runtime, *, max_new: int = 256):
                                    turn=t, n_cycles=len(cycles))
 
     def stats(sess):
-        if not sess.turns or not sess.turns[-1].stats:
+        st = live_stats(sess.turns[-1]) if sess.turns else None
+        if not st:
             return ""
         t = sess.turns[-1]
-        st = t.stats
         passes = ", ".join(f"{r} {n}" for r, n in st["n_passes"].items())
         ppt = ", ".join(f"{r} {v:.2f}" for r, v in st["passes_per_token"].items())
         return (f'<div class="stats"><b>last answer</b> · {view.esc(view.MODE_LABELS[t.settings.mode])} · '
                 f'{st["n_tokens"]} tokens in {st["n_cycles"]} cycles · <b>{st["tokens_per_cycle"]:.2f} tokens/cycle</b> · '
                 f'<b>{st["tokens_per_second"]:.1f} tokens/s</b> · passes: {passes} · passes/token: {ppt} · '
-                f'stop: {st["stop"]}</div>')
+                f'stop: {st["stop"] or "running…"}</div>')
 
     def cycle_number(sess):
         return (sess.selected[1] + 1) if sess.selected else 1
