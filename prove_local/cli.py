@@ -42,7 +42,9 @@ def add_run_parser(sub) -> None:
     p.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("--n-gpu-layers", type=int, help="layers to offload (default: all when llama.cpp has a GPU backend, else 0)")
     p.add_argument("--flash-attn", action="store_true", help="use flash attention")
-    p.add_argument("--kv-type", default="f16", choices=("f32", "f16", "q8_0", "q4_0"), help="KV cache type (default f16)")
+    p.add_argument("--kv-type", choices=("f32", "f16", "q8_0", "q4_0"),
+                   help="KV cache type (default: f32 for F32 models, so that batched and one-token "
+                        "evaluation agree exactly; f16 otherwise)")
     p.add_argument("--json", action="store_true", help="print one JSON object per answer instead of streamed text")
     p.add_argument("--no-color", action="store_true", help="no colors even on a terminal")
     p.set_defaults(func=cmd_run)
@@ -68,8 +70,9 @@ def load_engine(args):
     prop = Model(model, **kw)
     ver = Model(verifier, **kw) if verifier else None
     draft = (prop if Path(args.draft) == model else Model(args.draft, **kw)) if args.draft else None
+    kv = args.kv_type or ("f32" if prop.meta("general.file_type") == "0" else "f16")
     return Engine.load(prop, ver, draft, mask_token=args.mask_token, n_ctx=args.ctx, n_threads=args.threads,
-                       flash_attn=args.flash_attn, type_k=args.kv_type, type_v=args.kv_type), prop
+                       flash_attn=args.flash_attn, type_k=kv, type_v=kv), prop
 
 
 def answer(engine, model, prompt_tokens, settings, out, color: bool):
