@@ -205,7 +205,14 @@ class Context:
         self.n_ctx = min(n_ctx, ll.llama_n_ctx(self._ctx))
         self.n_batch = ll.llama_n_batch(self._ctx)
         self.n_vocab = model.n_vocab
-        self._batch = ll.llama_batch_init(n_batch, 0, 1)
+        self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
+        # numpy views of the batch arrays: filled by slices, not token by token through ctypes
+        self._tok = np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,))
+        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
+        self._out = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
+        np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self.n_batch,))[:] = 1
+        for i in range(self.n_batch):
+            self._batch.seq_id[i][0] = 0
         self.n_past = 0
         self.n_decode = 0          # llama_decode calls, i.e. forward passes
         self.decode_seconds = 0.0  # time spent inside llama_decode
@@ -219,35 +226,29 @@ class Context:
         if self.n_past + len(tokens) > self.n_ctx:
             raise ContextFull(f"{self.n_past} + {len(tokens)} tokens do not fit the {self.n_ctx}-token context")
         out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
-        wanted = set(rows)
+        wanted = np.zeros(len(tokens), dtype=np.int8)
+        wanted[rows] = 1
         done = 0
         for start in range(0, len(tokens), self.n_batch):
-            chunk = tokens[start:start + self.n_batch]
-            b = self._batch
-            b.n_tokens = len(chunk)
-            chunk_rows = []
-            for i, tok in enumerate(chunk):
-                b.token[i] = tok
-                b.pos[i] = self.n_past + i
-                b.n_seq_id[i] = 1
-                b.seq_id[i][0] = 0
-                b.logits[i] = (start + i) in wanted
-                if b.logits[i]:
-                    chunk_rows.append(start + i)
+            n = min(self.n_batch, len(tokens) - start)
+            self._batch.n_tokens = n
+            self._tok[:n] = tokens[start:start + n]
+            self._pos[:n] = np.arange(self.n_past, self.n_past + n)
+            self._out[:n] = wanted[start:start + n]
+            n_rows = int(wanted[start:start + n].sum())
             t0 = time.perf_counter()
-            rc = ll.llama_decode(self._ctx, b)
+            rc = ll.llama_decode(self._ctx, self._batch)
             self.decode_seconds += time.perf_counter() - t0
             self.n_decode += 1
             if rc != 0:
                 # a failed decode leaves the cache as it was before this chunk
                 raise LlamaError(f"llama_decode failed with code {rc} at position {self.n_past} "
                                  f"({'no KV slot' if rc == 1 else _last_log()})")
-            self.n_past += len(chunk)
-            if chunk_rows:
+            self.n_past += n
+            if n_rows:
                 ptr = ll.llama_get_logits(self._ctx)
-                block = np.ctypeslib.as_array(ptr, shape=(len(chunk_rows), self.n_vocab))
-                out[done:done + len(chunk_rows)] = block
-                done += len(chunk_rows)
+                out[done:done + n_rows] = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
+                done += n_rows
         if rows != sorted(rows):  # rows come back in batch order
             out = out[np.argsort(np.argsort(rows))]
         return out
