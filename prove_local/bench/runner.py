@@ -60,11 +60,12 @@ def make_runs(modes: list[str], *, max_new: int, block: int | None, thetas: list
     return runs
 
 
-def measure_pass_cost(model: Model, context_options: dict, fill: list[int], *, ns=PASS_COST_NS, reps: int = 5,
-                      n_fill: int = 256, seed: int = 0) -> dict[int, float]:
+def measure_pass_cost(model: Model, context_options: dict, fill: list[int], *, ns=PASS_COST_NS, reps: int = 3,
+                      n_fill: int = 256, settle: int = 3, timed: int = 2, seed: int = 0) -> dict[int, float]:
     """Median seconds inside llama_decode of one pass of n tokens (logits on every row) after a
-    context of `n_fill` tokens, for each n; the n are shuffled within each repetition so that
-    drift spreads over all of them."""
+    context of `n_fill` tokens, for each n, in the steady state: per repetition `settle` untimed
+    passes of that width, then `timed` timed ones. The n are shuffled within each repetition so
+    that drift spreads over all of them."""
     opts = dict(context_options)
     opts["n_ctx"] = n_fill + max(ns) + 8
     ctx = Context(model, **opts)
@@ -79,10 +80,15 @@ def measure_pass_cost(model: Model, context_options: dict, fill: list[int], *, n
             order = list(ns)
             rng.shuffle(order)
             for n in order:
-                before = ctx.decode_seconds
-                ctx.eval(tokens[n_fill:n_fill + n], rows=list(range(n)))
-                times[n].append(ctx.decode_seconds - before)
-                ctx.truncate(n_fill)
+                # untimed passes of the same width first: right after a pass of another width, a
+                # pass costs up to 2x more (caches, graph re-planning) and settles over a few
+                # passes. Decoding repeats the same shapes, so the steady state is what it pays.
+                for k in range(settle + timed):
+                    before = ctx.decode_seconds
+                    ctx.eval(tokens[n_fill:n_fill + n], rows=list(range(n)))
+                    if k >= settle:
+                        times[n].append(ctx.decode_seconds - before)
+                    ctx.truncate(n_fill)
         return {n: median(t) for n, t in times.items()}
     finally:
         ctx.close()
@@ -98,7 +104,7 @@ def generate_once(engine: Engine, tokens: list[int], settings: Settings) -> tupl
 
 def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], prompt_tokens: list[list[int]],
               runs: list[Run], *, context_options: dict, warmup: int = 16, pass_cost: bool = True,
-              pass_cost_reps: int = 5, pass_cost_max: int = 64, progress: bool = True) -> BenchData:
+              pass_cost_reps: int = 3, pass_cost_max: int = 64, progress: bool = True) -> BenchData:
     """Warm-up, pass-cost curves, then for each prompt every run once, the run order rotated from
     one prompt to the next (A B C, B C A, ...) so that drift hits all runs alike."""
     from tqdm import tqdm
