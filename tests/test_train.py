@@ -154,8 +154,8 @@ def test_miniature_training_run_end_to_end(tmp_path):
         "--vocab", "320", "--hidden", "48", "--layers", "2", "--inter", "96", "--heads", "4",
         "--kv-heads", "2", "--v-hidden", "32", "--v-layers", "1", "--v-heads", "2", "--v-kv-heads", "1",
         "--v-inter", "64", "--stage1-epochs", "3", "--stage2-epochs", "2", "--verifier-epochs", "2",
-        "--max-tokens", "2048", "--warmup", "2", "--eval-every", "0", "--final-eval-n", "4",
-        "--jobs", "1", "--threads", "2", "--no-progress", "--bf16", "0",
+        "--max-tokens", "2048", "--warmup", "2", "--eval-every", "1000", "--final-eval-n", "4",
+        "--jobs", "1", "--threads", "2", "--no-progress", "--bf16", "1",
     ])
     for name in ("proposer", "verifier", "baseline"):
         assert (out / "hf" / name / "model.safetensors").exists(), name
@@ -166,6 +166,10 @@ def test_miniature_training_run_end_to_end(tmp_path):
     assert np.isfinite(ev["proposer_vs_baseline_dev_ar_loss_rel"])
     losses = [r["loss"] for r in json.loads((out / "curves" / "proposer_stage1_ar.json").read_text())["log"]]
     assert losses[-1] < losses[0]  # it learns
+    # the saved weights are the trained ones: the bf16-autocast dev loss measured inside the training
+    # loop matches the F32 dev loss of the saved folder (guards against stale autocast weight caches)
+    in_loop = json.loads((out / "curves" / "verifier_ar.json").read_text())["log"][-1]["eval"]["dev_ar_loss"]
+    assert abs(in_loop - ev["verifier"]["dev_ar_loss_f32"]) < 0.05
 
     tok = Tokenizer.from_file(str(out / "hf" / "proposer" / "tokenizer.json"))
     prompt = "<|im_start|>user\nTom has 3 apples and buys 5 more. How many?<|im_end|>\n<|im_start|>assistant\n"

@@ -57,8 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--v-kv-heads", type=int, default=1)
     p.add_argument("--v-inter", type=int, default=576)
     # schedule, in epochs over the training data (converted to a fixed number of steps)
-    p.add_argument("--stage1-epochs", type=float, default=0.75)
-    p.add_argument("--stage2-epochs", type=float, default=1.25)
+    p.add_argument("--stage1-epochs", type=float, default=0.6)
+    p.add_argument("--stage2-epochs", type=float, default=1.0)
     p.add_argument("--verifier-epochs", type=float, default=2.0)
     p.add_argument("--max-tokens", type=int, default=4096, help="padded tokens per batch")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -125,7 +125,9 @@ class _Ctx:
         self.dev = load_examples(self.tok, a.dev_data) if Path(a.dev_data).exists() else []
 
     def autocast(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(self.a.bf16))
+        # cache_enabled=False: the stage loop runs inside one autocast region, and autocast's weight
+        # cache would otherwise keep serving the bf16 copies cast at the first step (stale weights).
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(self.a.bf16), cache_enabled=False)
 
     def eval_fn(self, mars: bool):
         dev = self.dev[: self.a.eval_n]
