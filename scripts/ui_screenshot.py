@@ -35,7 +35,9 @@ def main() -> int:
     ap.add_argument("--mode", help="decoding mode to select (default: the page's default)")
     ap.add_argument("--question", default=QUESTION)
     ap.add_argument("-n", "--max-new", type=int, default=160)
-    ap.add_argument("--threads", type=int)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU threads per context (default 1: the embedded models are tiny, and on shared cores "
+                         "more threads mostly wait for each other)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "ui-screenshot.png"))
     ap.add_argument("--chromium", default="/usr/bin/chromium")
     a = ap.parse_args()

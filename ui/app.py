@@ -27,7 +27,7 @@ CSS = """
 .gradio-container {max-width: 1280px !important; margin: auto;}
 #title h1 {margin-bottom: 0;}
 #models {color: var(--body-text-color-subdued); font-size: 0.9em;}
-.chat-scroll {height: 400px; overflow-y: auto; display: flex; flex-direction: column-reverse;
+.chat-scroll {height: 360px; overflow-y: auto; display: flex; flex-direction: column-reverse;
   border: 1px solid var(--border-color-primary); border-radius: 10px; padding: 10px;
   background: var(--background-fill-secondary);}
 .chat-empty {margin: auto; color: var(--body-text-color-subdued);}
@@ -63,8 +63,8 @@ CSS = """
 .ctx-label {font-family: var(--font); font-weight: 600; margin-right: 6px;}
 .cursor {color: #db2777;}
 .insp-table {overflow-x: auto;}
-.insp-table table {border-collapse: collapse; font-size: 0.82em; width: auto; margin: 0;}
-.insp-table th, .insp-table td {border: 1px solid var(--border-color-primary); padding: 3px 6px;
+.insp-table table {border-collapse: collapse; font-size: 0.78em; width: auto; margin: 0;}
+.insp-table th, .insp-table td {border: 1px solid var(--border-color-primary); padding: 2px 4px;
   text-align: center; white-space: nowrap; font-variant-numeric: tabular-nums;}
 .insp-table th.rowhead {text-align: right; background: var(--background-fill-secondary);}
 .tok {font-family: var(--font-mono); padding: 1px 4px; border-radius: 3px; white-space: pre;}
