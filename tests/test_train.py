@@ -193,3 +193,12 @@ def test_miniature_training_run_end_to_end(tmp_path):
             model.close()
         assert np.ptp(want) > 0.5  # not flat
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-3)
+
+    # and the exported proposer decodes exactly: lossless equals ar on llama.cpp
+    from prove_local.engine import Engine, Settings
+    prop = Model(models / PROPOSER_GGUF)
+    engine = Engine.load(prop, n_ctx=512, n_threads=2, type_k="f32", type_v="f32")
+    prompt_ids = prop.tokenize(prompt)
+    out_ids = {mode: [t for c in engine.generate(prompt_ids, Settings(mode=mode, max_new=48)) for t in c.committed]
+               for mode in ("ar", "lossless")}
+    assert out_ids["lossless"] == out_ids["ar"] and len(out_ids["ar"]) > 0
