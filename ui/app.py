@@ -164,7 +164,7 @@ def cmd_ui(args) -> int:
 def launch(demo, runtime, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, share: bool = False, **kw):
     import gradio as gr
 
-    demo.queue(default_concurrency_limit=len(runtime._engines))
+    demo.queue(default_concurrency_limit=runtime.parallel)
     return demo.launch(server_name=host, server_port=port, share=bool(share), ssr_mode=False, mcp_server=False,
                        css=CSS, head=HEAD, theme=gr.themes.Soft(primary_hue="indigo"), show_error=False, footer_links=["gradio"], **kw)
 
@@ -179,7 +179,7 @@ def build_app(runtime, *, max_new: int = 256):
     from . import view
     from .runtime import Session, UIError, compare_with_ar, run_turn
 
-    parallel = len(runtime._engines)
+    parallel = runtime.parallel
     modes = runtime.modes
     default_mode = runtime.default_mode if runtime.default_mode in modes else (modes[0] if modes else "ar")
     placeholder = ("Ask something, e.g. a GSM8K question. Each cycle's committed tokens get one color; "
@@ -380,9 +380,8 @@ def build_app(runtime, *, max_new: int = 256):
         pick_box = gr.Textbox(elem_id="pick", visible="hidden", show_label=False)
 
         gen_outputs = [chat_box, stats_box, insp_box, cycle_no, banner, compare_box, box, state]
-        send_event = gr.on([send_btn.click, box.submit], send,
-                           [box, mode, theta, tau, block, max_new, draft_k, state], gen_outputs,
-                           concurrency_limit=parallel, concurrency_id="decode", show_progress="hidden")
+        gr.on([send_btn.click, box.submit], send, [box, mode, theta, tau, block, max_new, draft_k, state],
+              gen_outputs, concurrency_limit=parallel, concurrency_id="decode", show_progress="hidden")
         stop_btn.click(stop, state, state, queue=False, show_progress="hidden")
         clear_btn.click(clear, state, [chat_box, stats_box, insp_box, cycle_no, banner, compare_box, state],
                         queue=False, show_progress="hidden")
@@ -394,5 +393,4 @@ def build_app(runtime, *, max_new: int = 256):
         prev_btn.click(step(-1), state, sel_outputs, queue=False, show_progress="hidden")
         next_btn.click(step(1), state, sel_outputs, queue=False, show_progress="hidden")
         mode.change(mode_changed, mode, [theta, tau, block, draft_k], queue=False, show_progress="hidden")
-        del send_event
     return demo

@@ -96,6 +96,11 @@ class Runtime:
                            **self.context_options)
 
     @property
+    def parallel(self) -> int:
+        """Requests that can decode at the same time (one engine each)."""
+        return len(self._engines)
+
+    @property
     def modes(self) -> list[str]:
         return [m for m in MODES if m not in self.mode_errors] if self.error is None else []
 
