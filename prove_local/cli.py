@@ -38,7 +38,7 @@ def add_run_parser(sub) -> None:
     p.add_argument("-n", "--max-new", type=int, default=256, help="max new tokens per answer (default 256)")
     p.add_argument("--raw", action="store_true", help="plain completion of the prompt, no chat template")
     p.add_argument("--system", help="system message for the chat template")
-    p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    p.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 30M parameters, else all cores)")
     p.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("--n-gpu-layers", type=int, help="layers to offload (default: all when llama.cpp has a GPU backend, else 0)")
     p.add_argument("--flash-attn", action="store_true", help="use flash attention")

@@ -27,7 +27,7 @@ MASK = "<|mask|>"
 def logits(gguf_path: Path, ids: list[int]) -> np.ndarray:
     """Every row's logits from llama.cpp with an F32 KV cache and flash attention off."""
     model = Model(gguf_path)
-    ctx = Context(model, n_ctx=256, n_threads=2, type_k="f32", type_v="f32", flash_attn=False)
+    ctx = Context(model, n_ctx=256, n_threads=1, type_k="f32", type_v="f32", flash_attn=False)
     try:
         return ctx.eval(ids, list(range(len(ids))))
     finally:

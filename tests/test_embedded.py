@@ -23,7 +23,7 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def pair():
     prop, ver = Model(EMBEDDED_PROPOSER), Model(EMBEDDED_VERIFIER)
-    return prop, ver, Engine.load(prop, ver, ver, n_ctx=1024, n_threads=2, type_k="f32", type_v="f32")
+    return prop, ver, Engine.load(prop, ver, ver, n_ctx=1024, n_threads=1, type_k="f32", type_v="f32")
 
 
 def test_shipped_files_carry_their_metadata(pair):
@@ -49,12 +49,12 @@ def test_exact_modes_equal_ar_on_the_shipped_pair(pair):
 
 def test_default_run_uses_the_embedded_proposer():
     r = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", "-p", QUESTIONS[2], "-n", "48", "--json",
-                        "--threads", "2"], capture_output=True, text=True, timeout=300)
+                        "--threads", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["mode"] == "lossless" and out["n_passes"] == {"proposer": 2 * out["n_cycles"]}
     assert out["token_ids"] and out["text"]
     r = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", "-p", QUESTIONS[2], "-n", "48", "--json",
-                        "--threads", "2", "--mode", "prove"], capture_output=True, text=True, timeout=300)
+                        "--threads", "1", "--mode", "prove"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert set(json.loads(r.stdout)["n_passes"]) == {"proposer", "verifier"}

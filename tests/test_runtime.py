@@ -22,7 +22,7 @@ PROMPTS = [
     "Question: how many apples?", "x = [1, 2, 3]", "The quick brown fox", "#### 72", "<think>hmm</think>",
     "Weng earns $12 an hour.", "A\nB\nC", "if (a && b) { return; }",
 ]
-F32 = dict(n_ctx=512, n_threads=2, type_k="f32", type_v="f32")
+F32 = dict(n_ctx=512, n_threads=1, type_k="f32", type_v="f32")
 
 
 @pytest.fixture(scope="module")
@@ -150,14 +150,14 @@ def test_interrupted_generation_then_next_request(models):
 
 def test_prompt_longer_than_context(models):
     prop = models[0]
-    e = Engine.load(prop, n_ctx=32, n_threads=2)
+    e = Engine.load(prop, n_ctx=32, n_threads=1)
     with pytest.raises(ContextFull, match="prompt has 40 tokens"):
         generate(e, [5] * 40, mode="ar")
 
 
 def test_context_fills_up_cleanly(models):
     prop = models[0]
-    e = Engine.load(prop, n_ctx=64, n_threads=2, type_k="f32", type_v="f32")
+    e = Engine.load(prop, n_ctx=64, n_threads=1, type_k="f32", type_v="f32")
     prompt = prop.tokenize("The cat sat on the mat.")
     cycles, out = generate(e, prompt, mode="lossless", max_new=500, block=8)
     assert cycles[-1].stop == "context" and len(prompt) + len(out) == 64
@@ -200,13 +200,13 @@ def cli(*args):
 
 def test_cli_json_and_errors(models, tmp_path):
     prop = models[0]
-    r = cli("run", str(prop.path), "-p", "Hello there", "-n", "20", "--json", "--threads", "2", "--kv-type", "f32")
+    r = cli("run", str(prop.path), "-p", "Hello there", "-n", "20", "--json", "--threads", "1", "--kv-type", "f32")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for key in ("mode", "text", "token_ids", "n_cycles", "n_passes", "tokens_per_cycle", "seconds", "tokens_per_second"):
         assert key in out
     assert out["mode"] == "lossless" and 0 < len(out["token_ids"]) <= 20
-    r2 = cli("run", str(prop.path), "-p", "Hello there", "-n", "20", "--json", "--mode", "ar", "--threads", "2", "--kv-type", "f32")
+    r2 = cli("run", str(prop.path), "-p", "Hello there", "-n", "20", "--json", "--mode", "ar", "--threads", "1", "--kv-type", "f32")
     assert json.loads(r2.stdout)["token_ids"] == out["token_ids"]
 
     r = cli("run", str(tmp_path / "nope.gguf"), "-p", "hi")
@@ -226,7 +226,7 @@ def test_cli_interactive_chat_survives_ctrl_c(models):
     import time
     proc = subprocess.Popen(
         [sys.executable, "-u", "-m", "prove_local.cli", "run", str(models[0].path), "-n", "1500", "--ctx", "4096",
-         "--threads", "2", "--no-color"],
+         "--threads", "1", "--no-color"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     import threading

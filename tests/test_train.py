@@ -155,7 +155,7 @@ def test_miniature_training_run_end_to_end(tmp_path):
         "--kv-heads", "2", "--v-hidden", "32", "--v-layers", "1", "--v-heads", "2", "--v-kv-heads", "1",
         "--v-inter", "64", "--stage1-epochs", "3", "--stage2-epochs", "2", "--verifier-epochs", "2",
         "--max-tokens", "2048", "--warmup", "2", "--eval-every", "1000", "--final-eval-n", "4",
-        "--jobs", "1", "--threads", "2", "--no-progress", "--bf16", "1",
+        "--jobs", "1", "--threads", "1", "--no-progress", "--bf16", "1",
     ])
     for name in ("proposer", "verifier", "baseline"):
         assert (out / "hf" / name / "model.safetensors").exists(), name
@@ -181,7 +181,7 @@ def test_miniature_training_run_end_to_end(tmp_path):
         with torch.no_grad():
             want = ref(torch.tensor([ids]))[0].numpy()
         model = Model(path)
-        ctx = Context(model, n_ctx=256, n_threads=2, type_k="f32", type_v="f32", flash_attn=False)
+        ctx = Context(model, n_ctx=256, n_threads=1, type_k="f32", type_v="f32", flash_attn=False)
         try:
             got = ctx.eval(ids, list(range(len(ids))))
             assert model.meta("prove.role") == role
@@ -197,7 +197,7 @@ def test_miniature_training_run_end_to_end(tmp_path):
     # and the exported proposer decodes exactly: lossless equals ar on llama.cpp
     from prove_local.engine import Engine, Settings
     prop = Model(models / PROPOSER_GGUF)
-    engine = Engine.load(prop, n_ctx=512, n_threads=2, type_k="f32", type_v="f32")
+    engine = Engine.load(prop, n_ctx=512, n_threads=1, type_k="f32", type_v="f32")
     prompt_ids = prop.tokenize(prompt)
     out_ids = {mode: [t for c in engine.generate(prompt_ids, Settings(mode=mode, max_new=48)) for t in c.committed]
                for mode in ("ar", "lossless")}
