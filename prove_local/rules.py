@@ -61,7 +61,7 @@ def propose(ctx, tokens: list[int], block: int, mask: int):
     return top1(logits)
 
 
-def _leading(ok) -> int:
+def leading_run(ok) -> int:
     """Length of the leading run of True."""
     ok = np.asarray(ok, dtype=bool)
     return int(ok.argmin()) if not ok.all() else len(ok)
@@ -82,7 +82,7 @@ def lossless_cycle(ctx, tokens: list[int], block: int, mask: int) -> Cycle:
     logits = ctx.eval(d.tolist(), rows=list(range(block)))
     g, _ = top1(logits)
     q = prob_of(logits[:-1], d[1:])
-    n = 1 + _leading(d[1:] == g[:-1])
+    n = 1 + leading_run(d[1:] == g[:-1])
     ctx.truncate(len(tokens) + n)                # keep d[:n]; g[n-1] stays pending
     committed = d[:n].tolist() + [int(g[n - 1])]
     return Cycle(d.tolist(), p.tolist(), [float(p[0])] + q.tolist(), committed, n, {"proposer": 2})
@@ -97,7 +97,7 @@ def prove_cycle(ctx_prop, ctx_ver, tokens: list[int], block: int, mask: int, the
     feed = pending + d[:-1].tolist()
     logits = ctx_ver.eval(feed, rows=list(range(len(pending) - 1, len(feed))))
     q = prob_of(logits, d)
-    n = max(1, _leading(p * q >= theta))
+    n = max(1, leading_run(p * q >= theta))
     ctx_ver.truncate(len(tokens) + n - 1)         # keep d[:n-1]; d[n-1] stays pending
     return Cycle(d.tolist(), p.tolist(), q.tolist(), d[:n].tolist(), n, {"proposer": 1, "verifier": 1})
 
@@ -105,7 +105,7 @@ def prove_cycle(ctx_prop, ctx_ver, tokens: list[int], block: int, mask: int, the
 def mars_cycle(ctx, tokens: list[int], block: int, mask: int, tau: float) -> Cycle:
     """MARS confidence rule: commit the leading run with p_i >= tau, at least one. One pass."""
     d, p = propose(ctx, tokens, block, mask)
-    n = max(1, _leading(p >= tau))
+    n = max(1, leading_run(p >= tau))
     return Cycle(d.tolist(), p.tolist(), None, d[:n].tolist(), n, {"proposer": 1})
 
 
@@ -121,7 +121,7 @@ def spec_cycle(ctx_tgt, ctx_draft, tokens: list[int], k: int) -> Cycle:
     pending = _pending(ctx_tgt, tokens)
     logits = ctx_tgt.eval(pending + x, rows=list(range(len(pending) - 1, len(pending) + k)))
     g, _ = top1(logits)
-    n = _leading(np.array(x) == g[:k])
+    n = leading_run(np.array(x) == g[:k])
     ctx_tgt.truncate(len(tokens) + n)
     ctx_draft.truncate(min(ctx_draft.n_past, len(tokens) + n))
     q = prob_of(logits[:k], x).tolist() if k else []

@@ -16,6 +16,7 @@ import html
 from dataclasses import dataclass, field
 
 from prove_local.engine import TextStream
+from prove_local.rules import leading_run
 
 MODE_LABELS = {
     "ar": "AR (greedy)",
@@ -101,14 +102,6 @@ class SlotRow:
     status: str             # "committed", "dropped", "correction" or "bonus"
 
 
-def _leading(flags) -> int:
-    n = 0
-    for f in flags:
-        if not f:
-            break
-        n += 1
-    return n
-
 
 def token_label(raw: bytes) -> str:
     """Display text of one token's bytes: visible whitespace, escaped partial UTF-8."""
@@ -136,7 +129,7 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
         else:
             ok = [p[i] >= tau for i in range(k)]
             name, thr = "p̃", f"τ = {tau:g}"
-        first_fail = _leading(ok)
+        first_fail = leading_run(ok)
         run = max(1, first_fail)
     for i in range(k):
         qi = q[i] if q is not None else None
