@@ -151,15 +151,20 @@ def cmd_bench(args) -> int:
                      pass_cost=not args.no_pass_cost, pass_cost_reps=args.pass_cost_reps,
                      pass_cost_max=args.pass_cost_max, progress=not args.quiet)
     block = args.block or engine.block_size
+    try:
+        from ..llama import default_threads
+        threads = args.threads or default_threads(models["proposer"])
+    except ImportError:   # older llama layer: all cores
+        threads = args.threads
     meta = {
         "command": canonical_command(args),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(args.threads),
+        "machine": machine_info(threads),
         "models": {role: {"path": str(m.path), "n_params": m.n_params, "n_vocab": m.n_vocab,
                           "mask_token": (engine.mask_token if role == "proposer" else m.mask_token),
                           "block_size": m.block_size} for role, m in models.items()},
         "settings": {"modes": modes, "max_new": args.max_new, "block": block, "theta": thetas, "tau": args.tau,
-                     "draft_k": args.draft_k, "ctx": args.ctx, "kv_type": kv, "threads": args.threads,
+                     "draft_k": args.draft_k, "ctx": args.ctx, "kv_type": kv, "threads": threads,
                      "n_gpu_layers": ngl, "warmup": args.warmup, "chat_template": not args.raw},
         "data": {"paths": [str(p) for p in args.data], "limit": args.limit},
         "bins": args.bins,
