@@ -35,14 +35,25 @@ def top1(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Argmax per row and its softmax probability, vectorised over rows."""
     ids = logits.argmax(axis=1)
     z = logits - logits[np.arange(len(ids)), ids][:, None]
-    return ids, 1.0 / np.exp(z).sum(axis=1)
+    np.exp(z, out=z)
+    return ids, 1.0 / z.sum(axis=1)
 
 
 def prob_of(logits: np.ndarray, ids) -> np.ndarray:
     """Softmax probability of ids[i] under row i."""
-    m = logits.max(axis=1, keepdims=True)
-    e = np.exp(logits - m)
-    return e[np.arange(len(ids)), ids] / e.sum(axis=1)
+    z = logits - logits.max(axis=1, keepdims=True)
+    np.exp(z, out=z)
+    return z[np.arange(len(ids)), ids] / z.sum(axis=1)
+
+
+def greedy_and_prob(logits: np.ndarray, ids) -> tuple[np.ndarray, np.ndarray]:
+    """Argmax of every row, and the probability of ids[i] under row i for the first len(ids)
+    rows: one softmax for the verify pass (a 152k-vocab softmax costs real time next to a pass)."""
+    g = logits.argmax(axis=1)
+    k = len(ids)
+    z = logits[:k] - logits[np.arange(k), g[:k]][:, None]   # the row max is at the argmax
+    np.exp(z, out=z)
+    return g, z[np.arange(k), ids] / z.sum(axis=1)
 
 
 def _pending(ctx, tokens: list[int]) -> list[int]:
@@ -80,8 +91,7 @@ def lossless_cycle(ctx, tokens: list[int], block: int, mask: int) -> Cycle:
     the first mismatch (or after a full match) is committed too: every token is greedy AR's."""
     d, p = propose(ctx, tokens, block, mask)
     logits = ctx.eval(d.tolist(), rows=list(range(block)))
-    g, _ = top1(logits)
-    q = prob_of(logits[:-1], d[1:])
+    g, q = greedy_and_prob(logits, d[1:])
     n = 1 + leading_run(d[1:] == g[:-1])
     ctx.truncate(len(tokens) + n)                # keep d[:n]; g[n-1] stays pending
     committed = d[:n].tolist() + [int(g[n - 1])]
@@ -120,9 +130,8 @@ def spec_cycle(ctx_tgt, ctx_draft, tokens: list[int], k: int) -> Cycle:
         feed = x[-1:]
     pending = _pending(ctx_tgt, tokens)
     logits = ctx_tgt.eval(pending + x, rows=list(range(len(pending) - 1, len(pending) + k)))
-    g, _ = top1(logits)
+    g, q = greedy_and_prob(logits, x)
     n = leading_run(np.array(x) == g[:k])
     ctx_tgt.truncate(len(tokens) + n)
     ctx_draft.truncate(min(ctx_draft.n_past, len(tokens) + n))
-    q = prob_of(logits[:k], x).tolist() if k else []
-    return Cycle(x, px, q, x[:n] + [int(g[n])], n, {"draft": k, "proposer": 1})
+    return Cycle(x, px, q.tolist(), x[:n] + [int(g[n])], n, {"draft": k, "proposer": 1})
