@@ -117,6 +117,16 @@ def test_passes_tokens_per_cycle_and_measured_cost():
     assert stats.measured_cycle_cost(ll, []) is None
 
 
+def test_loop_share():
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8]      # the second 8-gram repeats the first
+    assert stats.loop_share([a]) == pytest.approx(8 / 16)
+    b = list(range(20))                                       # no repeat
+    assert stats.loop_share([b]) == 0.0
+    assert stats.loop_share([a, b]) == pytest.approx(8 / 36)
+    assert stats.loop_share([[7] * 10]) == pytest.approx(0.9)  # every 8-gram after the first repeats it
+    assert stats.loop_share([]) is None
+
+
 def test_pass_cost_curve_projection():
     curve = {1: 1.0, 2: 1.5, 4: 2.0, 8: 4.0, 16: 8.0}
     assert stats.curve_ratio(curve, 4) == 2.0

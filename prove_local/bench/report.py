@@ -122,6 +122,7 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
             "accuracy_by_family": fam_acc,
             "speedup_by_family": fam_speed,
             "overhead_share": _r(stats.overhead_share(cycles)),
+            "loop_share": _r(stats.loop_share([g.tokens for g in gens_ok])),
         }
         modes[name] = entry
         if s.mode == "prove":
@@ -227,10 +228,11 @@ def modes_table(res: dict) -> str:
                      stats.fmt(m["cycle_cost"]["measured"], 2), stats.fmt(m["cycle_cost"]["projected"], 2),
                      stats.fmt(m["projected_speedup"]["curve"], 2, "×"), stats.fmt(m["projected_speedup"]["flat"], 2, "×"),
                      _pct(m["exact_match_vs_ar"]),
-                     _pct(m["accuracy"]) + (f" (n={m['n_checkable']})" if m["n_checkable"] else "")])
+                     _pct(m["accuracy"]) + (f" (n={m['n_checkable']})" if m["n_checkable"] else ""),
+                     _pct(m.get("loop_share"))])
     return _table(["run", "tokens/s", "speedup (median)", "speedup (totals)", "tokens/cycle", "passes/token",
                    "cycle cost", "cycle cost (curve)", "projected speedup", "flat-curve speedup",
-                   "= ar output", "accuracy"], rows)
+                   "= ar output", "accuracy", "in loops"], rows)
 
 
 def summary_markdown(res: dict) -> str:

@@ -64,13 +64,21 @@ def common_prefix(a, b) -> int:
     return i
 
 
-def leading_run(flags) -> int:
-    n = 0
-    for f in flags:
-        if not f:
-            break
-        n += 1
-    return n
+def loop_share(outputs: list[list[int]], n: int = 8) -> float | None:
+    """Share of generated tokens inside a repeated n-gram (an n-gram that already occurred earlier
+    in the same output): how much of the text is the model looping. Tokens per cycle earned by
+    looping do not count as proposal quality."""
+    looped = total = 0
+    for ids in outputs:
+        seen, inside = set(), np.zeros(len(ids), dtype=bool)
+        for i in range(len(ids) - n + 1):
+            gram = tuple(ids[i:i + n])
+            if gram in seen:
+                inside[i:i + n] = True
+            seen.add(gram)
+        looped += int(inside.sum())
+        total += len(ids)
+    return looped / total if total else None
 
 
 # --------------------------------------------------------------------- per-slot greedy labels
