@@ -1,6 +1,7 @@
 """results.json, summary.md and plots from a finished benchmark (all writes atomic)."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import tempfile
@@ -36,19 +37,11 @@ def write_atomic(path: Path, data: bytes | str) -> None:
 
 
 def _save_fig(fig, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png", dpi=80)
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    write_atomic(path, buf.getvalue())
 
 
-# --------------------------------------------------------------------------------- results
 def _r(x, d=4):
     return None if x is None else round(float(x), d)
 
