@@ -16,6 +16,7 @@ from .llama import Context, ContextFull, Model
 
 MODES = ("ar", "lossless", "prove", "mars", "spec")
 MODE_NEEDS = {"lossless": "mask", "prove": "mask", "mars": "mask"}
+MODE_CONTEXTS = {"prove": ("proposer", "verifier"), "spec": ("proposer", "draft")}   # others: proposer
 DEFAULT_BLOCK = 16
 
 
@@ -123,7 +124,8 @@ class Engine:
         try:
             t0 = time.perf_counter()
             n_pre = 0
-            for ctx in self.contexts.values():   # prompt prefill: everything but the last token
+            for role in MODE_CONTEXTS.get(s.mode, ("proposer",)):  # prefill: all but the last token
+                ctx = self.contexts[role]
                 n_pre += max(0, len(self.tokens) - 1 - ctx.n_past)
                 if ctx.n_past < len(self.tokens) - 1:
                     ctx.eval(self.tokens[ctx.n_past:-1], rows=[])
