@@ -118,16 +118,13 @@ def write_random_gguf(path: Path, shape: Shape, quant: str = "q4_k_m", seed: int
               "f16": gguf.LlamaFileType.MOSTLY_F16}
     w.add_file_type(ftypes[quant])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_context_length(32768)
-    w.add_embedding_length(shape.hidden)
-    w.add_block_count(shape.layers)
-    w.add_feed_forward_length(shape.intermediate)
-    w.add_head_count(shape.heads)
-    w.add_head_count_kv(shape.kv_heads)
-    w.add_key_length(shape.head_dim)
-    w.add_value_length(shape.head_dim)
-    w.add_rope_freq_base(1e6)
-    w.add_layer_norm_rms_eps(1e-6)
+    from convert.export import _add_hparams
+    from convert.hf import Hparams
+
+    _add_hparams(w, Hparams(arch=gguf.MODEL_ARCH.QWEN2, hidden=shape.hidden, layers=shape.layers, heads=shape.heads,
+                            kv_heads=shape.kv_heads, head_dim=shape.head_dim, intermediate=shape.intermediate,
+                            vocab_size=shape.vocab, context_length=32768, rms_eps=1e-6, rope_theta=1e6,
+                            tied=shape.tied, rope_scaling=None), path)
     # vocabulary: the 256 byte tokens, a merge, three control tokens, then unused padding rows
     tokens = _bytes_to_unicode() + ["Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     types = [gguf.TokenType.NORMAL] * 257 + [gguf.TokenType.CONTROL] * 3
