@@ -250,6 +250,8 @@ def test_build_results_on_synthetic_runs(tmp_path):
     assert m["lossless"]["exact_match_vs_ar"] == 1.0 and m["prove@0.01"]["exact_match_vs_ar"] == 0.0
     assert m["ar"]["accuracy"] == 0.5 and m["prove@0.01"]["accuracy"] == 0.0     # prompt g/1's answer is 99
     assert m["lossless"]["passes_per_token"] == {"proposer": 0.5}
+    assert m["lossless"]["tokens_per_cycle_by_family"] == {"gsm8k": 4.0}
+    assert m["ar"]["loop_share_by_family"] == {"gsm8k": m["ar"]["loop_share"]}
     assert m["lossless"]["cycle_cost"]["measured"] == 2.0
     assert m["lossless"]["cycle_cost"]["projected"] == 4.0 and m["lossless"]["projected_speedup"]["curve"] == 1.0
     assert m["prove@0.1"]["cycle_cost"]["projected_flat"] == 1.5

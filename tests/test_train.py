@@ -202,3 +202,24 @@ def test_miniature_training_run_end_to_end(tmp_path):
     out_ids = {mode: [t for c in engine.generate(prompt_ids, Settings(mode=mode, max_new=48)) for t in c.committed]
                for mode in ("ar", "lossless")}
     assert out_ids["lossless"] == out_ids["ar"] and len(out_ids["ar"]) > 0
+
+
+def test_workers_stop_together():
+    """A failing worker stops its sibling; a worker whose parent is gone exits on its own."""
+    import multiprocessing as mp
+    import sys
+    import time
+
+    from train import pipeline
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=sys.exit, args=(3,), name="fails"),
+             ctx.Process(target=time.sleep, args=(600,), name="sleeps")]
+    with pytest.raises(SystemExit, match=r"fails \(exit code 3\)"):
+        pipeline._run_workers(procs)
+    assert procs[1].exitcode is not None and procs[1].exitcode < 0  # terminated, not finished
+
+    orphan = ctx.Process(target=pipeline._worker, args=(time.sleep, 600, -1))  # -1: never our parent
+    orphan.start()
+    orphan.join(timeout=120)
+    assert orphan.exitcode == 1

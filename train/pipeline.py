@@ -57,9 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--v-kv-heads", type=int, default=1)
     p.add_argument("--v-inter", type=int, default=576)
     # schedule, in epochs over the training data (converted to a fixed number of steps)
-    p.add_argument("--stage1-epochs", type=float, default=0.75)
-    p.add_argument("--stage2-epochs", type=float, default=1.75)
-    p.add_argument("--verifier-epochs", type=float, default=3.0)
+    p.add_argument("--stage1-epochs", type=float, default=3.0)
+    p.add_argument("--stage2-epochs", type=float, default=6.0)
+    p.add_argument("--verifier-epochs", type=float, default=6.0)
     p.add_argument("--max-tokens", type=int, default=4096, help="padded tokens per batch")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--stage2-lr", type=float, default=2e-3)
@@ -340,6 +340,43 @@ def convert_all(a) -> dict:
     return res
 
 
+def _worker(job, a, parent_pid: int):
+    """Run one job in a spawned process that exits if its parent goes away (killed, Ctrl-C)."""
+    import threading
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(2)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+    job(a)
+
+
+def _run_workers(procs):
+    """Start the workers; if one fails or the parent is interrupted/terminated, stop the others."""
+    import signal
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        for p in procs:
+            p.start()
+        while any(p.is_alive() for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+            time.sleep(1)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join()
+    bad = [f"{p.name} (exit code {p.exitcode})" for p in procs if p.exitcode != 0]
+    if bad:
+        raise SystemExit(f"worker(s) failed: {', '.join(bad)}")
+
+
 def main(argv=None):
     a = parse_args(argv)
     out = Path(a.out)
@@ -368,15 +405,10 @@ def main(argv=None):
     else:
         import multiprocessing as mp
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=job_proposer, args=(a,), name="proposer"),
-                 ctx.Process(target=job_verifier_and_baseline, args=(a,), name="verifier+baseline")]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        bad = [p.name for p in procs if p.exitcode != 0]
-        if bad:
-            raise SystemExit(f"worker(s) failed: {bad}")
+        procs = [ctx.Process(target=_worker, args=(job_proposer, a, os.getpid()), name="proposer"),
+                 ctx.Process(target=_worker, args=(job_verifier_and_baseline, a, os.getpid()),
+                             name="verifier+baseline")]
+        _run_workers(procs)
     train_secs = time.time() - t0
     print(f"training done in {train_secs / 60:.1f} min", flush=True)
 
