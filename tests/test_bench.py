@@ -3,6 +3,7 @@ the report on synthetic data, and one small end-to-end run on tiny random-weight
 import itertools
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -125,6 +126,16 @@ def test_loop_share():
     assert stats.loop_share([a, b]) == pytest.approx(8 / 36)
     assert stats.loop_share([[7] * 10]) == pytest.approx(0.9)  # every 8-gram after the first repeats it
     assert stats.loop_share([]) is None
+
+
+def test_tokens_per_cycle_outside_loops():
+    C = SimpleNamespace
+    ids = [1, 2, 3] + list(range(10, 18)) * 2       # tokens 3..18 are a loop: an 8-gram repeats
+    assert stats.loop_mask(ids).tolist() == [False] * 11 + [True] * 8 and stats.loop_mask(ids[:11]).sum() == 0
+    cycles = [C(start=0, committed=[1, 2, 3]), C(start=3, committed=list(range(10, 18))),
+              C(start=11, committed=list(range(10, 18)))]
+    assert stats.tokens_per_cycle_outside_loops([(ids, cycles)]) == pytest.approx((3 + 8) / 2)
+    assert stats.tokens_per_cycle_outside_loops([]) is None
 
 
 def test_pass_cost_curve_projection():
@@ -252,6 +263,7 @@ def test_build_results_on_synthetic_runs(tmp_path):
     assert m["lossless"]["passes_per_token"] == {"proposer": 0.5}
     assert m["lossless"]["tokens_per_cycle_by_family"] == {"gsm8k": 4.0}
     assert m["ar"]["loop_share_by_family"] == {"gsm8k": m["ar"]["loop_share"]}
+    assert m["lossless"]["tokens_per_cycle_outside_loops"] == 4.0   # no loops in the synthetic runs
     assert m["lossless"]["cycle_cost"]["measured"] == 2.0
     assert m["lossless"]["cycle_cost"]["projected"] == 4.0 and m["lossless"]["projected_speedup"]["curve"] == 1.0
     assert m["prove@0.1"]["cycle_cost"]["projected_flat"] == 1.5

@@ -78,11 +78,12 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
         else:
             sp = {"median": None, "totals": None, "n": 0}
         families = sorted({prompts[g.prompt].family for g in gens_ok})
-        fam_speed, fam_acc, fam_tpc, fam_loop = {}, {}, {}, {}
+        fam_speed, fam_acc, fam_tpc, fam_loop, fam_tpc_nl = {}, {}, {}, {}, {}
         for fam in families:
             fam_gens = [g for g in gens_ok if prompts[g.prompt].family == fam]
             fam_tpc[fam] = _r(stats.tokens_per_cycle([c for g in fam_gens for c in g.cycles]))
             fam_loop[fam] = _r(stats.loop_share([g.tokens for g in fam_gens]))
+            fam_tpc_nl[fam] = _r(stats.tokens_per_cycle_outside_loops([(g.tokens, g.cycles) for g in fam_gens]))
             both = [(g, a) for g, a in zip(gens, ar_gens) if g is not None and a is not None and prompts[g.prompt].family == fam]
             if both:
                 fam_speed[fam] = _r(stats.speedups([(len(g.tokens), g.seconds) for g, _ in both],
@@ -119,8 +120,11 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
             "speedup_by_family": fam_speed,
             "tokens_per_cycle_by_family": fam_tpc,
             "loop_share_by_family": fam_loop,
+            "tokens_per_cycle_outside_loops_by_family": fam_tpc_nl,
             "overhead_share": _r(stats.overhead_share(cycles)),
             "loop_share": _r(stats.loop_share([g.tokens for g in gens_ok])),
+            "tokens_per_cycle_outside_loops": _r(stats.tokens_per_cycle_outside_loops(
+                [(g.tokens, g.cycles) for g in gens_ok])),
         }
         modes[name] = entry
         if s.mode == "prove":
@@ -260,11 +264,13 @@ def summary_markdown(res: dict) -> str:
         for name, m in res["modes"].items():
             fam_rows.append([f"`{name}`"] + [stats.fmt(m["speedup_by_family"].get(f), 2, "×") for f in fams])
         L += ["Speedup vs `ar` (ratio of totals) by prompt family:", "", _table(["run"] + fams, fam_rows), ""]
+    if fams:
         rows = [[f"`{n}`"] + [f"{stats.fmt(m.get('tokens_per_cycle_by_family', {}).get(f), 2)} / "
+                              f"{stats.fmt(m.get('tokens_per_cycle_outside_loops_by_family', {}).get(f), 2)} / "
                               f"{_pct(m.get('loop_share_by_family', {}).get(f))}" for f in fams]
                 for n, m in res["modes"].items()]
-        L += ["Tokens per cycle / share of tokens inside repeated 8-grams, by prompt family:", "",
-              _table(["run"] + fams, rows), ""]
+        L += ["Tokens per cycle / the same over cycles that commit no token inside a repeated 8-gram / "
+              "share of tokens inside repeated 8-grams, by prompt family:", "", _table(["run"] + fams, rows), ""]
     acc_fams = sorted({f for m in res["modes"].values() for f in m["accuracy_by_family"]})
     if acc_fams:
         rows = [[f"`{n}`"] + [_pct(m["accuracy_by_family"].get(f)) for f in acc_fams] for n, m in res["modes"].items()]

@@ -64,21 +64,37 @@ def common_prefix(a, b) -> int:
     return i
 
 
+def loop_mask(ids: list[int], n: int = 8) -> np.ndarray:
+    """True for each token inside a repeated n-gram (an n-gram that already occurred earlier in
+    the same output)."""
+    seen, inside = set(), np.zeros(len(ids), dtype=bool)
+    for i in range(len(ids) - n + 1):
+        gram = tuple(ids[i:i + n])
+        if gram in seen:
+            inside[i:i + n] = True
+        seen.add(gram)
+    return inside
+
+
 def loop_share(outputs: list[list[int]], n: int = 8) -> float | None:
-    """Share of generated tokens inside a repeated n-gram (an n-gram that already occurred earlier
-    in the same output): how much of the text is the model looping. Tokens per cycle earned by
-    looping do not count as proposal quality."""
-    looped = total = 0
-    for ids in outputs:
-        seen, inside = set(), np.zeros(len(ids), dtype=bool)
-        for i in range(len(ids) - n + 1):
-            gram = tuple(ids[i:i + n])
-            if gram in seen:
-                inside[i:i + n] = True
-            seen.add(gram)
-        looped += int(inside.sum())
-        total += len(ids)
-    return looped / total if total else None
+    """Share of generated tokens inside a repeated n-gram: how much of the text is the model
+    looping. Tokens per cycle earned by looping do not count as proposal quality."""
+    masks = [loop_mask(ids, n) for ids in outputs]
+    total = sum(len(m) for m in masks)
+    return sum(int(m.sum()) for m in masks) / total if total else None
+
+
+def tokens_per_cycle_outside_loops(gens: list[tuple[list[int], list]], n: int = 8) -> float | None:
+    """Tokens per cycle over the cycles that commit no token inside a repeated n-gram, for
+    (generated tokens, cycles) pairs: proposal quality with the loops taken out."""
+    committed = cycles = 0
+    for ids, cs in gens:
+        inside = loop_mask(ids, n)
+        for c in cs:
+            if not inside[c.start:c.start + len(c.committed)].any():
+                committed += len(c.committed)
+                cycles += 1
+    return committed / cycles if cycles else None
 
 
 # --------------------------------------------------------------------- per-slot greedy labels
