@@ -337,6 +337,33 @@ def test_bench_end_to_end(tiny_models, tmp_path, capsys):
     assert not [f for f in out.iterdir() if f.name.startswith(".")]     # no temp files left
     assert "| `lossless` |" in capsys.readouterr().out
 
+    # --report-only rebuilds the same report from results.json + generations.jsonl, running nothing
+    (out / "summary.md").unlink()
+    assert main(["bench", "--out", str(out), "--report-only", "--no-plots"]) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert again["rebuilt"] and again["created"] == res["created"] and again["command"] == res["command"]
+    for key in ("data", "settings", "models", "reference", "position_match_rate"):
+        assert again[key] == res[key], key
+    assert [(r["theta"], r["tokens_per_cycle"]) for r in again["theta_sweep"]] == \
+        [(r["theta"], r["tokens_per_cycle"]) for r in res["theta_sweep"]]
+    for name, m in res["modes"].items():
+        for k in ("tokens", "n_cycles", "tokens_per_cycle", "passes_per_token", "exact_match_vs_ar", "accuracy",
+                  "loop_share", "tokens_per_cycle_outside_loops"):
+            assert again["modes"][name][k] == m[k], (name, k)
+        assert again["modes"][name]["tokens_per_second"] == pytest.approx(m["tokens_per_second"], rel=0.02)  # seconds: 5 decimals
+    for name, a in res["auc"].items():    # p and q are stored to 5 decimals: ties may move the AUC a little
+        assert again["auc"][name]["p"] == pytest.approx(a["p"], abs=0.02)
+    assert [p["runs"]["lossless"]["stop"] for p in again["prompts"]] == [p["runs"]["lossless"]["stop"] for p in res["prompts"]]
+    assert (out / "summary.md").read_text().startswith("# prove-local bench")
+
+
+def test_bench_report_only_errors(tmp_path, capsys):
+    from prove_local.cli import main
+    assert main(["bench", "--out", str(tmp_path), "--report-only"]) == 1
+    assert "not a readable bench folder" in capsys.readouterr().err
+    assert main(["bench", "--out", str(tmp_path)]) == 1
+    assert "--data PATH is required" in capsys.readouterr().err
+
 
 @pytest.mark.parametrize("argv,message", [
     (["--modes", "ar,spec"], "needs --draft"),

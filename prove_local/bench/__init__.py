@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
     p.add_argument("--verifier", help="verifier GGUF for prove (default with the embedded proposer: the embedded verifier)")
     p.add_argument("--draft", help="draft GGUF for spec (spec is added to the default modes when given)")
     p.add_argument("--modes", help=f"comma-separated runs among ar,lossless,prove,mars,spec (default {DEFAULT_MODES}[,spec])")
-    p.add_argument("--data", action="append", required=True, metavar="PATH",
+    p.add_argument("--data", action="append", metavar="PATH",
                    help="prompt file or folder (GSM8K/MATH-500/HumanEval/IFEval jsonl, BBH json, MMLU-Pro/GPQA); repeatable")
     p.add_argument("--limit", type=int, help="at most N prompts per --data path (round-robin over a folder's files)")
     p.add_argument("--max-new", type=int, default=256, help="max new tokens per answer (default 256)")
@@ -77,7 +77,26 @@ def add_parser(sub) -> None:
     p.add_argument("--bins", type=int, default=5, help="position bins for matched tokens along a response (default 5)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: rebuild results.json, summary.md and the plots in --out from its results.json "
+                        "and generations.jsonl (a report from an older version gains the new statistics)")
     p.set_defaults(func=cmd_bench)
+
+
+def report_only(args) -> int:
+    from ..cli import UsageError
+    from .report import load_outputs, modes_table, write_outputs
+
+    try:
+        data, meta = load_outputs(Path(args.out))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    meta["rebuilt"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    res = write_outputs(data, Path(args.out), meta=meta, plots=not args.no_plots)
+    print(modes_table(res))
+    print(f"\nrebuilt {Path(args.out) / 'results.json'}, summary.md"
+          + (f" and {len(res['plots'])} plots" if res["plots"] else ""), file=sys.stderr)
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -89,6 +108,10 @@ def cmd_bench(args) -> int:
     from .report import write_outputs
     from .runner import machine_info, make_runs, run_bench
 
+    if args.report_only:
+        return report_only(args)
+    if not args.data:
+        raise UsageError("--data PATH is required (a prompt file or folder; repeatable)")
     modes = [m.strip() for m in (args.modes or DEFAULT_MODES + (",spec" if args.draft else "")).split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:

@@ -459,6 +459,54 @@ def roc_data(data: BenchData, res: dict) -> dict | None:
     return None
 
 
+def load_outputs(out: Path) -> tuple[BenchData, dict]:
+    """Read a finished bench folder back (results.json + generations.jsonl) as the data and meta it
+    was written from, so that `write_outputs` can rebuild the report with this version's
+    statistics without running anything. Prompt texts and prompt token ids are not stored: only
+    their count is kept, which is all the report uses."""
+    from ..engine import Settings
+    from ..rules import Cycle
+    from .data import Prompt
+    from .runner import Generation, Run
+
+    out = Path(out)
+    try:
+        res = json.loads((out / "results.json").read_text())
+        lines = (out / "generations.jsonl").read_text().splitlines()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{out}: not a readable bench folder ({type(e).__name__}: {e})") from None
+    if res.get("schema") != SCHEMA_VERSION:
+        raise ValueError(f"{out / 'results.json'}: schema {res.get('schema')!r}, expected {SCHEMA_VERSION}")
+    prompts = [Prompt(p["id"], p["family"], "", p.get("answer"), p.get("source", "")) for p in res["prompts"]]
+    index = {p.id: i for i, p in enumerate(prompts)}
+    stops = {(p["id"], run): r.get("stop") for p in res["prompts"] for run, r in p["runs"].items()}
+    default = Settings()
+    runs = [Run(name, Settings(mode=m["mode"], max_new=res["settings"]["max_new"], block=m["block"],
+                               theta=default.theta if m["theta"] is None else m["theta"],
+                               tau=default.tau if m["tau"] is None else m["tau"],
+                               draft_k=default.draft_k if m["draft_k"] is None else m["draft_k"]))
+            for name, m in res["modes"].items()]
+    gens = []
+    for line in lines:
+        g = json.loads(line)
+        toks = g["tokens"]
+        cycles = [Cycle(proposed=c["proposed"], p=c["p"], q=c["q"], committed=toks[c["start"]:c["start"] + c["n_committed"]],
+                        n_accepted=c["n_accepted"], passes=c["passes"], decode_seconds=c["decode_seconds"],
+                        seconds=c["seconds"], index=k, start=c["start"]) for k, c in enumerate(g["cycles"])]
+        if cycles:
+            cycles[-1].stop = stops.get((g["prompt"], g["run"]))
+        gens.append(Generation(index[g["prompt"]], g["run"], toks, cycles, g["seconds"],
+                               g["prefill"][0], g["prefill"][1], g["text"]))
+    data = BenchData(prompts, [[0] * p["n_prompt_tokens"] for p in res["prompts"]], runs, gens,
+                     {role: dict(zip(v["n"], v["seconds"])) for role, v in res.get("pass_cost", {}).items()},
+                     res.get("warmup_seconds") or 0.0)
+    meta = {k: res[k] for k in ("command", "created", "machine", "models", "settings") if k in res}
+    meta["data"] = {k: v for k, v in res.get("data", {}).items() if k in ("paths", "limit")}
+    meta["bins"] = max(len(next(iter(res["matched_tokens_by_position"].values()))["edges"]) - 1, 1) \
+        if res.get("matched_tokens_by_position") else 5
+    return data, meta
+
+
 def write_outputs(data: BenchData, out: Path, *, meta: dict, plots: bool = True) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
