@@ -36,10 +36,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = convert_checkpoint(args.hf_dir, args.output, outtype=args.outtype, role=args.role,
                                  block_size=args.block_size, progress=not args.quiet)
-    except ConvertError as e:
-        print(f"prove-local convert: error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:
+    except (ConvertError, OSError) as e:
         print(f"prove-local convert: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -388,27 +388,36 @@ def estimate(models: list[ModelInfo], n_ctx: int, kv_type: str = "f16", n_gpu_la
 
 
 # ------------------------------------------------------------------------------ free memory
-def free_gpu_bytes() -> int | None:
-    """Free memory of the visible NVIDIA GPUs together (llama.cpp splits layers across them), or None
-    when nvidia-smi is not there or does not answer."""
+def nvidia_smi_rows(fields: str, timeout: float = 20) -> list[list[str]] | None:
+    """`nvidia-smi --query-gpu=FIELDS` as one list of stripped values per GPU, or None when
+    nvidia-smi is not there or does not answer."""
     exe = shutil.which("nvidia-smi")
     if not exe:
         return None
     try:
-        out = subprocess.run([exe, "--query-gpu=index,memory.free", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run([exe, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0:
+        return None
+    return [[x.strip() for x in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+
+
+def free_gpu_bytes() -> int | None:
+    """Free memory of the visible NVIDIA GPUs together (llama.cpp splits layers across them), or None
+    when nvidia-smi is not there or does not answer."""
+    rows = nvidia_smi_rows("index,memory.free", timeout=10)
+    if rows is None:
         return None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     wanted = None
     if visible is not None and all(x.strip().isdigit() for x in visible.split(",") if x.strip()):
         wanted = {int(x) for x in visible.split(",") if x.strip()}
     total, seen = 0, False
-    for line in out.stdout.splitlines():
+    for row in rows:
         try:
-            index, free = (int(float(x)) for x in line.split(","))
+            index, free = (int(float(x)) for x in row)
         except ValueError:
             continue
         if wanted is None or index in wanted:

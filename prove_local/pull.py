@@ -248,10 +248,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return _pull(args)
-    except (PullError, RegistryError) as e:
-        print(f"prove-local pull: error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:
+    except (PullError, RegistryError, OSError) as e:
         print(f"prove-local pull: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

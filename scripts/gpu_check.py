@@ -18,7 +18,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from prove_local.memory import BLOCKS, SHAPES, Shape, _tensor_shapes, estimate, shape_info, tensor_type  # noqa: E402
+from prove_local.memory import (BLOCKS, SHAPES, Shape, _tensor_shapes, estimate, nvidia_smi_rows,  # noqa: E402
+                                 shape_info, tensor_type)
 
 GPU_SHAPES = {"qwen2.5-7b": SHAPES["qwen2.5-7b"], "qwen2.5-32b": SHAPES["qwen2.5-32b"]}
 # small shapes for the CPU form: multiples of 256 so that the K-quants apply as on the real models
@@ -260,31 +260,18 @@ def run_pair(proposer: Path, verifier: Path, ngl: int, threads: int | None, max_
 
 
 def gpu_facts() -> dict:
-    exe = shutil.which("nvidia-smi")
-    if not exe:
+    rows = nvidia_smi_rows("name,memory.total,memory.free,driver_version,compute_cap")
+    if rows is None:
         return {}
-    try:
-        r = subprocess.run([exe, "--query-gpu=name,memory.total,memory.free,driver_version,compute_cap",
-                            "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError) as e:
-        return {"error": str(e)}
-    gpus = []
-    for line in r.stdout.strip().splitlines():
-        parts = [x.strip() for x in line.split(",")]
-        if len(parts) == 5:
-            gpus.append(dict(zip(("name", "memory_total_mib", "memory_free_mib", "driver", "compute_cap"), parts)))
-    return {"gpus": gpus}
+    keys = ("name", "memory_total_mib", "memory_free_mib", "driver", "compute_cap")
+    return {"gpus": [dict(zip(keys, r)) for r in rows if len(r) == len(keys)]}
 
 
 def gpu_used_mib() -> int | None:
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        return None
+    rows = nvidia_smi_rows("memory.used")
     try:
-        r = subprocess.run([exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                           capture_output=True, text=True, timeout=20)
-        return sum(int(x) for x in r.stdout.split())
-    except (OSError, subprocess.SubprocessError, ValueError):
+        return None if rows is None else sum(int(r[0]) for r in rows)
+    except ValueError:
         return None
 
 

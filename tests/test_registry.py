@@ -154,6 +154,30 @@ def test_gguf_info_and_check_fits(pulled, monkeypatch):
     assert check_fits([prop], 512, "f16", 0, gpu=False, ram_free=1) is None
 
 
+def test_nvidia_smi_queries_with_a_fake_nvidia_smi(tmp_path, monkeypatch):
+    from prove_local import memory
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text('#!/bin/sh\ncase "$1" in\n'
+                    '  --query-gpu=index,memory.free) printf "0, 1000\\n1, 3000\\n" ;;\n'
+                    '  --query-gpu=memory.used) printf "10\\n20\\n" ;;\n'
+                    '  *) exit 3 ;;\nesac\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert memory.nvidia_smi_rows("memory.used") == [["10"], ["20"]]
+    assert memory.nvidia_smi_rows("name") is None                   # nvidia-smi fails: no answer
+    assert memory.free_gpu_bytes() == 4000 * MiB
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert memory.free_gpu_bytes() == 3000 * MiB
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.gpu_used_mib() == 30 and gpu_check.gpu_facts() == {}
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert memory.nvidia_smi_rows("memory.used") is None and memory.free_gpu_bytes() is None
+
+
 def test_run_refuses_a_context_that_does_not_fit(pulled):
     prop = pulled[0] / "mars-7b-blk16.f32.gguf"
     r = cli("run", str(prop), "-p", "hi", "--ctx", "100000000", "--n-gpu-layers", "0")
