@@ -179,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prove-local", description="Proposer-verifier decoding on llama.cpp.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
-    from convert.cli import add_parser as add_convert
+    from prove_local.convert.cli import add_parser as add_convert
     add_convert(sub)
-    from ui.app import add_parser as add_ui
+    from prove_local.ui.app import add_parser as add_ui
     add_ui(sub)
     from prove_local.pull import add_parser as add_pull
     add_pull(sub)

@@ -203,7 +203,7 @@ def pull_one(m: Model, quant: str, models_dir: Path, args) -> Path:
         print(f"{m.name}: downloading {len(files)} files ({_size(total)}) from {m.repo} to {src}", file=sys.stderr)
         download(m.repo, files, src, args.quiet)
         downloaded = src
-    from convert import ConvertError, convert_checkpoint
+    from prove_local.convert import ConvertError, convert_checkpoint
     print(f"{m.name}: converting to {out.name} ({quant})", file=sys.stderr)
     try:
         convert_checkpoint(src, out, outtype=quant, role=m.convert_role, block_size=m.block or 16,

@@ -50,7 +50,7 @@ def tensor_shapes(layers: int) -> dict[str, tuple[int, ...]]:
 
 def write_checkpoint(d: Path, size_gb: float, shard_gb: float) -> int:
     """A BF16 checkpoint of about size_gb, sharded at shard_gb, written chunk by chunk."""
-    from train.tokenizer import save_hf_tokenizer, train_byte_bpe
+    from prove_local.train.tokenizer import save_hf_tokenizer, train_byte_bpe
 
     per_layer = sum(math.prod(s) for s in tensor_shapes(1).values()) - 2 * VOCAB * HIDDEN - HIDDEN
     layers = max(1, round((size_gb * 1e9 / 2 - 2 * VOCAB * HIDDEN) / per_layer))
@@ -114,7 +114,7 @@ def read_status(pid: int) -> dict[str, int]:
 
 CHILD = """
 import sys, time
-from convert import convert_checkpoint
+from prove_local.convert import convert_checkpoint
 t = time.perf_counter()
 convert_checkpoint(sys.argv[1], sys.argv[2], outtype=sys.argv[3], progress=False)
 print(time.perf_counter() - t)
@@ -138,7 +138,7 @@ def main() -> int:
         ckpt_bytes = write_checkpoint(ckpt, args.size_gb, args.shard_gb)
         write_s = time.perf_counter() - t
 
-        env_cmd = [sys.executable, "-c", "import convert, numpy, gguf"]          # import-only baseline
+        env_cmd = [sys.executable, "-c", "import prove_local.convert, numpy, gguf"]          # import-only baseline
         subprocess.run(env_cmd, check=True, cwd=ROOT)
         baseline_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
 
@@ -155,7 +155,7 @@ def main() -> int:
             sys.stderr.write(stderr)
             return 1
         peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        from convert.hf import open_weights
+        from prove_local.convert.hf import open_weights
         largest = max(t.nbytes for t in open_weights(ckpt).values())
         print(json.dumps({
             "checkpoint_bytes": ckpt_bytes,

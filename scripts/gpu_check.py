@@ -118,8 +118,8 @@ def write_random_gguf(path: Path, shape: Shape, quant: str = "q4_k_m", seed: int
               "f16": gguf.LlamaFileType.MOSTLY_F16}
     w.add_file_type(ftypes[quant])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    from convert.export import _add_hparams
-    from convert.hf import Hparams
+    from prove_local.convert.export import _add_hparams
+    from prove_local.convert.hf import Hparams
 
     _add_hparams(w, Hparams(arch=gguf.MODEL_ARCH.QWEN2, hidden=shape.hidden, layers=shape.layers, heads=shape.heads,
                             kv_heads=shape.kv_heads, head_dim=shape.head_dim, intermediate=shape.intermediate,

@@ -44,8 +44,8 @@ def main() -> int:
 
     from playwright.sync_api import sync_playwright
 
-    from ui.app import build_app, launch
-    from ui.runtime import Runtime
+    from prove_local.ui.app import build_app, launch
+    from prove_local.ui.runtime import Runtime
 
     model, verifier = a.model, a.verifier
     if a.tiny:

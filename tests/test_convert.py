@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-import convert.export
-from convert import ConvertError, convert_checkpoint
+from prove_local import convert
+import prove_local.convert.export  # noqa: F401  (convert.export below)
+from prove_local.convert import ConvertError, convert_checkpoint
 from prove_local.llama import Context, Model
 from tests.tiny import load_weights, make_checkpoint, reference_logits, save_safetensors, tokenizer
 

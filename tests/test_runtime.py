@@ -181,7 +181,7 @@ def test_bad_model_files(tmp_path, models):
 
 def test_verifier_with_other_vocabulary_is_refused(tmp_path, models):
     import shutil
-    from convert import convert_checkpoint
+    from prove_local.convert import convert_checkpoint
     from tests.tiny import make_checkpoint
     ckpt = make_checkpoint(tmp_path / "hf", seed=3, hidden=32)
     vocab = json.loads((ckpt / "tokenizer.json").read_text())

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from train.mars import IGNORE, mars_attention_mask, mars_inputs, shift_targets
-from train.model import Qwen2Config, Qwen2ForCausalLM, load_hf, save_hf
+from prove_local.train.mars import IGNORE, mars_attention_mask, mars_inputs, shift_targets
+from prove_local.train.model import Qwen2Config, Qwen2ForCausalLM, load_hf, save_hf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,9 +143,9 @@ def test_miniature_training_run_end_to_end(tmp_path):
     from tokenizers import Tokenizer
 
     from prove_local.llama import Context, Model
-    from train.pipeline import VERIFIER_GGUF, PROPOSER_GGUF, main
+    from prove_local.train.pipeline import VERIFIER_GGUF, PROPOSER_GGUF, main
 
-    train_rows = [json.loads(l) for l in (ROOT / "train" / "data" / "gsm8k_train.jsonl").open()][:40]
+    train_rows = [json.loads(l) for l in (ROOT / "prove_local" / "train" / "data" / "gsm8k_train.jsonl").open()][:40]
     dev = tmp_path / "dev.jsonl"
     dev.write_text("".join(json.dumps(r) + "\n" for r in train_rows[-4:]))
     out, models = tmp_path / "run", tmp_path / "models"
@@ -210,7 +210,7 @@ def test_workers_stop_together():
     import sys
     import time
 
-    from train import pipeline
+    from prove_local.train import pipeline
 
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=sys.exit, args=(3,), name="fails"),

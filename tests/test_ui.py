@@ -22,8 +22,8 @@ from prove_local.engine import Engine, Settings
 from prove_local.llama import Model
 from prove_local.rules import Cycle
 from tests.tiny import tiny_gguf
-from ui import view
-from ui.runtime import Runtime, Session, UIError, compare_with_ar, run_turn
+from prove_local.ui import view
+from prove_local.ui.runtime import Runtime, Session, UIError, compare_with_ar, run_turn
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning",
                                         "ignore:.*:Warning:gradio.queueing")
@@ -133,7 +133,7 @@ def test_inspector_and_compare_html_escape_model_text():
 def test_command_line_defaults_are_safe():
     import argparse
 
-    from ui.app import add_parser
+    from prove_local.ui.app import add_parser
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
     a = parser.parse_args(["ui"])
@@ -366,7 +366,7 @@ def test_two_sessions_at_once_give_their_answers_alone(browser, server, models):
 
 
 def test_errors_show_in_the_page(browser, models, paths, tmp_path):
-    from ui.app import build_app, launch
+    from prove_local.ui.app import build_app, launch
 
     apps = []
     try:

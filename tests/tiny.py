@@ -42,7 +42,7 @@ def tokenizer():
     """The shared tiny byte-level BPE (trained once per process)."""
     global _TOKENIZER
     if _TOKENIZER is None:
-        from train.tokenizer import train_byte_bpe
+        from prove_local.train.tokenizer import train_byte_bpe
         _TOKENIZER = train_byte_bpe(CORPUS * 4, TOKENIZER_SIZE)
     return _TOKENIZER
 
@@ -121,7 +121,7 @@ def make_checkpoint(out_dir, arch: str = "qwen2", tied: bool = True, shards: int
     qwen2: q/k/v biases. qwen3: q/k norms, and head_dim defaults to 2*hidden/heads so that
     heads*head_dim != hidden. vocab_rows (embedding rows) defaults to 384, 64 more than the tokenizer.
     """
-    from train.tokenizer import save_hf_tokenizer
+    from prove_local.train.tokenizer import save_hf_tokenizer
 
     architecture, model_type, family = ARCHS[arch]
     if head_dim is None:
@@ -274,7 +274,7 @@ def reference_greedy(ckpt_dir, ids, n_new: int) -> list[int]:
 def tiny_gguf(tmp_dir, *, outtype: str = "f32", role: str | None = None, block_size: int = 16,
               **make_checkpoint_kwargs) -> Path:
     """Make a tiny checkpoint under `tmp_dir` and convert it (F32 by default); returns the GGUF path."""
-    from convert import convert_checkpoint
+    from prove_local.convert import convert_checkpoint
 
     tmp_dir = Path(tmp_dir)
     tmp_dir.mkdir(parents=True, exist_ok=True)

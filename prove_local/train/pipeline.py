@@ -1,7 +1,7 @@
 """End-to-end training of the embedded pair: tokenizer -> proposer (AR + MARS) -> verifier ->
 AR-only baseline -> evaluation -> Hugging Face folders -> F32 GGUF (via convert.convert_checkpoint).
 
-Run:  python -m train --out runs/embedded
+Run:  python -m prove_local.train --out runs/embedded
 Two worker processes (1 torch thread each) by default:
   job A: proposer stage 1 (AR SFT) -> checkpoint -> proposer stage 2 (MARS block training)
   job B: verifier (AR only) -> waits for the stage-1 checkpoint -> baseline: the same stage-1
@@ -26,16 +26,16 @@ from .mars import (Example, StageSpec, encode_example, eval_ar_loss, eval_slots,
 from .model import Qwen2Config, Qwen2ForCausalLM, load_hf, save_hf
 from .tokenizer import save_hf_tokenizer, train_byte_bpe
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TRAIN = REPO / "train" / "data" / "gsm8k_train.jsonl"
-DEFAULT_DEV = REPO.parent / "shared" / "datasets" / "gsm8k" / "test_dev.jsonl"
-MODELS_DIR = REPO / "prove_local" / "models"
+PACKAGE = Path(__file__).resolve().parents[1]          # prove_local/
+DEFAULT_TRAIN = PACKAGE / "train" / "data" / "gsm8k_train.jsonl"
+DEFAULT_DEV = PACKAGE.parents[1] / "shared" / "datasets" / "gsm8k" / "test_dev.jsonl"
+MODELS_DIR = PACKAGE / "models"
 PROPOSER_GGUF = "mars-gsm8k-proposer.gguf"
 VERIFIER_GGUF = "gsm8k-verifier.gguf"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m train", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m prove_local.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/embedded")
     p.add_argument("--train-data", default=str(DEFAULT_TRAIN))
@@ -314,7 +314,7 @@ def convert_all(a) -> dict:
     models = Path(a.models_dir)
     models.mkdir(parents=True, exist_ok=True)
     try:
-        import convert
+        from prove_local import convert
         fn = convert.convert_checkpoint
     except Exception as e:
         msg = f"converter not available ({type(e).__name__}: {e}); HF folders kept under {out / 'hf'}"

@@ -7,7 +7,7 @@ that equals g is committed plus one model token (the correction, or the bonus af
 Reports mean committed tokens per cycle, the per-slot match-rate curve, and the share of
 generated tokens inside repeated 8-grams (loop check).
 
-    python -m train.evaluate runs/embedded/hf/proposer --dev ../shared/datasets/gsm8k/test_dev.jsonl --n 40
+    python -m prove_local.train.evaluate runs/embedded/hf/proposer --dev ../shared/datasets/gsm8k/test_dev.jsonl --n 40
 """
 from __future__ import annotations
 
@@ -103,9 +103,9 @@ def evaluate(model_dir, dev_path, n=40, block=16, max_new=256, threads=2) -> dic
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m train.evaluate")
+    p = argparse.ArgumentParser(prog="python -m prove_local.train.evaluate")
     p.add_argument("model_dir")
-    p.add_argument("--dev", default=str(Path(__file__).resolve().parents[2] / "shared/datasets/gsm8k/test_dev.jsonl"))
+    p.add_argument("--dev", default=str(Path(__file__).resolve().parents[3] / "shared/datasets/gsm8k/test_dev.jsonl"))
     p.add_argument("--n", type=int, default=40)
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--max-new", type=int, default=256)
