@@ -6,11 +6,8 @@ from datetime import datetime
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .errors import TemplateMissing
 from .llama import Model
-
-
-class TemplateMissing(ValueError):
-    pass
 
 
 def _raise(message):

@@ -6,73 +6,33 @@ import contextlib
 import json
 import sys
 import time
-from pathlib import Path
 
-EMBEDDED = Path(__file__).parent / "models"
-EMBEDDED_PROPOSER = EMBEDDED / "mars-gsm8k-proposer.gguf"
-EMBEDDED_VERIFIER = EMBEDDED / "gsm8k-verifier.gguf"
+from . import modes
+from .errors import ProveError
+from .loading import add_model_args, load_engine
 
 # alternating colors per cycle; the lossless correction / bonus token is underlined
 COLORS = ("\x1b[38;5;39m", "\x1b[38;5;214m")
 BONUS, RESET = "\x1b[4m", "\x1b[0m"
 
 
-class UsageError(Exception):
-    pass
-
-
 def add_run_parser(sub) -> None:
     p = sub.add_parser("run", help="generate with a proposer (and a verifier or draft)",
                        description="Generate text with ProVe decoding. Without -p: an interactive chat.")
-    p.add_argument("model", nargs="?", help=f"proposer GGUF (default: the embedded {EMBEDDED_PROPOSER.name})")
-    p.add_argument("--verifier", help="verifier GGUF for --mode prove (default with the embedded proposer: the embedded verifier)")
-    p.add_argument("--draft", help="draft GGUF for --mode spec")
-    p.add_argument("--mode", choices=("ar", "lossless", "prove", "mars", "spec"),
+    add_model_args(p)
+    p.add_argument("--mode", choices=modes.NAMES,
                    help="decoding rule (default: lossless if the model has a mask token, else ar)")
     p.add_argument("--block", type=int, help="proposal block length (default: the GGUF's prove.block_size, else 16)")
     p.add_argument("--theta", type=float, default=0.05, help="ProVe gate: commit while p*q >= theta (default 0.05)")
     p.add_argument("--tau", type=float, default=0.95, help="MARS rule: commit while p >= tau (default 0.95)")
     p.add_argument("--draft-k", type=int, default=4, help="drafts per cycle for --mode spec (default 4)")
-    p.add_argument("--mask-token", type=int, help="placeholder token id (overrides the GGUF's mask token)")
     p.add_argument("-p", "--prompt", help="one prompt; the answer streams to stdout")
     p.add_argument("-n", "--max-new", type=int, default=256, help="max new tokens per answer (default 256)")
     p.add_argument("--raw", action="store_true", help="plain completion of the prompt, no chat template")
     p.add_argument("--system", help="system message for the chat template")
-    p.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 30M parameters, else all cores)")
-    p.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
-    p.add_argument("--n-gpu-layers", type=int, help="layers to offload (default: all when llama.cpp has a GPU backend, else 0)")
-    p.add_argument("--flash-attn", action="store_true", help="use flash attention")
-    p.add_argument("--kv-type", choices=("f32", "f16", "q8_0", "q4_0"),
-                   help="KV cache type (default: f32 for F32 models, so that batched and one-token "
-                        "evaluation agree exactly; f16 otherwise)")
     p.add_argument("--json", action="store_true", help="print one JSON object per answer instead of streamed text")
     p.add_argument("--no-color", action="store_true", help="no colors even on a terminal")
     p.set_defaults(func=cmd_run)
-
-
-def load_engine(args):
-    """Models and contexts from the command line; the embedded pair by default."""
-    from .engine import Engine
-    from .llama import Model, gpu_offload_supported
-
-    model = Path(args.model) if args.model else EMBEDDED_PROPOSER
-    verifier = Path(args.verifier) if args.verifier else None
-    if verifier is None and not args.model and args.mode == "prove":
-        verifier = EMBEDDED_VERIFIER
-    if args.mode == "prove" and verifier is None:
-        raise UsageError("--mode prove needs --verifier V.gguf")
-    if args.mode == "spec" and not args.draft:
-        raise UsageError("--mode spec needs --draft D.gguf")
-    ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (-1 if gpu_offload_supported() else 0)
-    kw = dict(n_gpu_layers=ngl)
-    from .memory import check_fits
-    check_fits([model, verifier, args.draft], args.ctx, args.kv_type, ngl, flash_attn=args.flash_attn)
-    prop = Model(model, **kw)
-    ver = Model(verifier, **kw) if verifier else None
-    draft = (prop if Path(args.draft) == model else Model(args.draft, **kw)) if args.draft else None
-    kv = args.kv_type or ("f32" if prop.meta("general.file_type") == "0" else "f16")
-    return Engine.load(prop, ver, draft, mask_token=args.mask_token, n_ctx=args.ctx, n_threads=args.threads,
-                       flash_attn=args.flash_attn, type_k=kv, type_v=kv), prop
 
 
 def answer(engine, model, prompt_tokens, settings, out, color: bool):
@@ -83,6 +43,7 @@ def answer(engine, model, prompt_tokens, settings, out, color: bool):
     cycles, interrupted = [], False
     t0 = time.perf_counter()
     gen = engine.generate(prompt_tokens, settings)
+    request = gen.request
     with contextlib.closing(gen):
         try:
             for c in gen:
@@ -100,20 +61,20 @@ def answer(engine, model, prompt_tokens, settings, out, color: bool):
     seconds = time.perf_counter() - t0
     if out is not None:
         out.write(stream.flush())
-    return cycles, seconds, interrupted
+    return cycles, seconds, interrupted, request
 
 
-def report(engine, model, settings, cycles, seconds, n_prompt, interrupted) -> dict:
+def report(engine, model, settings, cycles, seconds, request, interrupted) -> dict:
     from .engine import summarize
 
     ids = [t for c in cycles for t in c.committed]
     s = summarize(cycles, seconds)
     return {
         "mode": settings.mode, "text": model.detokenize([t for t in ids if not model.is_eog(t)]),
-        "token_ids": ids, "prompt_tokens": n_prompt, "n_cycles": s["n_cycles"], "n_passes": s["n_passes"],
+        "token_ids": ids, "prompt_tokens": request.n_prompt, "n_cycles": s["n_cycles"], "n_passes": s["n_passes"],
         "tokens_per_cycle": s["tokens_per_cycle"], "passes_per_token": s["passes_per_token"],
         "seconds": s["seconds"], "tokens_per_second": s["tokens_per_second"],
-        "prefill": {"tokens": engine.prefill[0], "seconds": engine.prefill[1]},
+        "prefill": {"tokens": request.prefill[0], "seconds": request.prefill[1]},
         "stop": "interrupted" if interrupted else s["stop"],
         "settings": {"block": settings.block or engine.block_size, "theta": settings.theta, "tau": settings.tau,
                      "draft_k": settings.draft_k, "max_new": settings.max_new},
@@ -144,8 +105,8 @@ def cmd_run(args) -> int:
 
     def turn(text: str) -> tuple[dict, bool]:
         tokens = model.tokenize(text, add_special=True) if conv is None else conv.prompt_tokens(text)
-        cycles, seconds, interrupted = answer(engine, model, tokens, settings, None if args.json else sys.stdout, color)
-        r = report(engine, model, settings, cycles, seconds, len(tokens), interrupted)
+        cycles, seconds, interrupted, request = answer(engine, model, tokens, settings, None if args.json else sys.stdout, color)
+        r = report(engine, model, settings, cycles, seconds, request, interrupted)
         if conv is not None:
             conv.add_reply(r["text"])
         if args.json:
@@ -189,12 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     add_bench(sub)
 
     args = parser.parse_args(argv)
-    from .chat import TemplateMissing
-    from .engine import ModeError
-    from .llama import LlamaError
     try:
         return args.func(args)
-    except (UsageError, ModeError, LlamaError, TemplateMissing) as e:
+    except ProveError as e:
         print(f"prove-local: error: {e}", file=sys.stderr)
         return 1
 

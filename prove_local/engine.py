@@ -8,20 +8,16 @@ from __future__ import annotations
 
 import codecs
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
-from . import rules
-from .llama import Context, ContextFull, Model
+from . import modes, rules
+from .errors import ContextFull, EngineBusy, ModeError
+from .llama import Context, Model
+from .modes import MODES, Plan
 
-MODES = ("ar", "lossless", "prove", "mars", "spec")
-MODE_NEEDS = {"lossless": "mask", "prove": "mask", "mars": "mask"}
-MODE_CONTEXTS = {"prove": ("proposer", "verifier"), "spec": ("proposer", "draft")}   # others: proposer
+MODE_NAMES = modes.NAMES
 DEFAULT_BLOCK = 16
-
-
-class ModeError(ValueError):
-    """A mode was asked for that these models cannot run."""
 
 
 @dataclass
@@ -36,7 +32,9 @@ class Settings:
 
 class Engine:
     """Decoding over a set of contexts ("proposer", optionally "verifier" and "draft") that share
-    one committed token sequence. `Engine.load` builds it from GGUF models; tests pass fakes."""
+    one committed token sequence. `Engine.load` builds it from GGUF models; tests pass fakes.
+    The engine is long-lived (it owns the contexts and their caches); each `generate` call makes
+    a `Request` that holds everything about that one generation."""
 
     def __init__(self, contexts: dict, *, is_eog, mask_token: int | None, n_ctx: int,
                  block_size: int | None = None, name: str = "the proposer"):
@@ -47,7 +45,7 @@ class Engine:
         self.block_size = block_size or DEFAULT_BLOCK
         self.name = name
         self.tokens: list[int] = []        # committed sequence; every context holds a prefix of it
-        self.prefill = (0, 0.0)            # (tokens evaluated, seconds) of the last request's prompt
+        self.active: Request | None = None  # the open generation's request, if any (one at a time)
 
     @classmethod
     def load(cls, proposer: Model, verifier: Model | None = None, draft: Model | None = None, *,
@@ -69,41 +67,36 @@ class Engine:
         return "lossless" if self.mask_token is not None else "ar"
 
     def check(self, s: Settings) -> None:
-        if s.mode not in MODES:
-            raise ModeError(f"unknown mode {s.mode!r}; choose from {', '.join(MODES)}")
-        if MODE_NEEDS.get(s.mode) == "mask" and self.mask_token is None:
+        mode = modes.get(s.mode)
+        if mode.needs_mask and self.mask_token is None:
             raise ModeError(f"mode {s.mode!r} needs a mask token, and {self.name} has none "
                             "(no prove.mask_token_id / tokenizer.ggml.mask_token_id); pass --mask-token ID "
                             "or use --mode ar/spec")
-        if s.mode == "prove" and "verifier" not in self.contexts:
-            raise ModeError("mode 'prove' needs a verifier model (--verifier V.gguf)")
-        if s.mode == "spec" and "draft" not in self.contexts:
-            raise ModeError("mode 'spec' needs a draft model (--draft D.gguf)")
+        if "verifier" in mode.roles and "verifier" not in self.contexts:
+            raise ModeError(f"mode {s.mode!r} needs a verifier model (--verifier V.gguf)")
+        if "draft" in mode.roles and "draft" not in self.contexts:
+            raise ModeError(f"mode {s.mode!r} needs a draft model (--draft D.gguf)")
         if (s.block or 1) < 1 or s.draft_k < 0 or s.max_new < 0:
             raise ModeError("block and max new tokens must be >= 1, draft k >= 0")
 
-    def _rule(self, s: Settings, block: int):
-        c = self.contexts
-        if s.mode == "ar":
-            return lambda t: rules.ar_cycle(c["proposer"], t)
-        if s.mode == "lossless":
-            return lambda t: rules.lossless_cycle(c["proposer"], t, min(block, self.n_ctx - len(t)), self.mask_token)
-        if s.mode == "prove":
-            return lambda t: rules.prove_cycle(c["proposer"], c["verifier"], t, min(block, self.n_ctx - len(t)),
-                                               self.mask_token, s.theta)
-        if s.mode == "mars":
-            return lambda t: rules.mars_cycle(c["proposer"], t, min(block, self.n_ctx - len(t)), self.mask_token, s.tau)
-        return lambda t: rules.spec_cycle(c["proposer"], c["draft"], t, min(s.draft_k, self.n_ctx - len(t)))
+    def plan(self, req: "Request") -> Plan:
+        """The widths of the next cycle: the request's fixed settings, cut to the room left in the
+        context (a planner replaces this)."""
+        room = self.n_ctx - len(self.tokens)
+        return Plan(block=max(1, min(req.block, room)), draft_k=max(0, min(req.settings.draft_k, room)))
 
     def _sync(self) -> None:
         """Drop from every cache whatever is not a committed prefix (after a cut or an interrupt)."""
         for ctx in self.contexts.values():
             ctx.truncate(min(ctx.n_past, len(self.tokens)))
 
-    def generate(self, prompt: list[int], settings: Settings | None = None) -> Iterator[rules.Cycle]:
-        """Stream the cycles that continue `prompt`. Cached tokens shared with the previous request
-        are reused. If the consumer stops early (or Ctrl-C lands mid-cycle), the caches are cut
-        back to the committed tokens, so the next request works."""
+    def generate(self, prompt: list[int], settings: Settings | None = None) -> "Generation":
+        """Stream the cycles that continue `prompt` (iterate the returned `Generation`). Cached tokens
+        shared with the previous request are reused. If the consumer stops early (close, Ctrl-C
+        mid-cycle), the caches are cut back to the committed tokens, so the next request works.
+        One generation at a time: a second one while another is open raises EngineBusy."""
+        if self.active is not None:
+            raise EngineBusy(f"{self.name}: a generation is still open on this engine; finish or close it first")
         s = settings or Settings(mode=self.default_mode())
         self.check(s)
         if not prompt:
@@ -111,56 +104,125 @@ class Engine:
         if len(prompt) >= self.n_ctx:
             raise ContextFull(f"the prompt has {len(prompt)} tokens; the context holds {self.n_ctx} "
                               "(raise --ctx or shorten the prompt)")
-        block = s.block or self.block_size
         keep = 0
         while keep < min(len(prompt), len(self.tokens)) and prompt[keep] == self.tokens[keep]:
             keep += 1
         self.tokens = self.tokens[:keep]
         self._sync()
         self.tokens = list(prompt)
-        return self._run(s, block, len(prompt))
+        self.active = Request(list(prompt), s, s.block or self.block_size)
+        return Generation(self, self.active)
 
-    def _run(self, s: Settings, block: int, n_prompt: int) -> Iterator[rules.Cycle]:
-        try:
-            t0 = time.perf_counter()
-            n_pre = 0
-            for role in MODE_CONTEXTS.get(s.mode, ("proposer",)):  # prefill: all but the last token
-                ctx = self.contexts[role]
-                n_pre += max(0, len(self.tokens) - 1 - ctx.n_past)
-                if ctx.n_past < len(self.tokens) - 1:
-                    ctx.eval(self.tokens[ctx.n_past:-1], rows=[])
-            self.prefill = (n_pre, time.perf_counter() - t0)
-            rule = self._rule(s, block)
-            index = 0
-            while s.max_new > 0:
-                n_gen = len(self.tokens) - n_prompt
-                before = {r: c.decode_seconds for r, c in self.contexts.items()}
-                t0 = time.perf_counter()
-                cycle = rule(self.tokens)
-                cycle.seconds = time.perf_counter() - t0
-                cycle.decode_seconds = {r: c.decode_seconds - before[r] for r, c in self.contexts.items()
-                                        if c.decode_seconds > before[r]}
-                assert cycle.committed, "a cycle must commit at least one token"
-                run = cycle.committed
-                for i, tok in enumerate(run):
-                    if self.is_eog(tok):
-                        run, cycle.stop = run[:i + 1], "eog"
-                        break
-                if n_gen + len(run) >= s.max_new:
-                    run, cycle.stop = run[:s.max_new - n_gen], cycle.stop or "length"
-                if len(self.tokens) + len(run) >= self.n_ctx:
-                    run, cycle.stop = run[:self.n_ctx - len(self.tokens)], cycle.stop or "context"
-                cycle.n_accepted = min(cycle.n_accepted, len(run))
-                cycle.committed, cycle.index, cycle.start = run, index, n_gen
-                self.tokens.extend(run)
-                index += 1
-                if cycle.stop:
-                    self._sync()
-                yield cycle
-                if cycle.stop:
-                    return
-        finally:
+    def _release(self, req: "Request") -> None:
+        if self.active is req:
             self._sync()
+            self.active = None
+
+    def _run(self, req: "Request") -> Iterator[rules.Cycle]:
+        try:
+            yield from self._cycles(req)
+        finally:
+            self._release(req)
+
+    def _cycles(self, req: "Request") -> Iterator[rules.Cycle]:
+        mode = MODES[req.settings.mode]
+        s = req.settings
+        t0 = time.perf_counter()
+        n_pre = 0
+        for role in mode.roles:          # prefill: all but the last token, in the contexts the mode uses
+            ctx = self.contexts[role]
+            n_pre += max(0, len(self.tokens) - 1 - ctx.n_past)
+            if ctx.n_past < len(self.tokens) - 1:
+                ctx.eval(self.tokens[ctx.n_past:-1], rows=[])
+        req.prefill = (n_pre, time.perf_counter() - t0)
+        index = 0
+        while s.max_new > 0:
+            n_gen = len(self.tokens) - req.n_prompt
+            plan = self.plan(req)
+            before = {r: (c.n_decode, c.decode_seconds) for r, c in self.contexts.items()}
+            t0 = time.perf_counter()
+            cycle = mode.cycle(self.contexts, self.tokens, plan, s, self.mask_token)
+            cycle.seconds = time.perf_counter() - t0
+            # passes are counted, not declared: llama_decode calls made during this cycle
+            cycle.passes = {r: c.n_decode - before[r][0] for r, c in self.contexts.items() if c.n_decode > before[r][0]}
+            cycle.decode_seconds = {r: c.decode_seconds - before[r][1] for r, c in self.contexts.items()
+                                    if c.n_decode > before[r][0]}
+            if not cycle.committed:
+                raise RuntimeError(f"mode {s.mode}: a cycle committed no token (a decoding rule is broken)")
+            run, stop = cycle.committed, None
+            for i, tok in enumerate(run):
+                if self.is_eog(tok):
+                    run, stop = run[:i + 1], "eog"
+                    break
+            if n_gen + len(run) >= s.max_new:
+                run, stop = run[:s.max_new - n_gen], ("eog" if stop == "eog" and n_gen + len(run) == s.max_new else "length")
+            if len(self.tokens) + len(run) >= self.n_ctx:
+                cut = run[:self.n_ctx - len(self.tokens)]
+                stop = "eog" if stop == "eog" and len(cut) == len(run) else "context"
+                run = cut
+            cycle.n_accepted = min(cycle.n_accepted, len(run))
+            cycle.committed, cycle.index, cycle.start, cycle.stop = run, index, n_gen, stop
+            self.tokens.extend(run)
+            req.count(cycle)
+            index += 1
+            if stop:
+                self._sync()
+            yield cycle
+            if stop:
+                return
+
+
+@dataclass
+class Request:
+    """Everything about one generation: prompt, settings, and what it has done so far."""
+    prompt: list[int]
+    settings: Settings
+    block: int
+    prefill: tuple[int, float] = (0, 0.0)      # (prompt tokens evaluated, seconds)
+    n_tokens: int = 0
+    n_cycles: int = 0
+    passes: dict = field(default_factory=dict)
+    stop: str | None = None
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.prompt)
+
+    def count(self, cycle: rules.Cycle) -> None:
+        self.n_tokens += len(cycle.committed)
+        self.n_cycles += 1
+        for role, n in cycle.passes.items():
+            self.passes[role] = self.passes.get(role, 0) + n
+        self.stop = cycle.stop
+
+
+class Generation:
+    """The handle `Engine.generate` returns: iterate it for the `Cycle` events. `close()` (or
+    leaving the loop early and dropping it) cuts every cache back to the committed tokens and
+    frees the engine for the next request. Holds no reference cycle, so dropping it cleans up."""
+
+    def __init__(self, engine: Engine, request: Request):
+        self.request = request
+        self._engine = engine
+        self._gen = engine._run(request)
+
+    @property
+    def prefill(self) -> tuple[int, float]:
+        return self.request.prefill
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> rules.Cycle:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()                  # runs the clean-up if the generator started
+        self._engine._release(self.request)  # and also if it never did
+
+    def __del__(self):
+        if getattr(self, "_gen", None) is not None:
+            self.close()
 
 
 class TextStream:

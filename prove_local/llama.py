@@ -15,13 +15,7 @@ import numpy as np
 
 import llama_cpp as ll
 
-
-class LlamaError(RuntimeError):
-    """A llama.cpp call failed; the message names the file or the value involved."""
-
-
-class ContextFull(LlamaError):
-    """The tokens do not fit into the context window."""
+from .errors import ContextFull, LlamaError  # noqa: F401  (raised here, caught by the front ends)
 
 
 # llama.cpp logs to stderr by default. Keep the last lines instead, to quote them in errors.

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from . import registry
-from .memory import GiB, estimate, shape_info
+from .memory import estimate
+from .shapes import GiB, shape_info
 from .registry import Model, Pair, RegistryError
 
 EMBEDDED_DIR = Path(__file__).parent / "models"

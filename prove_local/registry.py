@@ -16,7 +16,7 @@ PACKAGED = Path(__file__).with_name("models.txt")
 
 ROLES = ("proposer", "verifier", "draft", "target")
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k")   # convert.OUTTYPES
-MODES = ("ar", "lossless", "prove", "mars", "spec")
+from .modes import NAMES as MODES
 MODE_MAIN = {"lossless": "proposer", "prove": "proposer", "mars": "proposer", "ar": None, "spec": None}
 MODE_PARTNER = {"prove": "verifier", "spec": "draft"}           # modes that need a second model
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -33,7 +33,7 @@ class Model:
     name: str
     roles: tuple[str, ...]
     source: str                 # "hf:OWNER/REPO" or "embedded:FILE.gguf"
-    shape: str | None           # key of memory.SHAPES, None for embedded files
+    shape: str | None           # key of shapes.SHAPES, None for embedded files
     quant: str
     block: int | None
     size: int                   # bytes (approximate)
@@ -92,7 +92,7 @@ def parse_size(text: str) -> int:
 
 
 def parse(text: str, path: str = "models.txt") -> Registry:
-    from .memory import SHAPES
+    from .shapes import SHAPES
 
     models: dict[str, Model] = {}
     pairs: dict[str, Pair] = {}
@@ -148,7 +148,7 @@ def parse(text: str, path: str = "models.txt") -> Registry:
         elif shape in SHAPES:
             shape_key = shape
         else:
-            fail(f"{name}: unknown shape {shape!r} (add it to prove_local/memory.py SHAPES; known: {', '.join(SHAPES)})")
+            fail(f"{name}: unknown shape {shape!r} (add it to prove_local/shapes.py SHAPES; known: {', '.join(SHAPES)})")
         if quant not in QUANTS:
             fail(f"{name}: unknown quantization {quant!r} (choose from {', '.join(QUANTS)})")
         if "proposer" in role_list:

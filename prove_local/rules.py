@@ -8,7 +8,6 @@ A cycle never mutates `tokens`; it returns a `Cycle` whose `committed` run the c
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +22,8 @@ class Cycle:
     q: list[float] | None         # verifier probability of each proposed token (None: no verifier)
     committed: list[int]
     n_accepted: int
-    passes: dict[str, int]
+    passes: dict[str, int]        # forward passes per model (the engine replaces it with measured counts)
+    widths: dict[str, list[int]] = field(default_factory=dict)   # tokens fed in each pass, per model
     decode_seconds: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0          # wall time of the whole cycle
     index: int = 0                # set by the driver
@@ -79,29 +79,39 @@ def leading_run(ok) -> int:
 
 
 def ar_cycle(ctx, tokens: list[int]) -> Cycle:
-    logits = ctx.eval(_pending(ctx, tokens))
-    ids, p = top1(logits)
-    return Cycle([int(ids[0])], [float(p[0])], None, [int(ids[0])], 1, {"proposer": 1})
+    pending = _pending(ctx, tokens)
+    ids, p = top1(ctx.eval(pending))
+    return Cycle([int(ids[0])], [float(p[0])], None, [int(ids[0])], 1, {"proposer": 1},
+                 {"proposer": [len(pending)]})
 
 
-def lossless_cycle(ctx, tokens: list[int], block: int, mask: int) -> Cycle:
+def lossless_cycle(ctx, tokens: list[int], block: int, mask: int, verify=None) -> Cycle:
     """ProVe-lossless: the proposer verifies its own block in a second pass.
     Row i of the verify pass is the greedy token after tokens + d[:i+1]; d[i+1] is accepted while
     it equals that token. Slot 1 is the AR token, so >= 1 token is accepted, and the greedy token at
-    the first mismatch (or after a full match) is committed too: every token is greedy AR's."""
+    the first mismatch (or after a full match) is committed too: every token is greedy AR's.
+    `verify` < block feeds only d[:verify] to the second pass (the rest of the proposal is dropped
+    unread: a narrower pass is cheaper where width costs time, as on a CPU). It may be a function
+    of the slot confidences p, called between the two passes (a planner's choice)."""
+    pending = len(_pending(ctx, tokens))
     d, p = propose(ctx, tokens, block, mask)
-    logits = ctx.eval(d.tolist(), rows=list(range(block)))
-    g, q = greedy_and_prob(logits, d[1:])
-    n = 1 + leading_run(d[1:] == g[:-1])
+    if callable(verify):
+        verify = verify(p)
+    v = block if verify is None else max(1, min(int(verify), block))
+    logits = ctx.eval(d[:v].tolist(), rows=list(range(v)))
+    g, q = greedy_and_prob(logits, d[1:v])
+    n = 1 + leading_run(d[1:v] == g[:-1])
     ctx.truncate(len(tokens) + n)                # keep d[:n]; g[n-1] stays pending
     committed = d[:n].tolist() + [int(g[n - 1])]
-    return Cycle(d.tolist(), p.tolist(), [float(p[0])] + q.tolist(), committed, n, {"proposer": 2})
+    return Cycle(d.tolist(), p.tolist(), [float(p[0])] + q.tolist(), committed, n, {"proposer": 2},
+                 {"proposer": [pending + block - 1, v]})
 
 
 def prove_cycle(ctx_prop, ctx_ver, tokens: list[int], block: int, mask: int, theta: float) -> Cycle:
     """ProVe: a stock AR verifier reads the block teacher-forced; q_i is its probability of d_i
     after d[:i]. Commit the longest leading run with p_i * q_i >= theta, at least slot 1 (the
     proposer's own AR token). No correction token: the next cycle starts at the first failure."""
+    width = len(_pending(ctx_prop, tokens)) + block - 1
     d, p = propose(ctx_prop, tokens, block, mask)
     pending = _pending(ctx_ver, tokens)
     feed = pending + d[:-1].tolist()
@@ -109,23 +119,26 @@ def prove_cycle(ctx_prop, ctx_ver, tokens: list[int], block: int, mask: int, the
     q = prob_of(logits, d)
     n = max(1, leading_run(p * q >= theta))
     ctx_ver.truncate(len(tokens) + n - 1)         # keep d[:n-1]; d[n-1] stays pending
-    return Cycle(d.tolist(), p.tolist(), q.tolist(), d[:n].tolist(), n, {"proposer": 1, "verifier": 1})
+    return Cycle(d.tolist(), p.tolist(), q.tolist(), d[:n].tolist(), n, {"proposer": 1, "verifier": 1},
+                 {"proposer": [width], "verifier": [len(feed)]})
 
 
 def mars_cycle(ctx, tokens: list[int], block: int, mask: int, tau: float) -> Cycle:
     """MARS confidence rule: commit the leading run with p_i >= tau, at least one. One pass."""
+    width = len(_pending(ctx, tokens)) + block - 1
     d, p = propose(ctx, tokens, block, mask)
     n = max(1, leading_run(p >= tau))
-    return Cycle(d.tolist(), p.tolist(), None, d[:n].tolist(), n, {"proposer": 1})
+    return Cycle(d.tolist(), p.tolist(), None, d[:n].tolist(), n, {"proposer": 1}, {"proposer": [width]})
 
 
 def spec_cycle(ctx_tgt, ctx_draft, tokens: list[int], k: int) -> Cycle:
     """Speculative decoding: the draft proposes k tokens greedily, one pass each; the target
     scores [pending, x_1..x_k] in one pass and commits the matching run plus its own next token."""
-    x, px = [], []
+    x, px, draft_widths = [], [], []
     feed = _pending(ctx_draft, tokens)
     for _ in range(k):
         ids, p = top1(ctx_draft.eval(feed))
+        draft_widths.append(len(feed))
         x.append(int(ids[0])), px.append(float(p[0]))
         feed = x[-1:]
     pending = _pending(ctx_tgt, tokens)
@@ -134,4 +147,5 @@ def spec_cycle(ctx_tgt, ctx_draft, tokens: list[int], k: int) -> Cycle:
     n = leading_run(np.array(x) == g[:k])
     ctx_tgt.truncate(len(tokens) + n)
     ctx_draft.truncate(min(ctx_draft.n_past, len(tokens) + n))
-    return Cycle(x, px, q.tolist(), x[:n] + [int(g[n])], n, {"draft": k, "proposer": 1})
+    return Cycle(x, px, q.tolist(), x[:n] + [int(g[n])], n, {"draft": k, "proposer": 1},
+                 {"draft": draft_widths, "proposer": [len(pending) + k]})

@@ -27,8 +27,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from prove_local.memory import (BLOCKS, SHAPES, Shape, _tensor_shapes, estimate, nvidia_smi_rows,  # noqa: E402
-                                 shape_info, tensor_type)
+from prove_local.memory import estimate  # noqa: E402
+from prove_local.shapes import BLOCKS, SHAPES, Shape, _tensor_shapes, shape_info, tensor_type  # noqa: E402
+from prove_local.system import nvidia_smi_rows  # noqa: E402
 
 GPU_SHAPES = {"qwen2.5-7b": SHAPES["qwen2.5-7b"], "qwen2.5-32b": SHAPES["qwen2.5-32b"]}
 # small shapes for the CPU form: multiples of 256 so that the K-quants apply as on the real models

@@ -45,7 +45,7 @@ def tiny_models(tmp: Path):
 
 
 def embedded_models(tmp: Path):
-    from prove_local.cli import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER
+    from prove_local.loading import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER
     if not EMBEDDED_PROPOSER.is_file():
         raise SystemExit(f"{EMBEDDED_PROPOSER} does not exist yet")
     prop, ver = Model(EMBEDDED_PROPOSER), Model(EMBEDDED_VERIFIER)
@@ -66,8 +66,9 @@ def measure(engine: Engine, model: Model, mode: str, max_new: int, n_prompts: in
     for text in PROMPTS[:n_prompts]:
         toks = model.tokenize(text, add_special=True)
         t0 = time.perf_counter()
-        cs = list(engine.generate(toks, Settings(mode=mode, max_new=max_new, **kw)))
-        wall += time.perf_counter() - t0 - engine.prefill[1]
+        gen = engine.generate(toks, Settings(mode=mode, max_new=max_new, **kw))
+        cs = list(gen)
+        wall += time.perf_counter() - t0 - gen.prefill[1]
         cycles += cs
     cyc = sum(c.seconds for c in cycles)
     dec = sum(sum(c.decode_seconds.values()) for c in cycles)

@@ -14,6 +14,7 @@ class FakeContext:
         self.cache: list[int] = []
         self.evals: list[list[int]] = []
         self.decode_seconds = 0.0
+        self.n_decode = 0          # passes, counted as llama.py's Context counts them
 
     @property
     def n_past(self) -> int:
@@ -22,6 +23,7 @@ class FakeContext:
     def eval(self, tokens, rows=None):
         rows = [len(tokens) - 1] if rows is None else rows
         self.evals.append(list(tokens))
+        self.n_decode += 1
         base = list(self.cache)
         self.cache += list(tokens)
         out = np.empty((len(rows), self.vocab), dtype=np.float32)

@@ -9,7 +9,8 @@ import pytest
 
 from prove_local.bench import data as bdata
 from prove_local.bench import stats
-from prove_local.bench.report import build_results, summary_markdown, write_outputs
+from prove_local.bench.markdown import summary_markdown
+from prove_local.bench.results import build_results, write_outputs
 from prove_local.bench.runner import BenchData, Generation, Run, make_runs
 from prove_local.engine import Settings
 from prove_local.rules import Cycle

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from prove_local.chat import Conversation
-from prove_local.cli import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER
+from prove_local.loading import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER
 from prove_local.engine import Engine, Settings
 from prove_local.llama import Model
 

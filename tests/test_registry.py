@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from prove_local import pull, registry
-from prove_local.memory import (GiB, MiB, SHAPES, WontFit, check_fits, estimate, kv_bytes_per_token, read_gguf_info,
-                                shape_info)
+from prove_local.gguf_info import read_gguf_info
+from prove_local.memory import WontFit, check_fits, estimate
+from prove_local.shapes import GiB, MiB, SHAPES, kv_bytes_per_token, shape_info
 from tests.tiny import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,7 +156,7 @@ def test_gguf_info_and_check_fits(pulled, monkeypatch):
 
 
 def test_nvidia_smi_queries_with_a_fake_nvidia_smi(tmp_path, monkeypatch):
-    from prove_local import memory
+    from prove_local import system as memory
     fake = tmp_path / "nvidia-smi"
     fake.write_text('#!/bin/sh\ncase "$1" in\n'
                     '  --query-gpu=index,memory.free) printf "0, 1000\\n1, 3000\\n" ;;\n'

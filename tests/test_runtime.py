@@ -124,9 +124,10 @@ def test_multi_turn_chat_equals_conversation_from_scratch(models):
     conv = Conversation(prop)
     for user in ["Hello there", "Tell me more", "Thanks!"]:
         prompt = conv.prompt_tokens(user)
-        cycles, out = generate(e, prompt, mode="lossless", max_new=24)
+        gen = e.generate(prompt, Settings(mode="lossless", max_new=24))
+        out = [t for c in gen for t in c.committed]
         if len(conv.messages) > 1:
-            assert e.prefill[0] < len(prompt) - 1    # the earlier turns came from the cache
+            assert gen.prefill[0] < len(prompt) - 1    # the earlier turns came from the cache
         conv.add_reply(prop.detokenize([t for t in out if not prop.is_eog(t)]))
     fresh = Engine.load(prop, **F32)
     assert generate(fresh, prompt, mode="ar", max_new=24)[1] == out

@@ -23,6 +23,7 @@ from prove_local.llama import Model
 from prove_local.rules import Cycle
 from tests.tiny import tiny_gguf
 from prove_local.ui import view
+from prove_local.loading import Loaded
 from prove_local.ui.runtime import Runtime, Session, UIError, compare_with_ar, run_turn
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning",
@@ -180,7 +181,7 @@ def ui_args(**kw):
 
 
 def test_runtime_turns_equal_the_engine_and_compare(models, paths):
-    rt = Runtime(*models, parallel=1, **F32)
+    rt = Runtime(Loaded(*models, context_options=F32), parallel=1)
     assert rt.error is None and rt.default_mode == "lossless" and set(rt.modes) == {"ar", "lossless", "prove", "mars"}
     assert "draft" in rt.mode_errors["spec"]
     sess = Session()
@@ -198,7 +199,7 @@ def test_runtime_turns_equal_the_engine_and_compare(models, paths):
 
 
 def test_stop_mid_answer_then_next_turn(models):
-    rt = Runtime(*models, **F32)
+    rt = Runtime(Loaded(*models, context_options=F32))
     sess = Session()
     prompt = "Natalia sold clips to 48 of her friends in April. How many clips did she sell?"
     gen = run_turn(rt, sess, prompt, Settings(mode="lossless", max_new=MAX_NEW, block=2))

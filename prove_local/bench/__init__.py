@@ -42,7 +42,7 @@ def canonical_command(args) -> str:
 
 
 def add_parser(sub) -> None:
-    from ..cli import EMBEDDED_PROPOSER
+    from ..loading import EMBEDDED_PROPOSER
 
     p = sub.add_parser("bench", help="benchmark the decoding modes and reproduce the paper's analyses",
                        description="Run the decoding modes interleaved per prompt on benchmark prompts; write "
@@ -84,8 +84,9 @@ def add_parser(sub) -> None:
 
 
 def report_only(args) -> int:
-    from ..cli import UsageError
-    from .report import load_outputs, modes_table, write_outputs
+    from ..errors import UsageError
+    from .markdown import modes_table
+    from .results import load_outputs, write_outputs
 
     try:
         data, meta = load_outputs(Path(args.out))
@@ -101,11 +102,13 @@ def report_only(args) -> int:
 
 def cmd_bench(args) -> int:
     from ..chat import Conversation
-    from ..cli import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, UsageError
-    from ..engine import MODES, Engine
+    from ..errors import UsageError
+    from ..loading import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER
+    from ..engine import Engine
     from ..llama import Model, gpu_offload_supported
+    from ..modes import MODES
     from .data import DataError, load_prompts
-    from .report import write_outputs
+    from .results import write_outputs
     from .runner import machine_info, make_runs, run_bench
 
     if args.report_only:
@@ -193,7 +196,7 @@ def cmd_bench(args) -> int:
         "bins": args.bins,
     }
     res = write_outputs(data, Path(args.out), meta=meta, plots=not args.no_plots)
-    from .report import modes_table
+    from .markdown import modes_table
     print(modes_table(res))
     print(f"\nwrote {Path(args.out) / 'results.json'}, summary.md, generations.jsonl"
           + (f" and {len(res['plots'])} plots" if res["plots"] else ""), file=sys.stderr)

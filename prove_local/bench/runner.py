@@ -97,9 +97,10 @@ def measure_pass_cost(model: Model, context_options: dict, fill: list[int], *, n
 def generate_once(engine: Engine, tokens: list[int], settings: Settings) -> tuple[list[Cycle], float, tuple]:
     gc.collect()
     t0 = time.perf_counter()
-    cycles = list(engine.generate(tokens, settings))
+    gen = engine.generate(tokens, settings)
+    cycles = list(gen)
     wall = time.perf_counter() - t0
-    return cycles, max(0.0, wall - engine.prefill[1]), engine.prefill
+    return cycles, max(0.0, wall - gen.prefill[1]), gen.prefill
 
 
 def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], prompt_tokens: list[list[int]],

@@ -12,6 +12,8 @@ import os
 import sys
 import time
 
+from prove_local.loading import add_model_args
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
 MODE_CHOICES = {
@@ -111,24 +113,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "ui", help="chat in the browser, every decoding cycle visible",
         description="Start a local Gradio chat that colors each cycle's committed tokens and shows, for any "
                     "cycle, the proposed block with p̃, q, the gate's verdict and what was dropped.")
-    p.add_argument("model", nargs="?", metavar="MODEL.gguf", help="proposer GGUF (default: the embedded proposer)")
-    p.add_argument("--verifier", metavar="V.gguf", help="verifier GGUF for mode prove "
-                   "(default with the embedded proposer: the embedded verifier)")
-    p.add_argument("--draft", metavar="D.gguf", help="draft GGUF for mode spec")
+    add_model_args(p)
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
     p.add_argument("--parallel", type=int, default=1,
                    help="answers decoded at the same time, each on its own contexts (default 1: requests queue)")
-    p.add_argument("--mask-token", type=int, help="placeholder token id (overrides the GGUF's mask token)")
     p.add_argument("--system", help="system message for the chat template")
     p.add_argument("-n", "--max-new", type=int, default=256, help="initial max new tokens (default 256)")
-    p.add_argument("--threads", type=int, help="CPU threads per context (default: all cores)")
-    p.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
-    p.add_argument("--n-gpu-layers", type=int, help="layers to offload (default: all with a GPU backend, else 0)")
-    p.add_argument("--flash-attn", action="store_true", help="use flash attention")
-    p.add_argument("--kv-type", choices=("f32", "f16", "q8_0", "q4_0"),
-                   help="KV cache type (default: f32 for F32 models, f16 otherwise)")
     p.set_defaults(func=cmd_ui)
     return p
 
@@ -174,7 +166,8 @@ def build_app(runtime, *, max_new: int = 256):
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     import gradio as gr
 
-    from prove_local.engine import MODES, Settings, summarize
+    from prove_local.engine import Settings, summarize
+    from prove_local.modes import MODES
 
     from . import view
     from .runtime import Session, UIError, compare_with_ar, run_turn

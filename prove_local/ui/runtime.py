@@ -1,23 +1,20 @@
 """What the UI holds between requests: the models (loaded once, from the command line), a pool of
-engines on them, and per-browser-session conversations. Decoding is the runtime's
-(`Engine.generate`); this module only drives it and records the events.
-
-Isolation: an `Engine` holds one committed sequence and its KV caches, so a request takes an
-engine from the pool for its whole duration (one request per engine at a time). With
-`parallel` engines, that many requests decode at once; more wait for a free engine. A session
+engines on them (`prove_local.pool`), and per-browser-session conversations. Decoding is the
+runtime's (`Engine.generate`); this module only drives it and records the events. A session
 prefers the engine it used last, whose caches still hold its conversation.
 """
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from prove_local.chat import Conversation, TemplateMissing
-from prove_local.engine import MODES, Engine, ModeError, Settings, summarize
-from prove_local.llama import ContextFull, LlamaError
+from prove_local.chat import Conversation
+from prove_local.engine import Settings, summarize
+from prove_local.errors import ContextFull, LlamaError, ModeError, TemplateMissing
+from prove_local.loading import EMBEDDED_PROPOSER, Loaded
+from prove_local.modes import MODES
+from prove_local.pool import EnginePool
 
 from .view import AnswerView, token_label
 
@@ -27,27 +24,27 @@ class UIError(Exception):
 
 
 class Runtime:
-    def __init__(self, proposer=None, verifier=None, draft=None, *, mask_token: int | None = None,
-                 parallel: int = 1, system: str | None = None, error: str | None = None, **context_options):
-        self.proposer, self.verifier, self.draft = proposer, verifier, draft
-        self.mask_token = mask_token
+    def __init__(self, loaded: Loaded | None = None, *, parallel: int = 1, system: str | None = None,
+                 error: str | None = None, n_ctx: int = 4096):
+        self.loaded = loaded
+        self.proposer = loaded.proposer if loaded else None
+        self.verifier = loaded.verifier if loaded else None
+        self.draft = loaded.draft if loaded else None
         self.system = system
-        self.context_options = context_options
         self.error = error                     # set when the models could not be loaded
-        self._engines: list[Engine | None] = [None] * max(1, parallel)
-        self._busy = [False] * len(self._engines)
-        self._cond = threading.Condition()
+        self.pool: EnginePool | None = None
         self.mode_errors: dict[str, str] = {}
         self.default_mode = "ar"
         self.block_size = 16
-        self.n_ctx = context_options.get("n_ctx", 4096)
-        if proposer is not None and error is None:
+        self.n_ctx = loaded.context_options.get("n_ctx", n_ctx) if loaded else n_ctx
+        self._parallel = max(1, parallel)
+        if loaded is not None and error is None:
             try:
-                first = self._new_engine()      # validates vocabularies and the mask token now
+                self.pool = EnginePool(loaded, parallel)
             except (LlamaError, ModeError) as e:
                 self.error = f"could not set up the models: {e}"
             else:
-                self._engines[0] = first
+                first = self.pool.first
                 self.default_mode = first.default_mode()
                 self.block_size = first.block_size
                 self.n_ctx = first.n_ctx
@@ -62,43 +59,20 @@ class Runtime:
     def from_args(cls, args) -> "Runtime":
         """Models from the command line (the embedded pair when no model is given). A failure
         to load does not raise: the page starts and shows `error`."""
-        from prove_local.cli import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER
-        from prove_local.llama import Model, gpu_offload_supported
+        from prove_local.loading import load_models
 
-        model = Path(args.model) if args.model else EMBEDDED_PROPOSER
-        verifier = Path(args.verifier) if args.verifier else None
-        if verifier is None and not args.model and EMBEDDED_VERIFIER.is_file():
-            verifier = EMBEDDED_VERIFIER        # the embedded verifier is optional
-        opts = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn)
         try:
-            from prove_local.memory import check_fits
-
-            ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (-1 if gpu_offload_supported() else 0)
-            parallel = max(1, args.parallel)
-            check_fits([model, verifier, args.draft] * parallel, args.ctx, args.kv_type, ngl,
-                       flash_attn=args.flash_attn)
-            prop = Model(model, n_gpu_layers=ngl)
-            ver = Model(verifier, n_gpu_layers=ngl) if verifier else None
-            draft = None
-            if args.draft:
-                draft = prop if Path(args.draft) == model else Model(args.draft, n_gpu_layers=ngl)
+            loaded = load_models(args, parallel=max(1, args.parallel))
         except LlamaError as e:
             hint = ("; the embedded models are not installed: pass MODEL.gguf on the command line"
                     if not args.model and not EMBEDDED_PROPOSER.is_file() else "")
-            return cls(error=f"model failed to load: {e}{hint}", parallel=args.parallel, **opts)
-        # as `prove-local run`: an F32 KV cache for F32 models (batched and one-token evaluation agree)
-        kv = args.kv_type or ("f32" if prop.meta("general.file_type") == "0" else "f16")
-        opts.update(type_k=kv, type_v=kv)
-        return cls(prop, ver, draft, mask_token=args.mask_token, parallel=args.parallel, system=args.system, **opts)
-
-    def _new_engine(self) -> Engine:
-        return Engine.load(self.proposer, self.verifier, self.draft, mask_token=self.mask_token,
-                           **self.context_options)
+            return cls(error=f"model failed to load: {e}{hint}", parallel=args.parallel, n_ctx=args.ctx)
+        return cls(loaded, parallel=args.parallel, system=args.system)
 
     @property
     def parallel(self) -> int:
         """Requests that can decode at the same time (one engine each)."""
-        return len(self._engines)
+        return self.pool.parallel if self.pool else self._parallel
 
     @property
     def modes(self) -> list[str]:
@@ -108,24 +82,9 @@ class Runtime:
         return {role: m.path.name for role, m in
                 (("proposer", self.proposer), ("verifier", self.verifier), ("draft", self.draft)) if m is not None}
 
-    # ------------------------------------------------------------------------ engines
-    @contextlib.contextmanager
     def engine(self, prefer: int | None = None):
-        """(index, engine), exclusively for the duration of the block."""
-        with self._cond:
-            while all(self._busy):
-                self._cond.wait()
-            free = [i for i, b in enumerate(self._busy) if not b]
-            i = prefer if prefer in free else next((j for j in free if self._engines[j] is not None), free[0])
-            self._busy[i] = True
-        try:
-            if self._engines[i] is None:
-                self._engines[i] = self._new_engine()
-            yield i, self._engines[i]
-        finally:
-            with self._cond:
-                self._busy[i] = False
-                self._cond.notify()
+        """(index, engine) from the pool, exclusively for the duration of the block."""
+        return self.pool.engine(prefer)
 
     # ------------------------------------------------------------------------ text
     def prompt_tokens(self, messages: list[dict], user: str) -> list[int]:

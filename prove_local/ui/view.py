@@ -16,6 +16,7 @@ import html
 from dataclasses import dataclass, field
 
 from prove_local.engine import TextStream
+from prove_local.modes import MODES
 from prove_local.rules import leading_run
 
 MODE_LABELS = {
@@ -25,7 +26,7 @@ MODE_LABELS = {
     "mars": "MARS rule",
     "spec": "speculative",
 }
-EXACT_MODES = ("ar", "lossless", "spec")   # output equals greedy AR (up to llama.cpp's batch rounding)
+EXACT_MODES = tuple(m.name for m in MODES.values() if m.exact)   # output equals greedy AR (up to batch rounding)
 Q_MEANING = {
     "ar": "no verifier",
     "lossless": "q: the proposer's own probability of the token in its verify pass",

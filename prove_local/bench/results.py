@@ -1,0 +1,243 @@
+"""results.json and generations.jsonl of a benchmark run: built from its events, written atomically,
+and read back (`--report-only`)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..files import write_atomic
+from . import stats
+from .data import check_answer
+from .markdown import summary_markdown
+from .plots import make_plots, roc_data
+from .runner import BenchData
+
+SCHEMA_VERSION = 1
+
+
+def _r(x, d=4):
+    return None if x is None else round(float(x), d)
+
+
+def reference_run(data: BenchData) -> str | None:
+    names = [r.name for r in data.runs]
+    return "ar" if "ar" in names else ("lossless" if "lossless" in names else None)
+
+
+def build_results(data: BenchData, *, meta: dict) -> dict:
+    runs = {r.name: r for r in data.runs}
+    by = {(g.prompt, g.run): g for g in data.generations}
+    prompts = data.prompts
+    ref_name = reference_run(data)
+    ref = {i: by[(i, ref_name)].tokens for i in range(len(prompts)) if (i, ref_name) in by} if ref_name else {}
+    ar_gens = [by.get((i, "ar")) for i in range(len(prompts))]
+    curves = data.pass_cost or None
+    ar_cycles = [c for g in ar_gens if g for c in g.cycles]
+
+    correct = {}
+    for g in data.generations:
+        p = prompts[g.prompt]
+        correct[(g.prompt, g.run)] = check_answer(p.family, g.text, p.answer)
+
+    modes, slot_rates, aucs, by_pos, sweep = {}, {}, {}, {}, []
+    for name, run in runs.items():
+        gens = [by.get((i, name)) for i in range(len(prompts))]
+        gens_ok = [g for g in gens if g is not None]
+        cycles = [c for g in gens_ok for c in g.cycles]
+        pairs = [(len(g.tokens), g.seconds) for g in gens_ok]
+        if "ar" in runs:
+            both = [(g, a) for g, a in zip(gens, ar_gens) if g is not None and a is not None]
+            sp = stats.speedups([(len(g.tokens), g.seconds) for g, _ in both], [(len(a.tokens), a.seconds) for _, a in both])
+        else:
+            sp = {"median": None, "totals": None, "n": 0}
+        families = sorted({prompts[g.prompt].family for g in gens_ok})
+        fam_speed, fam_acc, fam_tpc, fam_loop, fam_tpc_nl = {}, {}, {}, {}, {}
+        for fam in families:
+            fam_gens = [g for g in gens_ok if prompts[g.prompt].family == fam]
+            fam_tpc[fam] = _r(stats.tokens_per_cycle([c for g in fam_gens for c in g.cycles]))
+            fam_loop[fam] = _r(stats.loop_share([g.tokens for g in fam_gens]))
+            fam_tpc_nl[fam] = _r(stats.tokens_per_cycle_outside_loops([(g.tokens, g.cycles) for g in fam_gens]))
+            both = [(g, a) for g, a in zip(gens, ar_gens) if g is not None and a is not None and prompts[g.prompt].family == fam]
+            if both:
+                fam_speed[fam] = _r(stats.speedups([(len(g.tokens), g.seconds) for g, _ in both],
+                                                   [(len(a.tokens), a.seconds) for _, a in both])["totals"])
+            acc = stats.accuracy([correct[(g.prompt, name)] for g in gens_ok if prompts[g.prompt].family == fam])
+            if acc is not None:
+                fam_acc[fam] = _r(acc)
+        proj = stats.projected(run.settings.mode, cycles, curves) if curves else {}
+        exact = stats.exact_match_share([g.tokens for g in gens_ok], [ref.get(g.prompt) for g in gens_ok]) \
+            if ref_name == "ar" else None
+        checkable = [correct[(g.prompt, name)] for g in gens_ok]
+        s = run.settings
+        entry = {
+            "mode": s.mode,
+            "theta": s.theta if s.mode == "prove" else None,
+            "tau": s.tau if s.mode == "mars" else None,
+            "block": s.block, "draft_k": s.draft_k if s.mode == "spec" else None,
+            "n_prompts": len(gens_ok),
+            "tokens": sum(len(g.tokens) for g in gens_ok),
+            "seconds": _r(sum(g.seconds for g in gens_ok), 3),
+            "n_cycles": len(cycles),
+            "tokens_per_second": _r(stats.throughput(pairs), 3),
+            "speedup_vs_ar": {"median": _r(sp["median"]), "totals": _r(sp["totals"])},
+            "tokens_per_cycle": _r(stats.tokens_per_cycle(cycles)),
+            "passes_per_token": {k: _r(v) for k, v in stats.passes_per_token(cycles).items()},
+            "cycle_cost": {"measured": _r(stats.measured_cycle_cost(cycles, ar_cycles)),
+                           "measured_decode": _r(stats.measured_cycle_cost(cycles, ar_cycles, decode_only=True)),
+                           "projected": _r(proj.get("cycle_cost")), "projected_flat": _r(proj.get("cycle_cost_flat"))},
+            "projected_speedup": {"curve": _r(proj.get("speedup")), "flat": _r(proj.get("speedup_flat"))},
+            "exact_match_vs_ar": _r(exact),
+            "accuracy": _r(stats.accuracy(checkable)),
+            "n_checkable": sum(c is not None for c in checkable),
+            "accuracy_by_family": fam_acc,
+            "speedup_by_family": fam_speed,
+            "tokens_per_cycle_by_family": fam_tpc,
+            "loop_share_by_family": fam_loop,
+            "tokens_per_cycle_outside_loops_by_family": fam_tpc_nl,
+            "overhead_share": _r(stats.overhead_share(cycles)),
+            "loop_share": _r(stats.loop_share([g.tokens for g in gens_ok])),
+            "tokens_per_cycle_outside_loops": _r(stats.tokens_per_cycle_outside_loops(
+                [(g.tokens, g.cycles) for g in gens_ok])),
+        }
+        modes[name] = entry
+        if s.mode == "prove":
+            sweep.append({"run": name, "theta": s.theta, "speedup_median": entry["speedup_vs_ar"]["median"],
+                          "speedup_totals": entry["speedup_vs_ar"]["totals"], "tokens_per_cycle": entry["tokens_per_cycle"],
+                          "accuracy": entry["accuracy"], "exact_match_vs_ar": entry["exact_match_vs_ar"],
+                          "projected_speedup_flat": entry["projected_speedup"]["flat"]})
+        # the paper's analyses, for runs that propose blocks (or drafts)
+        if s.mode != "ar" and ref:
+            labels, mruns = [], []
+            for g in gens_ok:
+                if g.prompt in ref:
+                    labels += stats.slot_labels(g.cycles, g.tokens, ref[g.prompt])
+                    mruns += stats.matched_runs(g.cycles, g.tokens, ref[g.prompt])
+            n_slots = max((len(c.proposed) for c in cycles), default=0)
+            rate, counts = stats.match_rate_by_slot(labels, n_slots)
+            slot_rates[name] = {"rate": [_r(x) for x in rate], "n": counts}
+            a = stats.detector_aucs(labels)
+            aucs[name] = {k: (_r(v) if isinstance(v, float) else v) for k, v in a.items()}
+            bp = stats.matched_by_position(mruns, meta.get("bins", 5))
+            bp["mean"] = [_r(x) for x in bp["mean"]]
+            bp["overall"] = _r(bp["overall"])
+            bp["committed_per_cycle"] = entry["tokens_per_cycle"]
+            by_pos[name] = bp
+
+    per_prompt = []
+    for i, p in enumerate(prompts):
+        rr = {}
+        for name in runs:
+            g = by.get((i, name))
+            if g is None:
+                continue
+            rr[name] = {"n_tokens": len(g.tokens), "seconds": _r(g.seconds, 4),
+                        "tokens_per_second": _r(len(g.tokens) / g.seconds if g.seconds > 0 else None, 3),
+                        "tokens_per_cycle": _r(stats.tokens_per_cycle(g.cycles)),
+                        "stop": g.cycles[-1].stop if g.cycles else None,
+                        "equal_to_ar": (g.tokens == ref[i]) if ref_name == "ar" and i in ref else None,
+                        "first_divergence": (stats.common_prefix(g.tokens, ref[i]) if ref_name == "ar" and i in ref
+                                             and g.tokens != ref[i] else None),
+                        "correct": correct[(i, name)]}
+        per_prompt.append({"id": p.id, "family": p.family, "source": p.source, "answer": p.answer,
+                           "n_prompt_tokens": len(data.prompt_tokens[i]), "runs": rr})
+
+    pass_cost = {}
+    for role, curve in (data.pass_cost or {}).items():
+        ns = sorted(curve)
+        pass_cost[role] = {"n": ns, "seconds": [_r(curve[n], 6) for n in ns],
+                           "ratio": [_r(curve[n] / curve[ns[0]], 3) for n in ns]}
+    fams: dict[str, int] = {}
+    for p in prompts:
+        fams[p.family] = fams.get(p.family, 0) + 1
+    return {
+        "schema": SCHEMA_VERSION,
+        **{k: v for k, v in meta.items() if k != "bins"},
+        "data": {**meta.get("data", {}), "n_prompts": len(prompts), "families": fams},
+        "reference": ref_name,
+        "warmup_seconds": _r(data.warmup_seconds, 2),
+        "modes": modes,
+        "position_match_rate": slot_rates,
+        "matched_tokens_by_position": by_pos,
+        "auc": aucs,
+        "theta_sweep": sorted(sweep, key=lambda r: r["theta"]),
+        "pass_cost": pass_cost,
+        "paper": {"position_match_rate_gsm8k": stats.PAPER_SLOT_MATCH_GSM8K, "auc": stats.PAPER_AUC},
+        "prompts": per_prompt,
+    }
+
+
+def generations_jsonl(data: BenchData) -> str:
+    lines = []
+    for g in data.generations:
+        lines.append(json.dumps({
+            "prompt": data.prompts[g.prompt].id, "run": g.run, "text": g.text, "tokens": g.tokens,
+            "seconds": round(g.seconds, 5), "prefill": [g.prefill_tokens, round(g.prefill_seconds, 5)],
+            "cycles": [{"start": c.start, "proposed": c.proposed, "p": [round(x, 5) for x in c.p],
+                        "q": None if c.q is None else [round(x, 5) for x in c.q], "n_committed": len(c.committed),
+                        "n_accepted": c.n_accepted, "passes": c.passes, "seconds": round(c.seconds, 6),
+                        "decode_seconds": {k: round(v, 6) for k, v in c.decode_seconds.items()}} for c in g.cycles],
+        }, ensure_ascii=False))
+    return "\n".join(lines) + "\n"
+
+
+def load_outputs(out: Path) -> tuple[BenchData, dict]:
+    """Read a finished bench folder back (results.json + generations.jsonl) as the data and meta it
+    was written from, so that `write_outputs` can rebuild the report with this version's
+    statistics without running anything. Prompt texts and prompt token ids are not stored: only
+    their count is kept, which is all the report uses."""
+    from ..engine import Settings
+    from ..rules import Cycle
+    from .data import Prompt
+    from .runner import Generation, Run
+
+    out = Path(out)
+    try:
+        res = json.loads((out / "results.json").read_text())
+        lines = (out / "generations.jsonl").read_text().splitlines()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{out}: not a readable bench folder ({type(e).__name__}: {e})") from None
+    if res.get("schema") != SCHEMA_VERSION:
+        raise ValueError(f"{out / 'results.json'}: schema {res.get('schema')!r}, expected {SCHEMA_VERSION}")
+    prompts = [Prompt(p["id"], p["family"], "", p.get("answer"), p.get("source", "")) for p in res["prompts"]]
+    index = {p.id: i for i, p in enumerate(prompts)}
+    stops = {(p["id"], run): r.get("stop") for p in res["prompts"] for run, r in p["runs"].items()}
+    default = Settings()
+    runs = [Run(name, Settings(mode=m["mode"], max_new=res["settings"]["max_new"], block=m["block"],
+                               theta=default.theta if m["theta"] is None else m["theta"],
+                               tau=default.tau if m["tau"] is None else m["tau"],
+                               draft_k=default.draft_k if m["draft_k"] is None else m["draft_k"]))
+            for name, m in res["modes"].items()]
+    gens = []
+    for line in lines:
+        g = json.loads(line)
+        toks = g["tokens"]
+        cycles = [Cycle(proposed=c["proposed"], p=c["p"], q=c["q"], committed=toks[c["start"]:c["start"] + c["n_committed"]],
+                        n_accepted=c["n_accepted"], passes=c["passes"], decode_seconds=c["decode_seconds"],
+                        seconds=c["seconds"], index=k, start=c["start"]) for k, c in enumerate(g["cycles"])]
+        if cycles:
+            cycles[-1].stop = stops.get((g["prompt"], g["run"]))
+        gens.append(Generation(index[g["prompt"]], g["run"], toks, cycles, g["seconds"],
+                               g["prefill"][0], g["prefill"][1], g["text"]))
+    data = BenchData(prompts, [[0] * p["n_prompt_tokens"] for p in res["prompts"]], runs, gens,
+                     {role: dict(zip(v["n"], v["seconds"])) for role, v in res.get("pass_cost", {}).items()},
+                     res.get("warmup_seconds") or 0.0)
+    meta = {k: res[k] for k in ("command", "created", "machine", "models", "settings") if k in res}
+    meta["data"] = {k: v for k, v in res.get("data", {}).items() if k in ("paths", "limit")}
+    meta["bins"] = max(len(next(iter(res["matched_tokens_by_position"].values()))["edges"]) - 1, 1) \
+        if res.get("matched_tokens_by_position") else 5
+    return data, meta
+
+
+def write_outputs(data: BenchData, out: Path, *, meta: dict, plots: bool = True) -> dict:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = build_results(data, meta=meta)
+    res["plots"] = []
+    if plots:
+        res["_roc"] = roc_data(data, res)
+        res["plots"] = make_plots(res, out)
+        res.pop("_roc", None)
+    write_atomic(out / "generations.jsonl", generations_jsonl(data))
+    write_atomic(out / "results.json", json.dumps(res, indent=1, ensure_ascii=False) + "\n")
+    write_atomic(out / "summary.md", summary_markdown(res))
+    return res
