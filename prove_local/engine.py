@@ -28,6 +28,14 @@ class Settings:
     theta: float = 0.05
     tau: float = 0.95
     draft_k: int = 4
+    # sampling (llama.cpp's names and, except temperature, its defaults); temperature 0 is greedy
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
 
 
 class Engine:
@@ -78,6 +86,8 @@ class Engine:
             raise ModeError(f"mode {s.mode!r} needs a draft model (--draft D.gguf)")
         if (s.block or 1) < 1 or s.draft_k < 0 or s.max_new < 0:
             raise ModeError("block and max new tokens must be >= 1, draft k >= 0")
+        if s.temperature != 0 or s.repeat_penalty != 1.0:
+            raise ModeError("sampling (temperature > 0, repeat penalty) is not available yet: every mode decodes greedily")
 
     def plan(self, req: "Request") -> Plan:
         """The widths of the next cycle: the request's fixed settings, cut to the room left in the

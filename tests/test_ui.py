@@ -142,7 +142,7 @@ def test_command_line_defaults_are_safe():
     a = parser.parse_args(["ui", "m.gguf", "--verifier", "v.gguf", "--draft", "d.gguf", "--port", "9000"])
     assert (a.model, a.verifier, a.draft, a.port) == ("m.gguf", "v.gguf", "d.gguf", 9000)
     # `prove-local run` does not pay for gradio: the ui command imports it when it runs
-    out = subprocess.run([sys.executable, "-c", "import sys, prove_local.cli, ui.app; print('gradio' in sys.modules)"],
+    out = subprocess.run([sys.executable, "-c", "import sys, prove_local.cli, prove_local.ui.app; print('gradio' in sys.modules)"],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
 
