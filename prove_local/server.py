@@ -152,7 +152,13 @@ def cmd_serve(args) -> int:
     app = create_app(state)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=3)
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):       # Ctrl-C / SIGTERM: open generations stop at once,
+            state.shutdown()                     # so the graceful shutdown does not wait for them
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
 
     def load():
         try:
@@ -402,6 +408,7 @@ class Job:
         self.slot = -1
         self.finish: str | None = None       # stop, length, cancelled, error
         self.seconds = 0.0
+        self._checked = time.monotonic()     # when we last asked whether the client is still there
         self.thread = threading.Thread(target=self._run, name="generate", daemon=True)
 
     def start(self) -> "Job":
@@ -472,11 +479,14 @@ class Job:
     async def next(self, request=None):
         """The next event; while waiting, a client that went away cancels the job."""
         while True:
+            if request is not None and time.monotonic() - self._checked > 0.5:
+                self._checked = time.monotonic()
+                if await request.is_disconnected():
+                    self.cancel.set()
             try:
                 return await asyncio.wait_for(self.events.get(), 0.5)
             except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    self.cancel.set()
+                pass
 
     def stats(self) -> dict:
         """The `prove` extension object: what the cycles of this answer did."""
@@ -551,6 +561,7 @@ def schemas():
         top_k: int | None = Field(None, ge=0)
         min_p: float | None = Field(None, ge=0, le=1)
         repeat_penalty: float | None = Field(None, gt=0)
+        repeat_last_n: int | None = Field(None, ge=0)
         mode: str | None = None
         theta: float | None = Field(None, ge=0)
         tau: float | None = Field(None, ge=0)
@@ -624,6 +635,7 @@ def settings_for(state: State, body, n_prompt: int):
         top_k=d.top_k if body.top_k is None else body.top_k, top_p=d.top_p if body.top_p is None else body.top_p,
         min_p=d.min_p if body.min_p is None else body.min_p,
         repeat_penalty=d.repeat_penalty if body.repeat_penalty is None else body.repeat_penalty,
+        repeat_last_n=d.repeat_last_n if body.repeat_last_n is None else body.repeat_last_n,
         seed=body.seed)
     first = state.pool.first
     try:
