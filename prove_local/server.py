@@ -290,7 +290,8 @@ class Metrics:
             metric("slots", "gauge", "engines (--parallel)", [({}, pool_stats["slots"])])
             metric("slots_busy", "gauge", "engines decoding now", [({}, pool_stats["busy"])])
             metric("queue_length", "gauge", "requests waiting for an engine", [({}, pool_stats["waiting"])])
-            metric("queue_capacity", "gauge", "most requests that may wait (--queue)", [({}, pool_stats["queue_capacity"])])
+            metric("queue_capacity", "gauge", "most requests that may wait (--queue)",
+                   [({}, pool_stats["queue_capacity"])])
             metric("queue_peak", "gauge", "most requests that waited at once", [({}, pool_stats["peak_waiting"])])
             metric("requests_rejected_total", "counter", "requests refused with 503 (queue full)",
                    [({}, pool_stats["rejected"])])

@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                         "max_tokens": args.max_tokens, "temperature": 0}
                 if args.mode:
                     body["mode"] = args.mode
-                res = one_request(host, port, body, args.api_key, min(args.timeout, max(1.0, deadline - time.monotonic())))
+                timeout = min(args.timeout, max(1.0, deadline - time.monotonic()))
+                res = one_request(host, port, body, args.api_key, timeout)
                 with lock:
                     results.append(res)
 
