@@ -96,6 +96,14 @@ def is_loopback(host: str) -> bool:
         return False                   # a host name: it may resolve beyond this machine
 
 
+def exposure_warning(host: str, port: int, keys: list[str]) -> str | None:
+    """What to tell the user who listens beyond this machine without a key (else None)."""
+    if is_loopback(host) or keys:
+        return None
+    return (f"listening on {host} without an API key: anyone who can reach port {port} can use the models "
+            "(pass --api-key or --api-key-file)")
+
+
 def read_api_keys(args) -> list[str]:
     """The accepted keys: --api-key, or the non-empty lines of --api-key-file (llama.cpp's option)."""
     if args.api_key is not None:
@@ -145,9 +153,9 @@ def cmd_serve(args) -> int:
     keys = read_api_keys(args)
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    if not is_loopback(args.host) and not keys:
-        print(f"prove-local serve: warning: listening on {args.host} without an API key: anyone who can reach "
-              f"port {port} can use the models (pass --api-key or --api-key-file)", file=sys.stderr)
+    warning = exposure_warning(args.host, port, keys)
+    if warning:
+        print(f"prove-local serve: warning: {warning}", file=sys.stderr)
     state = State(keys=keys, max_body=args.max_body)
     app = create_app(state)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",

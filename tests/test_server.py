@@ -197,7 +197,10 @@ def test_chat_plain_streamed_and_exact(client, local):
     assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
     check_stats(chunks[-1])
 
-    ar = client.chat.completions.create(model="any", messages=msgs, max_tokens=48, extra_body={"mode": "ar"})
+    # max_completion_tokens, content parts, an unknown field (ignored, as OpenAI clients expect)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is 7 times"}, {"type": "text", "text": " 8?"}]}]
+    ar = client.chat.completions.create(model="any", messages=parts, max_completion_tokens=48,
+                                        extra_body={"mode": "ar", "frobnicate": {"x": 1}})
     assert ar.choices[0].message.content == ref
     p = check_stats(ar, mode="ar")
     assert p["passes"] == {"proposer": p["n_cycles"]} and p["draft_n"] == 0 and p["block"] is None
@@ -442,8 +445,11 @@ def test_stop_text_holds_back_prefixes():
     assert StopText([]).feed("x") == "x"
 
 
-def test_loopback_detection():
-    from prove_local.server import is_loopback
+def test_loopback_detection_and_warning():
+    from prove_local.server import exposure_warning, is_loopback
+
+    assert exposure_warning("127.0.0.1", 8080, []) is None and exposure_warning("0.0.0.0", 8080, ["k"]) is None
+    assert "without an API key" in exposure_warning("0.0.0.0", 8080, [])
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2") and not is_loopback("example.org")
