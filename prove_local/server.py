@@ -269,7 +269,7 @@ class Metrics:
             out.append(f"# HELP prove_{name} {help_}")
             out.append(f"# TYPE prove_{name} {kind}")
             for labels, value in samples:
-                lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
+                lab = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
                 out.append(f"prove_{name}{{{lab}}} {value}" if lab else f"prove_{name} {value}")
 
         with self.lock:
@@ -304,6 +304,11 @@ class Metrics:
             metric("requests_rejected_total", "counter", "requests refused with 503 (queue full)",
                    [({}, pool_stats["rejected"])])
         return "\n".join(out) + "\n"
+
+
+def _label(value) -> str:
+    """A Prometheus label value, escaped as the text format requires."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def draft_counts(mode: str, cycles) -> tuple[int, int]:
