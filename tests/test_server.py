@@ -17,6 +17,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -99,8 +100,7 @@ def local(paths):
     # two prompts that run HOLD_TOKENS tokens without an end-of-generation token (long streams)
     holds = [p for p in HOLD_CANDIDATES if len(complete(p, HOLD_TOKENS)[0]) == HOLD_TOKENS][:2]
     assert len(holds) == 2
-    return type("Local", (), {"model": model, "chat": staticmethod(chat), "complete": staticmethod(complete),
-                              "holds": holds})
+    return SimpleNamespace(model=model, chat=chat, complete=complete, holds=holds)
 
 
 @pytest.fixture(scope="module")
