@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     add_pull(sub)
     from prove_local.bench import add_parser as add_bench
     add_bench(sub)
+    from prove_local.server import add_parser as add_serve   # FastAPI is imported only when `serve` runs
+    add_serve(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -3,24 +3,47 @@ the HTTP server).
 
 An `Engine` holds one committed sequence and its KV caches, so a request takes an engine from the
 pool for its whole duration (one request per engine at a time). With `parallel` engines, that many
-requests decode at once; more wait for a free engine. A caller may name the engine it used last
-(`prefer`), whose caches still hold its conversation: only the new tokens are then evaluated.
-Engines are created on first use; the first one at once, so that bad models fail at start-up.
+requests decode at once; more wait for a free engine, in arrival order. With `max_queue` set (the
+server), at most that many wait: one more raises `QueueFull` at once instead of waiting, so that a
+front end can answer "busy" (HTTP 503) rather than pile up work; the UI leaves it unbounded.
+
+A caller may name the engine it used last (`prefer`), whose caches still hold its conversation:
+only the new tokens are then evaluated. `prefer` may also be a function scoring a free engine (the
+server scores by the prompt prefix an engine already holds, as llama-server picks a slot by prompt
+similarity). Engines are created on first use; the first one at once, so that bad models fail at
+start-up.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Callable
 
+from .errors import EngineBusy
 from .loading import Loaded
 
 
+class QueueFull(EngineBusy):
+    """Every engine is busy and the wait queue is full."""
+
+
+class Cancelled(EngineBusy):
+    """The caller gave up while waiting for an engine (e.g. its client disconnected)."""
+
+
 class EnginePool:
-    def __init__(self, loaded: Loaded, parallel: int = 1):
+    def __init__(self, loaded: Loaded, parallel: int = 1, max_queue: int | None = None):
         self.loaded = loaded
+        self.max_queue = max_queue
         self._engines = [None] * max(1, parallel)
         self._busy = [False] * len(self._engines)
         self._cond = threading.Condition()
+        self._tickets = 0               # arrival numbers: waiting requests are served in order
+        self._serving = 0               # the ticket whose turn it is
+        self._gone: set[int] = set()    # tickets that left the queue before their turn
+        self.n_waiting = 0              # requests waiting for an engine now
+        self.peak_waiting = 0
+        self.n_rejected = 0             # refused with QueueFull
         self._engines[0] = loaded.engine()       # validates vocabularies and the mask token now
 
     @property
@@ -37,15 +60,55 @@ class EnginePool:
         with self._cond:
             return sum(self._busy)
 
-    @contextlib.contextmanager
-    def engine(self, prefer: int | None = None):
-        """(index, engine), exclusively for the duration of the block."""
+    def stats(self) -> dict:
+        """A consistent snapshot for metrics: slots, busy, waiting, peak waiting, rejected."""
         with self._cond:
-            while all(self._busy):
-                self._cond.wait()
-            free = [i for i, b in enumerate(self._busy) if not b]
-            i = prefer if prefer in free else next((j for j in free if self._engines[j] is not None), free[0])
+            return {"slots": len(self._engines), "busy": sum(self._busy), "waiting": self.n_waiting,
+                    "queue_capacity": self.max_queue, "peak_waiting": self.peak_waiting,
+                    "rejected": self.n_rejected}
+
+    def _pick(self, prefer) -> int:
+        free = [i for i, b in enumerate(self._busy) if not b]
+        if callable(prefer):
+            made = [i for i in free if self._engines[i] is not None]
+            if made:
+                best = max(made, key=lambda i: prefer(self._engines[i]))
+                if prefer(self._engines[best]) > 0:
+                    return best
+            prefer = None
+        if prefer in free:
+            return prefer
+        return next((j for j in free if self._engines[j] is not None), free[0])
+
+    @contextlib.contextmanager
+    def engine(self, prefer: int | Callable | None = None, abandoned: Callable[[], bool] | None = None):
+        """(index, engine), exclusively for the duration of the block. Waits (first come, first
+        served) while all engines are busy; raises QueueFull when `max_queue` requests wait
+        already, and Cancelled when `abandoned()` turns true while waiting."""
+        with self._cond:
+            if all(self._busy) or self.n_waiting:
+                if self.max_queue is not None and self.n_waiting >= self.max_queue:
+                    self.n_rejected += 1
+                    raise QueueFull(f"all {len(self._engines)} engines are busy and {self.n_waiting} "
+                                    "requests are waiting already; try again later")
+            ticket = self._tickets
+            self._tickets += 1
+            self.n_waiting += 1
+            try:
+                while all(self._busy) or self._serving != ticket:
+                    self.peak_waiting = max(self.peak_waiting, self.n_waiting)
+                    if abandoned is not None and abandoned():
+                        raise Cancelled("the request was abandoned while waiting for an engine")
+                    self._cond.wait(0.25 if abandoned is not None else None)
+            except BaseException:
+                self._skip(ticket)
+                raise
+            finally:
+                self.n_waiting -= 1
+            self._advance()
+            i = self._pick(prefer)
             self._busy[i] = True
+            self._cond.notify_all()
         try:
             if self._engines[i] is None:
                 self._engines[i] = self.loaded.engine()
@@ -53,4 +116,19 @@ class EnginePool:
         finally:
             with self._cond:
                 self._busy[i] = False
-                self._cond.notify()
+                self._cond.notify_all()
+
+    def _skip(self, ticket: int) -> None:
+        """A waiter left the queue: later tickets must not wait for it (lock held)."""
+        if ticket == self._serving:
+            self._advance()
+        else:
+            self._gone.add(ticket)
+        self._cond.notify_all()
+
+    def _advance(self) -> None:
+        """The next ticket's turn, skipping those that left (lock held)."""
+        self._serving += 1
+        while self._serving in self._gone:
+            self._gone.discard(self._serving)
+            self._serving += 1
