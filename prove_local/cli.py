@@ -189,6 +189,9 @@ def _quiet_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
+    except KeyboardInterrupt:
+        print("\nprove-local: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # the reader went away (`| head -c 1`): stop quietly, as Unix tools do (status 128 + SIGPIPE)
         _quiet_stdout()
