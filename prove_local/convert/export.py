@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -239,11 +240,19 @@ def _quantize_with_llama_cpp(src: Path, dst: Path, ftype: FT, progress: bool = F
         raise ConvertError(f"K-quant output needs llama-cpp-python ({e})") from None
     if progress:
         print(f"quantizing to {ftype.name.removeprefix('MOSTLY_')} with llama.cpp ...", file=sys.stderr, flush=True)
-    # own session: a terminal's Ctrl-C reaches only this process, which then kills the child
-    proc = subprocess.Popen([sys.executable, "-m", "prove_local.convert.quantize", str(src), str(dst), str(int(ftype))],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    # own session: a terminal's Ctrl-C reaches only this process, which then kills the child. The
+    # signals wait while the child starts, so that no interrupt falls between its start and the `try`.
+    stop = {signal.SIGINT, signal.SIGTERM}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
     try:
+        proc = subprocess.Popen([sys.executable, "-m", "prove_local.convert.quantize", str(src), str(dst),
+                                 str(int(ftype))], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        raise
+    try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)    # a pending signal is handled here, inside the try
         _, err = proc.communicate()
     except BaseException:
         proc.kill()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
 import time
 
@@ -37,6 +38,7 @@ def quantize(src: str, dst: str, ftype: int) -> str | None:
 
 def main(argv: list[str]) -> int:
     src, dst, ftype = argv
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})   # blocked by the parent's start
     # fault injection for the tests: hold the quantizer long enough to interrupt it
     time.sleep(float(os.environ.get("PROVE_TEST_QUANTIZE_DELAY", "0")))
     error = quantize(src, dst, int(ftype))
