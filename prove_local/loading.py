@@ -20,8 +20,9 @@ KV_TYPES = ("f32", "f16", "q8_0", "q4_0")
 # call (a Context's n_batch is 512). Wider blocks only split that pass into several decodes while a
 # cycle still commits at most block + 1 tokens; `--block 100000` made every cycle a context-wide pass.
 MAX_BLOCK = 512
-# Context size: llama.cpp's n_ctx is a uint32, and no model here is trained past a few 100k tokens.
-MAX_CTX = 1 << 24
+# Context size: llama.cpp's n_ctx is a uint32 (larger values would wrap around); the memory check
+# refuses what does not fit long before that.
+MAX_CTX = (1 << 32) - 1
 MAX_PARALLEL = 64
 
 
