@@ -1,0 +1,190 @@
+"""Soak test: one process, many cycles across every mode on the embedded pair, watching memory and
+exactness.
+
+    python scripts/soak.py --cycles 10000 --out soak.json
+
+Requests rotate through ar, lossless, prove, mars and spec (the embedded verifier is the draft for
+spec) on GSM8K questions from the package's training data. Conversations go on for a few turns
+(the engine reuses the KV cache of the earlier turns) and are reset at random or when the context is
+full; some generations are closed early after a random number of cycles (what a Stop button or
+Ctrl-C does). Every `--check-every`-th request of an exact mode (ar, lossless, spec) is compared with
+a fresh greedy decode of the same prompt on a new llama.cpp context, by hand, one token per
+llama_decode call (no engine): a full answer must be equal, an early-closed one a prefix. Resident
+memory (VmRSS from /proc/self/status) is sampled every `--rss-every` cycles. Any exception or
+mismatch counts as an error. The summary is written atomically to --out as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from prove_local.chat import Conversation
+from prove_local.engine import Engine, Settings
+from prove_local.errors import ContextFull
+from prove_local.files import write_atomic
+from prove_local.llama import Context, Model
+from prove_local.loading import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER
+from prove_local.modes import MODES
+
+DATA = Path(__file__).resolve().parents[1] / "prove_local" / "train" / "data" / "gsm8k_train.jsonl"
+FOLLOW_UPS = ["Explain the last step again.", "Are you sure? Check it.", "What if the numbers were doubled?"]
+
+
+def rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def fresh_greedy(model: Model, prompt: list[int], max_new: int, context_options: dict) -> list[int]:
+    """Greedy decoding by hand on a new context: the independent reference of the exact modes."""
+    ctx = Context(model, **context_options)
+    try:
+        logits = ctx.eval(prompt)[0]
+        out: list[int] = []
+        while len(out) < max_new and len(prompt) + len(out) < ctx.n_ctx:
+            tok = int(np.argmax(logits))
+            out.append(tok)
+            if model.is_eog(tok) or len(prompt) + len(out) >= ctx.n_ctx:
+                break
+            logits = ctx.eval([tok])[0]
+        return out
+    finally:
+        ctx.close()
+
+
+def summarize_rss(series: list[tuple[int, int]]) -> dict:
+    """First, after the first tenth (warm-up), max and last VmRSS, and the growth after warm-up."""
+    if not series:
+        return {}
+    values = [kib for _, kib in series]
+    warm = values[len(values) // 10]
+    return {"first_mib": round(values[0] / 1024, 1), "after_warmup_mib": round(warm / 1024, 1),
+            "max_mib": round(max(values) / 1024, 1), "last_mib": round(values[-1] / 1024, 1),
+            "growth_after_warmup_mib": round((values[-1] - warm) / 1024, 1), "samples": len(values)}
+
+
+def soak(cycles: int, *, seed: int = 0, max_new: int = 64, check_every: int = 10, rss_every: int = 200,
+         close_early: float = 0.15, follow_up: float = 0.5, threads: int = 1, n_ctx: int = 1024,
+         progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    rng = random.Random(seed)
+    questions = [json.loads(line)["question"] for line in DATA.read_text().splitlines()[:500]]
+    prop, ver = Model(EMBEDDED_PROPOSER), Model(EMBEDDED_VERIFIER)
+    options = dict(n_ctx=n_ctx, n_threads=threads, type_k="f32", type_v="f32")    # F32: exact modes equal ar
+    engine = Engine.load(prop, ver, ver, **options)
+    modes = list(MODES)
+    stats = {m: {"requests": 0, "cycles": 0, "tokens": 0} for m in modes}
+    counts = {"requests": 0, "cycles": 0, "early_closes": 0, "follow_up_turns": 0, "context_full_resets": 0,
+              "checks": 0, "mismatches": 0, "errors": 0}
+    errors: list[str] = []
+    rss: list[tuple[int, int]] = [(0, rss_kib())]
+    conv = Conversation(prop)
+    bar = tqdm(total=cycles, desc="soak", unit="cycle", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    next_rss = rss_every
+    while counts["cycles"] < cycles:
+        mode = modes[counts["requests"] % len(modes)]
+        if conv.messages and rng.random() < follow_up:
+            user = rng.choice(FOLLOW_UPS)
+            counts["follow_up_turns"] += 1
+        else:
+            conv = Conversation(prop)
+            user = rng.choice(questions)
+        settings = Settings(mode=mode, max_new=max_new, block=rng.choice([4, 8, 16]), theta=0.05, tau=0.9,
+                            draft_k=rng.choice([2, 4]))
+        stop_after = rng.randint(1, 6) if rng.random() < close_early else None
+        counts["requests"] += 1
+        stats[mode]["requests"] += 1
+        prompt = conv.prompt_tokens(user)
+        out: list[int] = []
+        n = 0
+        try:
+            gen = engine.generate(prompt, settings)
+            try:
+                for cycle in gen:
+                    out += cycle.committed
+                    n += 1
+                    if stop_after is not None and n >= stop_after:
+                        counts["early_closes"] += 1
+                        break
+            finally:
+                gen.close()
+        except ContextFull:
+            counts["context_full_resets"] += 1
+            conv = Conversation(prop)
+            continue
+        except Exception as e:   # noqa: BLE001 - the soak counts every failure
+            counts["errors"] += 1
+            errors.append(f"request {counts['requests']} ({mode}): {type(e).__name__}: {e}")
+            conv = Conversation(prop)
+            continue
+        finally:
+            counts["cycles"] += n
+            stats[mode]["cycles"] += n
+            stats[mode]["tokens"] += len(out)
+            bar.update(n)
+        if MODES[mode].exact and stats[mode]["requests"] % check_every == 1 % check_every:
+            counts["checks"] += 1
+            want = fresh_greedy(prop, prompt, max_new, options)
+            ok = out == want[:len(out)] if stop_after is not None else out == want
+            if not ok:
+                counts["mismatches"] += 1
+                counts["errors"] += 1
+                errors.append(f"request {counts['requests']} ({mode}): differs from a fresh greedy decode")
+        conv.add_reply(prop.detokenize([t for t in out if not prop.is_eog(t)]))
+        if len(conv.messages) > 6:
+            conv = Conversation(prop)
+        if counts["cycles"] >= next_rss:
+            rss.append((counts["cycles"], rss_kib()))
+            next_rss += rss_every
+    rss.append((counts["cycles"], rss_kib()))
+    bar.close()
+    return {
+        "settings": {"cycles": cycles, "seed": seed, "max_new": max_new, "check_every": check_every,
+                     "rss_every": rss_every, "close_early": close_early, "follow_up": follow_up, "threads": threads,
+                     "n_ctx": n_ctx, "models": [str(EMBEDDED_PROPOSER.name), str(EMBEDDED_VERIFIER.name)],
+                     "draft": "the embedded verifier"},
+        "seconds": round(time.perf_counter() - t0, 1),
+        **counts,
+        "modes": stats,
+        "rss_kib": rss,
+        "rss": summarize_rss(rss),
+        "error_messages": errors[:50],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cycles", type=int, default=10_000, help="cycles to run in all (default 10000)")
+    p.add_argument("--out", default="soak.json", help="JSON summary (written atomically; default soak.json)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new", type=int, default=64, help="max new tokens per request (default 64)")
+    p.add_argument("--check-every", type=int, default=10,
+                   help="compare with a fresh greedy decode every N requests of each exact mode (default 10)")
+    p.add_argument("--rss-every", type=int, default=200, help="VmRSS sample every N cycles (default 200)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    res = soak(args.cycles, seed=args.seed, max_new=args.max_new, check_every=args.check_every,
+               rss_every=args.rss_every, threads=args.threads, progress=not args.quiet)
+    write_atomic(Path(args.out), json.dumps(res, indent=1) + "\n")
+    r = res["rss"]
+    print(f"soak: {res['cycles']} cycles, {res['requests']} requests ({res['early_closes']} closed early, "
+          f"{res['follow_up_turns']} follow-up turns), {res['checks']} checks against a fresh greedy decode, "
+          f"{res['errors']} errors; VmRSS {r['first_mib']} MiB at start, {r['after_warmup_mib']} after warm-up, "
+          f"max {r['max_mib']}, last {r['last_mib']} ({res['seconds']} s) -> {args.out}", file=sys.stderr)
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
