@@ -10,7 +10,8 @@ full; some generations are closed early after a random number of cycles (what a 
 Ctrl-C does). Every `--check-every`-th request of an exact mode (ar, lossless, spec) is compared with
 a fresh greedy decode of the same prompt on a new llama.cpp context, by hand, one token per
 llama_decode call (no engine): a full answer must be equal, an early-closed one a prefix. Resident
-memory (VmRSS from /proc/self/status) is sampled every `--rss-every` cycles. Any exception or
+memory (VmRSS from /proc/self/status) is sampled every `--rss-every` cycles, after a warm-up that
+runs every mode once on a 512-token-wide prompt. Any exception or
 mismatch counts as an error. The summary is written atomically to --out as JSON.
 """
 from __future__ import annotations
@@ -61,15 +62,24 @@ def fresh_greedy(model: Model, prompt: list[int], max_new: int, context_options:
         ctx.close()
 
 
-def summarize_rss(series: list[tuple[int, int]]) -> dict:
-    """First, after the first tenth (warm-up), max and last VmRSS, and the growth after warm-up."""
-    if not series:
-        return {}
+def summarize_rss(loaded: int, series: list[tuple[int, int]]) -> dict:
+    """VmRSS after loading, after the warm-up (the series' first sample), its max and last, and the
+    growth after the warm-up, in MiB."""
     values = [kib for _, kib in series]
-    warm = values[len(values) // 10]
-    return {"first_mib": round(values[0] / 1024, 1), "after_warmup_mib": round(warm / 1024, 1),
+    return {"loaded_mib": round(loaded / 1024, 1), "after_warmup_mib": round(values[0] / 1024, 1),
             "max_mib": round(max(values) / 1024, 1), "last_mib": round(values[-1] / 1024, 1),
-            "growth_after_warmup_mib": round((values[-1] - warm) / 1024, 1), "samples": len(values)}
+            "growth_after_warmup_mib": round((values[-1] - values[0]) / 1024, 1), "samples": len(values)}
+
+
+def warm_up(engine: Engine, prop: Model, questions: list[str], max_new: int) -> None:
+    """One request per mode on a prompt that fills a context's batch (512 tokens): llama.cpp's compute
+    buffers grow to the widest pass they have seen, so memory measured after this is the steady state
+    and not the high-water mark of pass widths still to come."""
+    n = min(600, engine.n_ctx - max_new - 16)
+    long = prop.tokenize(" ".join(questions), add_special=True)[:n]
+    for mode in MODES:
+        for _ in engine.generate(long, Settings(mode=mode, max_new=max_new, block=16, draft_k=4)):
+            pass
 
 
 def soak(cycles: int, *, seed: int = 0, max_new: int = 64, check_every: int = 10, rss_every: int = 200,
@@ -87,6 +97,8 @@ def soak(cycles: int, *, seed: int = 0, max_new: int = 64, check_every: int = 10
     counts = {"requests": 0, "cycles": 0, "early_closes": 0, "follow_up_turns": 0, "context_full_resets": 0,
               "checks": 0, "mismatches": 0, "errors": 0}
     errors: list[str] = []
+    loaded = rss_kib()
+    warm_up(engine, prop, questions[:40], max_new)
     rss: list[tuple[int, int]] = [(0, rss_kib())]
     conv = Conversation(prop)
     bar = tqdm(total=cycles, desc="soak", unit="cycle", disable=not progress, file=sys.stderr, dynamic_ncols=True)
@@ -158,7 +170,7 @@ def soak(cycles: int, *, seed: int = 0, max_new: int = 64, check_every: int = 10
         **counts,
         "modes": stats,
         "rss_kib": rss,
-        "rss": summarize_rss(rss),
+        "rss": summarize_rss(loaded, rss),
         "error_messages": errors[:50],
     }
 
@@ -181,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     r = res["rss"]
     print(f"soak: {res['cycles']} cycles, {res['requests']} requests ({res['early_closes']} closed early, "
           f"{res['follow_up_turns']} follow-up turns), {res['checks']} checks against a fresh greedy decode, "
-          f"{res['errors']} errors; VmRSS {r['first_mib']} MiB at start, {r['after_warmup_mib']} after warm-up, "
+          f"{res['errors']} errors; VmRSS {r['loaded_mib']} MiB loaded, {r['after_warmup_mib']} after warm-up, "
           f"max {r['max_mib']}, last {r['last_mib']} ({res['seconds']} s) -> {args.out}", file=sys.stderr)
     return 1 if res["errors"] else 0
 

@@ -99,7 +99,7 @@ def test_bench_ctrl_c_keeps_the_finished_prompts_marked_partial(proposer, tmp_pa
     assert res["partial"] is True and [p["id"] for p in res["prompts"]] == ["gsm/0", "gsm/1"]
     assert res["data"]["n_prompts"] == 2 and all(m["n_prompts"] == 2 for m in res["modes"].values())
     assert len((out / "generations.jsonl").read_text().splitlines()) == 4
-    assert (out / "summary.md").is_file() and not [f for f in out.iterdir() if f.name.startswith(".")]
+    assert "**Partial: interrupted" in (out / "summary.md").read_text() and not [f for f in out.iterdir() if f.name.startswith(".")]
     assert "interrupted: partial, 2 of 5 prompts" in capsys.readouterr().err
 
 
@@ -137,3 +137,13 @@ def test_missing_extras_are_one_line_before_any_work(monkeypatch, capsys, argv, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"'{extra}' extra ({module} is not installed)" in err
     assert "nonexistent" not in err               # refused before looking at the models
+
+
+def test_bench_prompt_with_a_lone_surrogate_runs(proposer, tmp_path, capsys):
+    data = tmp_path / "odd.jsonl"
+    data.write_text(json.dumps({"question": "What is 2 + 2?\ud800", "answer": "#### 4"}) + "\n")   # "\\ud800" in the file
+    assert "\\ud800" in data.read_text()
+    out = tmp_path / "out"
+    assert main(bench_args(proposer, data, out)) == 0
+    assert json.loads((out / "results.json").read_text())["data"]["n_prompts"] == 1
+    assert "Traceback" not in capsys.readouterr().err
