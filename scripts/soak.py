@@ -8,8 +8,8 @@ spec) on GSM8K questions from the package's training data. Conversations go on f
 (the engine reuses the KV cache of the earlier turns) and are reset at random or when the context is
 full; some generations are closed early after a random number of cycles (what a Stop button or
 Ctrl-C does). Every `--check-every`-th request of an exact mode (ar, lossless, spec) is compared with
-a fresh greedy decode of the same prompt on a new llama.cpp context, by hand, one token per
-llama_decode call (no engine): a full answer must be equal, an early-closed one a prefix. Resident
+a fresh greedy decode of the same prompt on a separate, emptied llama.cpp context, by hand, one token
+per llama_decode call (no engine): a full answer must be equal, an early-closed one a prefix. Resident
 memory (VmRSS from /proc/self/status) is sampled every `--rss-every` cycles, after a warm-up that
 runs every mode once on a 512-token-wide prompt. Any exception or
 mismatch counts as an error. The summary is written atomically to --out as JSON.
@@ -45,21 +45,21 @@ def rss_kib() -> int:
     return 0
 
 
-def fresh_greedy(model: Model, prompt: list[int], max_new: int, context_options: dict) -> list[int]:
-    """Greedy decoding by hand on a new context: the independent reference of the exact modes."""
-    ctx = Context(model, **context_options)
-    try:
-        logits = ctx.eval(prompt)[0]
-        out: list[int] = []
-        while len(out) < max_new and len(prompt) + len(out) < ctx.n_ctx:
-            tok = int(np.argmax(logits))
-            out.append(tok)
-            if model.is_eog(tok) or len(prompt) + len(out) >= ctx.n_ctx:
-                break
-            logits = ctx.eval([tok])[0]
-        return out
-    finally:
-        ctx.close()
+def fresh_greedy(ctx: Context, prompt: list[int], max_new: int) -> list[int]:
+    """Greedy decoding by hand on the reference context, emptied first: the independent reference of
+    the exact modes (no engine, no decoding rule). One reference context serves every check, so the
+    RSS series is not the allocator's churn of a new context per check."""
+    model = ctx.model
+    ctx.truncate(0)
+    logits = ctx.eval(prompt)[0]
+    out: list[int] = []
+    while len(out) < max_new and len(prompt) + len(out) < ctx.n_ctx:
+        tok = int(np.argmax(logits))
+        out.append(tok)
+        if model.is_eog(tok) or len(prompt) + len(out) >= ctx.n_ctx:
+            break
+        logits = ctx.eval([tok])[0]
+    return out
 
 
 def summarize_rss(loaded: int, series: list[tuple[int, int]]) -> dict:
@@ -71,8 +71,9 @@ def summarize_rss(loaded: int, series: list[tuple[int, int]]) -> dict:
             "growth_after_warmup_mib": round((values[-1] - values[0]) / 1024, 1), "samples": len(values)}
 
 
-def warm_up(engine: Engine, prop: Model, questions: list[str], max_new: int) -> None:
-    """One request per mode on a prompt that fills a context's batch (512 tokens): llama.cpp's compute
+def warm_up(engine: Engine, reference: Context, prop: Model, questions: list[str], max_new: int) -> None:
+    """One request per mode (and one reference decode) on a prompt that fills a context's batch (512
+    tokens): llama.cpp's compute
     buffers grow to the widest pass they have seen, so memory measured after this is the steady state
     and not the high-water mark of pass widths still to come."""
     n = min(600, engine.n_ctx - max_new - 16)
@@ -80,6 +81,7 @@ def warm_up(engine: Engine, prop: Model, questions: list[str], max_new: int) -> 
     for mode in MODES:
         for _ in engine.generate(long, Settings(mode=mode, max_new=max_new, block=16, draft_k=4)):
             pass
+    fresh_greedy(reference, long, max_new)
 
 
 def soak(cycles: int, *, seed: int = 0, max_new: int = 64, check_every: int = 10, rss_every: int = 200,
@@ -92,13 +94,14 @@ def soak(cycles: int, *, seed: int = 0, max_new: int = 64, check_every: int = 10
     prop, ver = Model(EMBEDDED_PROPOSER), Model(EMBEDDED_VERIFIER)
     options = dict(n_ctx=n_ctx, n_threads=threads, type_k="f32", type_v="f32")    # F32: exact modes equal ar
     engine = Engine.load(prop, ver, ver, **options)
+    reference = Context(prop, **options)
     modes = list(MODES)
     stats = {m: {"requests": 0, "cycles": 0, "tokens": 0} for m in modes}
     counts = {"requests": 0, "cycles": 0, "early_closes": 0, "follow_up_turns": 0, "context_full_resets": 0,
               "checks": 0, "mismatches": 0, "errors": 0}
     errors: list[str] = []
     loaded = rss_kib()
-    warm_up(engine, prop, questions[:40], max_new)
+    warm_up(engine, reference, prop, questions[:40], max_new)
     rss: list[tuple[int, int]] = [(0, rss_kib())]
     conv = Conversation(prop)
     bar = tqdm(total=cycles, desc="soak", unit="cycle", disable=not progress, file=sys.stderr, dynamic_ncols=True)
@@ -147,7 +150,7 @@ def soak(cycles: int, *, seed: int = 0, max_new: int = 64, check_every: int = 10
             bar.update(n)
         if MODES[mode].exact and stats[mode]["requests"] % check_every == 1 % check_every:
             counts["checks"] += 1
-            want = fresh_greedy(prop, prompt, max_new, options)
+            want = fresh_greedy(reference, prompt, max_new)
             ok = out == want[:len(out)] if stop_after is not None else out == want
             if not ok:
                 counts["mismatches"] += 1
@@ -161,6 +164,7 @@ def soak(cycles: int, *, seed: int = 0, max_new: int = 64, check_every: int = 10
             next_rss += rss_every
     rss.append((counts["cycles"], rss_kib()))
     bar.close()
+    reference.close()
     return {
         "settings": {"cycles": cycles, "seed": seed, "max_new": max_new, "check_every": check_every,
                      "rss_every": rss_every, "close_early": close_early, "follow_up": follow_up, "threads": threads,
