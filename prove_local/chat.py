@@ -43,7 +43,6 @@ def clean_text(text: str) -> str:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
-
 def tokenize_chat(model: Model, template: str, messages: list[dict], *, add_generation_prompt: bool = True,
                   **extra) -> list[int]:
     """Render `messages` and tokenize the result, special-token strings inside message contents as

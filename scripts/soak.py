@@ -73,9 +73,8 @@ def summarize_rss(loaded: int, series: list[tuple[int, int]]) -> dict:
 
 def warm_up(engine: Engine, reference: Context, prop: Model, questions: list[str], max_new: int) -> None:
     """One request per mode (and one reference decode) on a prompt that fills a context's batch (512
-    tokens): llama.cpp's compute
-    buffers grow to the widest pass they have seen, so memory measured after this is the steady state
-    and not the high-water mark of pass widths still to come."""
+    tokens): allocations grow to the widest pass seen, so memory measured after this is closer to
+    the steady state than to the high-water mark of pass widths still to come."""
     n = min(600, engine.n_ctx - max_new - 16)
     long = prop.tokenize(" ".join(questions), add_special=True)[:n]
     for mode in MODES:
