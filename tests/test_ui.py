@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from prove_local.chat import Conversation
-from prove_local.engine import Engine, Settings
+from prove_local.engine import Settings
 from prove_local.llama import Model
 from prove_local.rules import Cycle
 from tests.reference import chat_reference, greedy_ar
