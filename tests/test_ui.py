@@ -414,3 +414,41 @@ def test_errors_show_in_the_page(browser, models, paths, tmp_path):
     finally:
         for demo, _ in apps:
             demo.close()
+
+
+def test_two_pages_decode_at_the_same_time_with_parallel_2(browser, models, monkeypatch):
+    """Through gradio's queue too: each answer, after its first cycle, waits until the other page's
+    answer has made its first cycle (holding its engine). Were the two requests served one after the
+    other, the barrier would break and the answers would carry an error instead of the reference."""
+    import threading
+
+    from prove_local.ui import runtime as runtime_mod
+    from prove_local.ui.app import build_app, launch
+
+    both_started = threading.Barrier(2, timeout=60)
+    met = []
+    real = runtime_mod.run_turn
+
+    def run_turn_meeting(rt, sess, user, settings):
+        for k, turn in enumerate(real(rt, sess, user, settings)):
+            if k == 0:
+                both_started.wait()
+                met.append(user)
+            yield turn
+    monkeypatch.setattr(runtime_mod, "run_turn", run_turn_meeting)
+    rt = Runtime(Loaded(*models, context_options=F32), parallel=2)
+    port = free_port()
+    demo = build_app(rt, max_new=MAX_NEW)
+    launch(demo, rt, port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        prompts = ["Weng earns $12 an hour for babysitting. How much did she earn?", "def f(x): return x * 2"]
+        pages = [open_page(browser, f"http://127.0.0.1:{port}/") for _ in prompts]
+        waits = [send(pg, p, 0) for pg, p in zip(pages, prompts)]
+        for w in waits:
+            w()
+        assert sorted(met) == sorted(prompts)
+        for pg, p in zip(pages, prompts):
+            assert "".join(s["text"] for s in answer_spans(pg, 0)) == reference(models, [p])[0]
+            pg.close()
+    finally:
+        demo.close()
