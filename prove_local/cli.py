@@ -112,6 +112,8 @@ def cmd_run(args) -> int:
     from .engine import Settings
     from .errors import ContextFull, UsageError
 
+    if args.block is not None and args.block >= args.ctx:     # before loading anything
+        raise UsageError(f"--block {args.block} does not fit the {args.ctx}-token context (--ctx)")
     engine, model = load_engine(args)
     mode = args.mode or engine.default_mode()
     if args.mode is None and mode == "ar":
@@ -120,8 +122,6 @@ def cmd_run(args) -> int:
     settings = Settings(mode=mode, max_new=args.max_new, block=args.block, theta=args.theta, tau=args.tau,
                         draft_k=args.draft_k)
     engine.check(settings)
-    if args.block is not None and args.block >= engine.n_ctx:
-        raise UsageError(f"--block {args.block} does not fit the {engine.n_ctx}-token context (--ctx)")
     color = sys.stdout.isatty() and not args.no_color and not args.json
     system = clean_text(args.system) if args.system is not None else None
     conv = None if args.raw else Conversation(model, system=system)
