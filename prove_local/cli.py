@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
+import math
+import os
 import sys
 import time
 
 from . import modes
 from .errors import ProveError
-from .loading import add_model_args, load_engine
+from .loading import BLOCK, DRAFT_K, MAX_NEW, TAU, THETA, add_model_args, load_engine
 
 # alternating colors per cycle; the lossless correction / bonus token is underlined
 COLORS = ("\x1b[38;5;39m", "\x1b[38;5;214m")
@@ -22,12 +25,15 @@ def add_run_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--mode", choices=modes.NAMES,
                    help="decoding rule (default: lossless if the model has a mask token, else ar)")
-    p.add_argument("--block", type=int, help="proposal block length (default: the GGUF's prove.block_size, else 16)")
-    p.add_argument("--theta", type=float, default=0.05, help="ProVe gate: commit while p*q >= theta (default 0.05)")
-    p.add_argument("--tau", type=float, default=0.95, help="MARS rule: commit while p >= tau (default 0.95)")
-    p.add_argument("--draft-k", type=int, default=4, help="drafts per cycle for --mode spec (default 4)")
+    p.add_argument("--block", type=BLOCK,
+                   help="proposal block length, 1..512 (default: the GGUF's prove.block_size, else 16)")
+    p.add_argument("--theta", type=THETA, default=0.05,
+                   help="ProVe gate: commit while p*q >= theta, a finite number >= 0 (default 0.05)")
+    p.add_argument("--tau", type=TAU, default=0.95,
+                   help="MARS rule: commit while p >= tau, a finite number >= 0 (default 0.95)")
+    p.add_argument("--draft-k", type=DRAFT_K, default=4, help="drafts per cycle for --mode spec (default 4)")
     p.add_argument("-p", "--prompt", help="one prompt; the answer streams to stdout")
-    p.add_argument("-n", "--max-new", type=int, default=256, help="max new tokens per answer (default 256)")
+    p.add_argument("-n", "--max-new", type=MAX_NEW, default=256, help="max new tokens per answer, >= 1 (default 256)")
     p.add_argument("--raw", action="store_true", help="plain completion of the prompt, no chat template")
     p.add_argument("--system", help="system message for the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per answer instead of streamed text")
@@ -81,6 +87,19 @@ def report(engine, model, settings, cycles, seconds, request, interrupted) -> di
     }
 
 
+def json_line(obj) -> str:
+    """One JSON object; a non-finite float (never valid JSON) becomes null."""
+    def finite(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+    return json.dumps(finite(obj), ensure_ascii=False, allow_nan=False)
+
+
 def summary_line(r: dict) -> str:
     passes = ", ".join(f"{k} {v}" for k, v in r["n_passes"].items())
     return (f"[{r['mode']}] {len(r['token_ids'])} tokens, {r['n_cycles']} cycles, "
@@ -89,9 +108,12 @@ def summary_line(r: dict) -> str:
 
 
 def cmd_run(args) -> int:
-    from .chat import Conversation
+    from .chat import Conversation, clean_text
     from .engine import Settings
+    from .errors import ContextFull, UsageError
 
+    if args.block is not None and args.block >= args.ctx:     # before loading anything
+        raise UsageError(f"--block {args.block} does not fit the {args.ctx}-token context (--ctx)")
     engine, model = load_engine(args)
     mode = args.mode or engine.default_mode()
     if args.mode is None and mode == "ar":
@@ -101,16 +123,24 @@ def cmd_run(args) -> int:
                         draft_k=args.draft_k)
     engine.check(settings)
     color = sys.stdout.isatty() and not args.no_color and not args.json
-    conv = None if args.raw else Conversation(model, system=args.system)
+    system = clean_text(args.system) if args.system is not None else None
+    conv = None if args.raw else Conversation(model, system=system)
 
     def turn(text: str) -> tuple[dict, bool]:
+        text = clean_text(text)
         tokens = model.tokenize(text, add_special=True) if conv is None else conv.prompt_tokens(text)
-        cycles, seconds, interrupted, request = answer(engine, model, tokens, settings, None if args.json else sys.stdout, color)
+        try:
+            cycles, seconds, interrupted, request = answer(engine, model, tokens, settings,
+                                                           None if args.json else sys.stdout, color)
+        except BaseException:
+            if conv is not None:    # the turn did not happen: the conversation stays as it was
+                conv.forget_last_user()
+            raise
         r = report(engine, model, settings, cycles, seconds, request, interrupted)
         if conv is not None:
             conv.add_reply(r["text"])
         if args.json:
-            print(json.dumps(r, ensure_ascii=False))
+            print(json_line(r))
         else:
             print()
             print(summary_line(r), file=sys.stderr)
@@ -131,13 +161,51 @@ def cmd_run(args) -> int:
         if not text.strip():
             return 0
         if text.strip() == "/reset":
-            conv = None if args.raw else Conversation(model, system=args.system)
+            conv = None if args.raw else Conversation(model, system=system)
             continue
-        turn(text)
+        try:
+            turn(text)
+        except ContextFull as e:   # refuse this turn, keep the conversation
+            print(f"prove-local: this turn does not fit: {e}; the conversation is kept "
+                  "(/reset starts over, or raise --ctx)", file=sys.stderr)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block): `prove-local run: error: argument --theta: ...`."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="prove-local", description="Proposer-verifier decoding on llama.cpp.")
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("\nprove-local: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # the reader went away (`| head -c 1`): stop quietly, as Unix tools do (status 128 + SIGPIPE)
+        _quiet_stdout()
+        return 141
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EIO, errno.EPIPE):
+            raise
+        _quiet_stdout()
+        print(f"prove-local: error: cannot write the output: {e.strerror}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="prove-local", description="Proposer-verifier decoding on llama.cpp.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
     from prove_local.convert.cli import add_parser as add_convert
@@ -153,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()      # a write error surfaces here, inside main's handlers
+        return rc
     except ProveError as e:
         print(f"prove-local: error: {e}", file=sys.stderr)
         return 1

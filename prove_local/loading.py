@@ -3,6 +3,8 @@ end shares (`run`, `ui`, `bench`, `serve`), and one loader for all of them."""
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +15,69 @@ EMBEDDED_PROPOSER = EMBEDDED / "mars-gsm8k-proposer.gguf"
 EMBEDDED_VERIFIER = EMBEDDED / "gsm8k-verifier.gguf"
 KV_TYPES = ("f32", "f16", "q8_0", "q4_0")
 
+# --- argument types shared by run, ui, bench and serve: a bad value is one argparse line ----------
+# Largest proposal block / draft length: one cycle's proposal pass is then at most one llama_decode
+# call (a Context's n_batch is 512). Wider blocks only split that pass into several decodes while a
+# cycle still commits at most block + 1 tokens; `--block 100000` made every cycle a context-wide pass.
+MAX_BLOCK = 512
+# Context size: llama.cpp's n_ctx is a uint32 (larger values would wrap around); the memory check
+# refuses what does not fit long before that.
+MAX_CTX = (1 << 32) - 1
+MAX_PARALLEL = 64
+
+
+def max_threads() -> int:
+    """CPUs this process may run on: more llama.cpp threads than that only wait at its barriers."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def int_in(lo: int, hi=None, why: str = ""):
+    """An argparse type: an integer in [lo, hi] (hi: a number or a function returning one)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        top = hi() if callable(hi) else hi
+        if value < lo or (top is not None and value > top):
+            bound = f"between {lo} and {top}" if top is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range: must be {bound}{why}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def finite_float(lo: float | None = None, hi: float | None = None):
+    """An argparse type: a finite float (nan/inf refused: they compare false with everything and
+    are not JSON) in [lo, hi]."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number")
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            bound = f"between {lo} and {hi}" if lo is not None and hi is not None else (
+                f">= {lo}" if lo is not None else f"<= {hi}")
+            raise argparse.ArgumentTypeError(f"{value} is out of range: must be {bound}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+BLOCK = int_in(1, MAX_BLOCK, f" (one proposal pass per llama_decode call of {MAX_BLOCK} tokens)")
+DRAFT_K = int_in(0, MAX_BLOCK)
+MAX_NEW = int_in(1)
+THREADS = int_in(1, max_threads, " (the CPUs this process may use)")
+CTX = int_in(1, MAX_CTX)
+PARALLEL = int_in(1, MAX_PARALLEL)
+PORT = int_in(1, 65535)
+GPU_LAYERS = int_in(-1, None, " (-1: all)")
+TOKEN_ID = int_in(0)
+THETA = finite_float(0.0)     # p*q >= theta; above 1 the gate never passes (one token per cycle)
+TAU = finite_float(0.0)       # p >= tau; likewise
+
 
 def add_model_args(p: argparse.ArgumentParser, *, positional: bool = True) -> None:
     """Which models, and how llama.cpp runs them."""
@@ -22,11 +87,11 @@ def add_model_args(p: argparse.ArgumentParser, *, positional: bool = True) -> No
     p.add_argument("--verifier", metavar="V.gguf",
                    help="verifier GGUF for --mode prove (default with the embedded proposer: the embedded verifier)")
     p.add_argument("--draft", metavar="D.gguf", help="draft GGUF for --mode spec")
-    p.add_argument("--mask-token", type=int, help="placeholder token id (overrides the GGUF's mask token)")
-    p.add_argument("--threads", type=int,
+    p.add_argument("--mask-token", type=TOKEN_ID, help="placeholder token id (overrides the GGUF's mask token)")
+    p.add_argument("--threads", type=THREADS,
                    help="CPU threads (default: 1 for models under 30M parameters, else all cores)")
-    p.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
-    p.add_argument("--n-gpu-layers", type=int,
+    p.add_argument("--ctx", type=CTX, default=4096, help="context size in tokens (default 4096)")
+    p.add_argument("--n-gpu-layers", type=GPU_LAYERS,
                    help="layers to offload (default: all when llama.cpp has a GPU backend, else 0)")
     p.add_argument("--flash-attn", action="store_true", help="use flash attention")
     p.add_argument("--kv-type", choices=KV_TYPES,

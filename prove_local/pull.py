@@ -192,6 +192,8 @@ def pull_one(m: Model, quant: str, models_dir: Path, args) -> Path:
         src = Path(args.from_dir).expanduser()
         if not src.is_dir():
             raise PullError(f"{src}: no such checkpoint directory")
+        if not args.skip_shape_check:
+            check_checkpoint(m, src)
         models_dir.mkdir(parents=True, exist_ok=True)
     else:
         files = select_files(remote_files(m.repo), m.repo)
@@ -217,18 +219,53 @@ def pull_one(m: Model, quant: str, models_dir: Path, args) -> Path:
     return out
 
 
+# config.json keys, and the Shape field each must equal
+SHAPE_KEYS = (("num_hidden_layers", "layers"), ("hidden_size", "hidden"), ("num_attention_heads", "heads"),
+              ("num_key_value_heads", "kv_heads"), ("intermediate_size", "intermediate"), ("vocab_size", "vocab"))
+
+
+def check_checkpoint(m: Model, src: Path) -> None:
+    """A local checkpoint (--from-dir) must be the entry's model: its architecture and its size (the
+    config.json numbers of the entry's shape), else the GGUF would be stored under a wrong name."""
+    from prove_local.convert import ConvertError
+    from prove_local.convert.hf import read_hparams, read_json
+    from .shapes import SHAPES
+
+    try:
+        config = read_json(src / "config.json")
+        hp = read_hparams(config, src / "config.json")
+    except ConvertError as e:
+        raise PullError(f"{m.name}: {e}") from None
+    hint = "(--skip-shape-check converts it under this name anyway)"
+    if m.arch and hp.arch_name != m.arch:
+        raise PullError(f"{src / 'config.json'}: a {hp.arch_name} checkpoint, but {m.name} is {m.arch} "
+                        f"(shape {m.shape}) {hint}")
+    shape = SHAPES.get(m.shape) if m.shape else None
+    if shape is None:
+        return
+    found = {"layers": hp.layers, "hidden": hp.hidden, "heads": hp.heads, "kv_heads": hp.kv_heads,
+             "intermediate": hp.intermediate, "vocab": hp.vocab_size}
+    for key, field in SHAPE_KEYS:
+        want = getattr(shape, field)
+        if found[field] != want:
+            raise PullError(f"{src / 'config.json'}: {key} is {found[field]}, but {m.name} ({m.shape}) has {want}; "
+                            f"this is another model {hint}")
+
+
 def local_files(src: Path) -> list[tuple[str, int]]:
     if not src.is_dir():
         raise PullError(f"{src}: no such checkpoint directory")
     return [(p.name, p.stat().st_size) for p in sorted(src.iterdir()) if p.is_file()]
 
 
-def dry_run(m: Model, quant: str, models_dir: Path, from_dir: str | None = None) -> None:
+def dry_run(m: Model, quant: str, models_dir: Path, from_dir: str | None = None, check: bool = True) -> None:
     out = EMBEDDED_DIR / m.embedded if m.embedded else gguf_path(models_dir, m.name, quant)
     if m.embedded:
         print(f"{m.name}: embedded in the package ({out}); nothing to download")
         return
     src = Path(from_dir).expanduser() if from_dir else None
+    if src is not None and src.is_dir() and check:
+        check_checkpoint(m, src)
     files = select_files(local_files(src), str(src)) if src else select_files(remote_files(m.repo), m.repo)
     total = sum(s for _, s in files)
     print(f"{m.name}: {src or m.repo} -> {out} ({quant})" + (" (nothing to download)" if src else ""))
@@ -290,7 +327,7 @@ def _pull(args) -> int:
 
     if args.dry_run:
         for m, quant in targets:
-            dry_run(m, quant, models_dir, args.from_dir)
+            dry_run(m, quant, models_dir, args.from_dir, check=not args.skip_shape_check)
         return 0
 
     got = {m.name: pull_one(m, quant, models_dir, args) for m, quant in targets}
@@ -331,6 +368,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="where GGUFs go (default: $PROVE_LOCAL_MODELS, else ~/.cache/prove-local/models)")
     p.add_argument("--dry-run", action="store_true", help="list the files and sizes; download nothing")
     p.add_argument("--from-dir", metavar="HF_DIR", help="convert this local checkpoint instead of downloading")
+    p.add_argument("--skip-shape-check", action="store_true",
+                   help="with --from-dir: convert even if the checkpoint's architecture or size differs from the entry")
     p.add_argument("--list", action="store_true", help="list the registry's models and pairs")
     p.add_argument("--force", action="store_true", help="convert again even if the GGUF exists")
     p.add_argument("--keep-download", action="store_true", help="keep the downloaded checkpoint after converting")

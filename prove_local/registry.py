@@ -49,6 +49,12 @@ class Model:
         return self.source[len("embedded:"):] if self.source.startswith("embedded:") else None
 
     @property
+    def arch(self) -> str | None:
+        """The llama.cpp architecture its checkpoint must have: qwen2 for Qwen2.5 shapes, qwen3 for Qwen3."""
+        family = _family(self)
+        return None if family is None else ("qwen3" if family.startswith("qwen3") else "qwen2")
+
+    @property
     def convert_role(self) -> str:
         """The converter's --role: proposer for MARS models, verifier (plain AR model) for the rest."""
         return "proposer" if "proposer" in self.roles else "verifier"

@@ -52,6 +52,7 @@ def test_default_run_uses_the_embedded_proposer():
                         "--threads", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
+    # n_passes counts llama_decode calls (measured); lossless declares two passes per cycle
     assert out["mode"] == "lossless" and out["n_passes"] == {"proposer": 2 * out["n_cycles"]}
     assert out["token_ids"] and out["text"]
     r = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", "-p", QUESTIONS[2], "-n", "48", "--json",

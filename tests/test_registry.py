@@ -129,9 +129,11 @@ def pulled(tiny_dirs, tmp_path_factory):
     """The tiny proposer and verifier pulled as mars-7b-blk16 / qwen2.5-0.5b-instruct (f32) into a dir with a space."""
     models = tmp_path_factory.mktemp("pull") / "my models"
     prop_dir, ver_dir = tiny_dirs
-    first = cli("pull", "mars-7b-blk16", "--from-dir", str(prop_dir), "--models-dir", str(models), "--quant", "f32", "-q")
+    # tiny stand-ins: their shape is not the entries' (test_pull_from_dir_checks_the_entry checks that refusal)
+    first = cli("pull", "mars-7b-blk16", "--from-dir", str(prop_dir), "--models-dir", str(models), "--quant", "f32", "-q",
+                "--skip-shape-check")
     second = cli("pull", "qwen2.5-0.5b-instruct", "--from-dir", str(ver_dir), "--models-dir", str(models),
-                 "--quant", "f32", "-q")
+                 "--quant", "f32", "-q", "--skip-shape-check")
     third = cli("pull", "mars-7b-blk16", "--models-dir", str(models), "--quant", "f32")
     return models, first, second, third
 
@@ -227,9 +229,36 @@ def test_pull_errors_are_one_line(tiny_dirs, tmp_path):
         r = cli("pull", *args, "--models-dir", str(tmp_path / "m"), env=offline, timeout=60)
         assert r.returncode == 1 and no_traceback(r) and message in r.stderr, (args, r.stderr)
     r = cli("pull", "qwen2.5-3b-instruct", "--from-dir", str(tiny_dirs[0]), "--models-dir", str(tmp_path / "m"),
-            "--quant", "f32", "--dry-run", env=offline)     # a dry run of a local checkpoint needs no network
+            "--quant", "f32", "--dry-run", "--skip-shape-check", env=offline)   # a local dry run needs no network
     assert r.returncode == 0 and "model.safetensors" in r.stdout and "nothing to download" in r.stdout
     assert not (tmp_path / "m").exists()
+
+
+def test_pull_from_dir_checks_the_entry(tmp_path):
+    """--from-dir refuses a checkpoint that is not the entry's model (architecture, then size), one line,
+    before converting anything; a config with the entry's numbers passes."""
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    qwen3 = make_checkpoint(tmp_path / "q3", arch="qwen3", seed=5)
+    qwen2 = make_checkpoint(tmp_path / "q2", seed=6, mask=False)
+    for src, message in [(qwen3, "a qwen3 checkpoint, but qwen2.5-0.5b-instruct is qwen2 (shape qwen2.5-0.5b)"),
+                         (qwen2, "num_hidden_layers is 2, but qwen2.5-0.5b-instruct (qwen2.5-0.5b) has 24")]:
+        for extra in ([], ["--dry-run"]):
+            r = cli("pull", "qwen2.5-0.5b-instruct", "--from-dir", str(src), "--models-dir", str(tmp_path / "m"),
+                    "--quant", "f32", *extra, env=offline, timeout=60)
+            assert r.returncode == 1 and no_traceback(r) and len(r.stderr.strip().splitlines()) == 1, r.stderr
+            assert message in r.stderr and "--skip-shape-check" in r.stderr
+    assert not (tmp_path / "m").exists()
+    real = tmp_path / "real"
+    real.mkdir()
+    s = SHAPES["qwen2.5-0.5b"]
+    (real / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": s.hidden,
+        "num_hidden_layers": s.layers, "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads,
+        "intermediate_size": s.intermediate, "vocab_size": s.vocab, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True}))
+    pull.check_checkpoint(registry.load().models["qwen2.5-0.5b-instruct"], real)
+    with pytest.raises(pull.PullError, match="a qwen2 checkpoint, but qwen3-0.6b"):
+        pull.check_checkpoint(next(m for m in registry.load().models.values() if m.shape == "qwen3-0.6b"), real)
 
 
 def _args(*argv):

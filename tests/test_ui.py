@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from prove_local.chat import Conversation
-from prove_local.engine import Engine, Settings
+from prove_local.engine import Settings
 from prove_local.llama import Model
 from prove_local.rules import Cycle
+from tests.reference import chat_reference, greedy_ar
 from tests.tiny import tiny_gguf
 from prove_local.ui import view
 from prove_local.loading import Loaded
@@ -159,18 +160,12 @@ def models(paths):
     return Model(paths[0]), Model(paths[1])
 
 
-def reference(models, turns: list[str], mode="lossless", **kw) -> list[str]:
-    """Answers the runtime itself gives, turn by turn, on a fresh engine."""
-    prop, ver = models
-    e = Engine.load(prop, ver, **F32)
-    conv = Conversation(prop)
-    out = []
-    for user in turns:
-        ids = [t for c in e.generate(conv.prompt_tokens(user), Settings(mode=mode, max_new=MAX_NEW, **kw))
-               for t in c.committed]
-        out.append(prop.detokenize([t for t in ids if not prop.is_eog(t)]))
-        conv.add_reply(out[-1])
-    return out
+def reference(models, turns: list[str]) -> list[str]:
+    """Every turn's greedy answer, decoded from scratch by hand on a fresh llama.cpp context
+    (tests/reference.py: no engine, no decoding rule); lossless and ar must give exactly these."""
+    prop = models[0]
+    return [prop.detokenize([t for t in ids if not prop.is_eog(t)])
+            for ids in chat_reference(prop, turns, MAX_NEW, **F32)]
 
 
 def ui_args(**kw):
@@ -194,8 +189,40 @@ def test_runtime_turns_equal_the_engine_and_compare(models, paths):
     assert cmp["identical"] and cmp["speedup"] > 0
     # another session on the same engine: the engine's KV reuse keeps them apart
     other = Session()
-    list(run_turn(rt, other, "Hello", Settings(mode="prove", max_new=MAX_NEW, theta=0.01)))
-    assert other.turns[0].view.text == reference(models, ["Hello"], mode="prove", theta=0.01)[0]
+    list(run_turn(rt, other, "Hello", Settings(mode="lossless", max_new=MAX_NEW, block=3)))
+    assert other.turns[0].view.text == reference(models, ["Hello"])[0]
+    # and the first session goes on from its own conversation
+    list(run_turn(rt, sess, "Thanks", Settings(mode="ar", max_new=MAX_NEW)))
+    assert sess.turns[-1].view.text == reference(models, users + ["Thanks"])[-1]
+
+
+def test_two_sessions_decode_at_the_same_time_with_parallel_2(models):
+    """With --parallel 2 two answers are open at once: each session, after its first cycle, waits until
+    the other has made its first cycle too (with one engine the second would wait for the first to
+    finish, and the barrier would time out). Both answers equal the independent reference."""
+    import threading
+    rt = Runtime(Loaded(*models, context_options=F32), parallel=2)
+    prompts = ["Weng earns $12 an hour for babysitting. How much did she earn?", "def f(x): return x * 2"]
+    both_started = threading.Barrier(2, timeout=60)
+    results, failures = {}, []
+
+    def session(i):
+        try:
+            sess = Session()
+            for k, turn in enumerate(run_turn(rt, sess, prompts[i], Settings(mode="lossless", max_new=MAX_NEW, block=3))):
+                if k == 0:
+                    both_started.wait()      # raises BrokenBarrierError if the other never got an engine
+            results[i] = sess.turns[0].view.text
+        except Exception as e:  # noqa: BLE001 - reported below
+            failures.append(f"session {i}: {type(e).__name__}: {e}")
+            both_started.abort()
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not failures and not any(t.is_alive() for t in threads), failures
+    assert [results[0], results[1]] == [reference(models, [p])[0] for p in prompts]
 
 
 def test_stop_mid_answer_then_next_turn(models):
@@ -215,9 +242,7 @@ def test_stop_mid_answer_then_next_turn(models):
     conv = Conversation(prop)
     conv.prompt_tokens(prompt)
     conv.add_reply(last.view.text)
-    ids = [t for c in Engine.load(prop, **F32).generate(conv.prompt_tokens("Go on"), Settings(mode="ar", max_new=MAX_NEW))
-           for t in c.committed]
-    assert sess.turns[-1].view.tokens == ids
+    assert sess.turns[-1].view.tokens == greedy_ar(prop, conv.prompt_tokens("Go on"), MAX_NEW, **F32)
 
 
 def test_runtime_errors_are_messages(models, paths, tmp_path):
@@ -389,3 +414,41 @@ def test_errors_show_in_the_page(browser, models, paths, tmp_path):
     finally:
         for demo, _ in apps:
             demo.close()
+
+
+def test_two_pages_decode_at_the_same_time_with_parallel_2(browser, models, monkeypatch):
+    """Through gradio's queue too: each answer, after its first cycle, waits until the other page's
+    answer has made its first cycle (holding its engine). Were the two requests served one after the
+    other, the barrier would break and the answers would carry an error instead of the reference."""
+    import threading
+
+    from prove_local.ui import runtime as runtime_mod
+    from prove_local.ui.app import build_app, launch
+
+    both_started = threading.Barrier(2, timeout=60)
+    met = []
+    real = runtime_mod.run_turn
+
+    def run_turn_meeting(rt, sess, user, settings):
+        for k, turn in enumerate(real(rt, sess, user, settings)):
+            if k == 0:
+                both_started.wait()
+                met.append(user)
+            yield turn
+    monkeypatch.setattr(runtime_mod, "run_turn", run_turn_meeting)
+    rt = Runtime(Loaded(*models, context_options=F32), parallel=2)
+    port = free_port()
+    demo = build_app(rt, max_new=MAX_NEW)
+    launch(demo, rt, port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        prompts = ["Weng earns $12 an hour for babysitting. How much did she earn?", "def f(x): return x * 2"]
+        pages = [open_page(browser, f"http://127.0.0.1:{port}/") for _ in prompts]
+        waits = [send(pg, p, 0) for pg, p in zip(pages, prompts)]
+        for w in waits:
+            w()
+        assert sorted(met) == sorted(prompts)
+        for pg, p in zip(pages, prompts):
+            assert "".join(s["text"] for s in answer_spans(pg, 0)) == reference(models, [p])[0]
+            pg.close()
+    finally:
+        demo.close()

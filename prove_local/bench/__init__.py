@@ -9,6 +9,7 @@ pass-cost curve). This module only defines the command line; the work is importe
 """
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from datetime import datetime, timezone
@@ -18,10 +19,13 @@ DEFAULT_MODES = "ar,lossless,prove,mars"
 
 
 def _floats(text: str) -> list[float]:
+    """--theta: comma-separated finite numbers >= 0."""
+    from ..errors import UsageError
+    from ..loading import THETA
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"prove-local bench: error: not a list of numbers: {text!r}") from None
+        return [THETA(x.strip()) for x in text.split(",") if x.strip()]
+    except Exception as e:   # argparse.ArgumentTypeError
+        raise UsageError(f"--theta {text!r}: {e}") from None
 
 
 def canonical_command(args) -> str:
@@ -42,7 +46,7 @@ def canonical_command(args) -> str:
 
 
 def add_parser(sub) -> None:
-    from ..loading import EMBEDDED_PROPOSER
+    from ..loading import BLOCK, CTX, DRAFT_K, EMBEDDED_PROPOSER, GPU_LAYERS, MAX_NEW, TAU, THREADS, TOKEN_ID, int_in
 
     p = sub.add_parser("bench", help="benchmark the decoding modes and reproduce the paper's analyses",
                        description="Run the decoding modes interleaved per prompt on benchmark prompts; write "
@@ -53,28 +57,28 @@ def add_parser(sub) -> None:
     p.add_argument("--modes", help=f"comma-separated runs among ar,lossless,prove,mars,spec (default {DEFAULT_MODES}[,spec])")
     p.add_argument("--data", action="append", metavar="PATH",
                    help="prompt file or folder (GSM8K/MATH-500/HumanEval/IFEval jsonl, BBH json, MMLU-Pro/GPQA); repeatable")
-    p.add_argument("--limit", type=int, help="at most N prompts per --data path (round-robin over a folder's files)")
-    p.add_argument("--max-new", type=int, default=256, help="max new tokens per answer (default 256)")
+    p.add_argument("--limit", type=int_in(1), help="at most N prompts per --data path (round-robin over a folder's files)")
+    p.add_argument("--max-new", type=MAX_NEW, default=256, help="max new tokens per answer (default 256)")
     p.add_argument("--theta", default="0.01,0.05,0.1", help="ProVe θ values to sweep (default 0.01,0.05,0.1)")
-    p.add_argument("--tau", type=float, default=0.95, help="MARS rule τ (default 0.95)")
-    p.add_argument("--block", type=int, help="block length (default: the GGUF's prove.block_size, else 16)")
-    p.add_argument("--draft-k", type=int, default=4, help="drafts per cycle for spec (default 4)")
-    p.add_argument("--mask-token", type=int, help="placeholder token id (overrides the GGUF's mask token)")
+    p.add_argument("--tau", type=TAU, default=0.95, help="MARS rule τ (default 0.95)")
+    p.add_argument("--block", type=BLOCK, help="block length (default: the GGUF's prove.block_size, else 16)")
+    p.add_argument("--draft-k", type=DRAFT_K, default=4, help="drafts per cycle for spec (default 4)")
+    p.add_argument("--mask-token", type=TOKEN_ID, help="placeholder token id (overrides the GGUF's mask token)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--raw", action="store_true", help="plain prompts, no chat template")
     p.add_argument("--system", help="system message for the chat template")
-    p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
-    p.add_argument("--ctx", type=int, default=4096, help="context size (default 4096)")
-    p.add_argument("--n-gpu-layers", type=int, help="layers to offload (default: all when llama.cpp has a GPU backend)")
+    p.add_argument("--threads", type=THREADS, help="CPU threads (default: all cores)")
+    p.add_argument("--ctx", type=CTX, default=4096, help="context size (default 4096)")
+    p.add_argument("--n-gpu-layers", type=GPU_LAYERS, help="layers to offload (default: all when llama.cpp has a GPU backend)")
     p.add_argument("--flash-attn", action="store_true")
     p.add_argument("--kv-type", choices=("f32", "f16", "q8_0", "q4_0"),
                    help="KV cache type (default: f32 for an F32 proposer, so the exact modes can match ar exactly; f16 otherwise)")
-    p.add_argument("--warmup", type=int, default=16, help="tokens per run generated before measuring (default 16; 0: none)")
-    p.add_argument("--pass-cost-reps", type=int, default=3,
+    p.add_argument("--warmup", type=int_in(0), default=16, help="tokens per run generated before measuring (default 16; 0: none)")
+    p.add_argument("--pass-cost-reps", type=int_in(1, 100), default=3,
                    help="repetitions per n of the pass-cost curve, each 3 settling + 2 timed passes (default 3)")
-    p.add_argument("--pass-cost-max", type=int, default=64, help="largest n of the pass-cost curve (default 64)")
+    p.add_argument("--pass-cost-max", type=int_in(1, 512), default=64, help="largest n of the pass-cost curve (default 64)")
     p.add_argument("--no-pass-cost", action="store_true", help="skip the pass-cost curve (no projected speedups)")
-    p.add_argument("--bins", type=int, default=5, help="position bins for matched tokens along a response (default 5)")
+    p.add_argument("--bins", type=int_in(1, 100), default=5, help="position bins for matched tokens along a response (default 5)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--report-only", action="store_true",
@@ -100,8 +104,28 @@ def report_only(args) -> int:
     return 0
 
 
+def check_out(out: Path) -> None:
+    """Refuse an output folder that cannot be written before anything runs (not after an hour of runs)."""
+    from ..errors import UsageError
+
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a folder (bench writes results.json, summary.md, "
+                         "generations.jsonl and plots into a folder)")
+    parent = out if out.exists() else next((q for q in out.absolute().parents if q.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out}: cannot write into {parent}")
+
+
+def require_matplotlib() -> None:
+    import importlib.util
+
+    from ..errors import MissingExtra
+    if importlib.util.find_spec("matplotlib") is None:
+        raise MissingExtra("bench", "matplotlib")
+
+
 def cmd_bench(args) -> int:
-    from ..chat import Conversation
+    from ..chat import Conversation, clean_text
     from ..errors import UsageError
     from ..loading import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER
     from ..engine import Engine
@@ -111,8 +135,11 @@ def cmd_bench(args) -> int:
     from .results import write_outputs
     from .runner import machine_info, make_runs, run_bench
 
+    if not args.no_plots:
+        require_matplotlib()
     if args.report_only:
         return report_only(args)
+    check_out(Path(args.out))
     if not args.data:
         raise UsageError("--data PATH is required (a prompt file or folder; repeatable)")
     modes = [m.strip() for m in (args.modes or DEFAULT_MODES + (",spec" if args.draft else "")).split(",") if m.strip()]
@@ -164,7 +191,9 @@ def cmd_bench(args) -> int:
     prop = models["proposer"]
     prompt_tokens, kept = [], []
     for p in prompts:
-        toks = prop.tokenize(p.text, add_special=True) if args.raw else Conversation(prop, system=args.system).prompt_tokens(p.text)
+        text = clean_text(p.text)         # a lone surrogate (JSON "\\ud800") becomes U+FFFD
+        system = clean_text(args.system) if args.system is not None else None
+        toks = prop.tokenize(text, add_special=True) if args.raw else Conversation(prop, system=system).prompt_tokens(text)
         if len(toks) + 2 > engine.n_ctx:
             print(f"prove-local bench: skipping {p.id}: {len(toks)} prompt tokens do not fit --ctx {engine.n_ctx}", file=sys.stderr)
             continue
@@ -173,9 +202,16 @@ def cmd_bench(args) -> int:
     if not kept:
         raise UsageError("no prompt fits the context")
 
-    data = run_bench(engine, models, kept, prompt_tokens, runs, context_options=context_options, warmup=args.warmup,
-                     pass_cost=not args.no_pass_cost, pass_cost_reps=args.pass_cost_reps,
-                     pass_cost_max=args.pass_cost_max, progress=not args.quiet)
+    try:
+        data = run_bench(engine, models, kept, prompt_tokens, runs, context_options=context_options,
+                         warmup=args.warmup, pass_cost=not args.no_pass_cost, pass_cost_reps=args.pass_cost_reps,
+                         pass_cost_max=args.pass_cost_max, progress=not args.quiet)
+    except KeyboardInterrupt:       # during the warm-up or the pass-cost curve: no prompt finished
+        print("prove-local bench: interrupted before any prompt finished; nothing written", file=sys.stderr)
+        return 130
+    if data.interrupted and not data.prompts:
+        print("prove-local bench: interrupted before any prompt finished; nothing written", file=sys.stderr)
+        return 130
     block = args.block or engine.block_size
     try:
         from ..llama import default_threads
@@ -195,9 +231,13 @@ def cmd_bench(args) -> int:
         "data": {"paths": [str(p) for p in args.data], "limit": args.limit},
         "bins": args.bins,
     }
+    if data.interrupted:    # Ctrl-C: the prompts whose runs all finished, marked partial
+        meta["partial"] = True
     res = write_outputs(data, Path(args.out), meta=meta, plots=not args.no_plots)
     from .markdown import modes_table
     print(modes_table(res))
     print(f"\nwrote {Path(args.out) / 'results.json'}, summary.md, generations.jsonl"
-          + (f" and {len(res['plots'])} plots" if res["plots"] else ""), file=sys.stderr)
-    return 0
+          + (f" and {len(res['plots'])} plots" if res["plots"] else "")
+          + (f" (interrupted: partial, {len(data.prompts)} of {len(kept)} prompts)" if data.interrupted else ""),
+          file=sys.stderr)
+    return 130 if data.interrupted else 0

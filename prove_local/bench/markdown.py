@@ -38,6 +38,8 @@ def summary_markdown(res: dict) -> str:
     L = ["# prove-local bench", ""]
     L.append(f"Command: `{res.get('command', '')}`")
     L.append("")
+    if res.get("partial"):
+        L += ["**Partial: interrupted (Ctrl-C); only the prompts whose runs all finished are counted.**", ""]
     models = res.get("models", {})
     for role, m in models.items():
         L.append(f"- {role}: `{Path(m['path']).name}` ({m.get('n_params', 0) / 1e6:.1f} M parameters, vocab {m.get('n_vocab')})")

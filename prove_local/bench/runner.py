@@ -44,6 +44,7 @@ class BenchData:
     generations: list[Generation] = field(default_factory=list)
     pass_cost: dict = field(default_factory=dict)     # role -> {n: seconds}
     warmup_seconds: float = 0.0
+    interrupted: bool = False     # Ctrl-C: only the prompts whose runs all finished are kept
 
 
 def make_runs(modes: list[str], *, max_new: int, block: int | None, thetas: list[float], tau: float,
@@ -107,7 +108,8 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
               runs: list[Run], *, context_options: dict, warmup: int = 16, pass_cost: bool = True,
               pass_cost_reps: int = 3, pass_cost_max: int = 64, progress: bool = True) -> BenchData:
     """Warm-up, pass-cost curves, then for each prompt every run once, the run order rotated from
-    one prompt to the next (A B C, B C A, ...) so that drift hits all runs alike."""
+    one prompt to the next (A B C, B C A, ...) so that drift hits all runs alike. Ctrl-C stops the
+    runs: the data then holds the prompts whose runs all finished, and `interrupted` is set."""
     from tqdm import tqdm
 
     data = BenchData(prompts, prompt_tokens, runs)
@@ -131,6 +133,7 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
             data.pass_cost[role] = seen[id(m)]
     bar = tqdm(total=len(prompts) * len(runs), desc="bench", unit="gen", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
+    done = 0
     try:
         for i, tokens in enumerate(prompt_tokens):
             k = i % len(runs)
@@ -141,6 +144,11 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
                 data.generations.append(Generation(i, run.name, out, cycles, seconds, n_pre, t_pre,
                                                    proposer.detokenize([t for t in out if not proposer.is_eog(t)])))
                 bar.update(1)
+            done = i + 1
+    except KeyboardInterrupt:
+        data.interrupted = True
+        data.prompts, data.prompt_tokens = data.prompts[:done], data.prompt_tokens[:done]
+        data.generations = [g for g in data.generations if g.prompt < done]
     finally:
         bar.close()
     return data

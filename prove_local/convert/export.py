@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -227,35 +228,40 @@ def resolve_role(role: str | None, mask_id: int | None, config: dict, hf_dir: Pa
 
 
 def _quantize_with_llama_cpp(src: Path, dst: Path, ftype: FT, progress: bool = False) -> None:
-    """llama.cpp's own quantizer (K-quants); its log is collected and quoted only on failure."""
-    try:
-        import ctypes
+    """llama.cpp's own quantizer (K-quants), in a child process (quantize.py) so that Ctrl-C and
+    SIGTERM stop it: the wait below is Python, where signal handlers run; on any exception (the
+    KeyboardInterrupt or SystemExit they raise) the child is killed before the exception goes on
+    to the caller's temp-file cleanup. Its log is quoted only on failure."""
+    import subprocess
 
-        import llama_cpp as ll
+    try:
+        import llama_cpp  # noqa: F401
     except ImportError as e:
         raise ConvertError(f"K-quant output needs llama-cpp-python ({e})") from None
-    lines: list[str] = []
-
-    @ll.llama_log_callback
-    def collect(level, text, user_data):  # pragma: no cover - called from C
-        lines.append(text.decode("utf-8", "replace").rstrip())
-
-    previous, previous_data = ll.llama_log_callback(), ctypes.c_void_p()
-    ll.llama_log_get(ctypes.byref(previous), ctypes.byref(previous_data))
-    ll.llama_log_set(collect, ctypes.c_void_p(0))
+    if progress:
+        print(f"quantizing to {ftype.name.removeprefix('MOSTLY_')} with llama.cpp ...", file=sys.stderr, flush=True)
+    # own session: a terminal's Ctrl-C reaches only this process, which then kills the child. The
+    # signals wait while the child starts, so that no interrupt falls between its start and the `try`.
+    stop = {signal.SIGINT, signal.SIGTERM}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
     try:
-        ll.llama_backend_init()
-        params = ll.llama_model_quantize_default_params()
-        params.ftype = int(ftype)
-        params.nthread = os.cpu_count() or 1
-        if progress:
-            print(f"quantizing to {ftype.name.removeprefix('MOSTLY_')} with llama.cpp ...", file=sys.stderr, flush=True)
-        rc = ll.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
-    finally:
-        ll.llama_log_set(previous, previous_data)
-    if rc != 0:
-        why = "; ".join(line for line in lines if "error" in line.lower() or "failed" in line.lower())[-300:]
-        raise ConvertError(f"{src}: llama_model_quantize to {ftype.name} failed (code {rc}){': ' + why if why else ''}")
+        proc = subprocess.Popen([sys.executable, "-m", "prove_local.convert.quantize", str(src), str(dst),
+                                 str(int(ftype))], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        raise
+    try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)    # a pending signal is handled here, inside the try
+        _, err = proc.communicate()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if proc.returncode != 0:
+        lines = err.decode("utf-8", "replace").strip().splitlines()
+        why = lines[-1] if lines else f"the quantizer exited with status {proc.returncode}"
+        raise ConvertError(f"{src}: llama_model_quantize to {ftype.name} failed ({why})")
 
 
 def _temp_path(out: Path, tag: str) -> Path:

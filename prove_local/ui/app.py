@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from prove_local.loading import add_model_args
+from prove_local.loading import MAX_NEW, PARALLEL, PORT, add_model_args
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
@@ -115,22 +115,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "cycle, the proposed block with p̃, q, the gate's verdict and what was dropped.")
     add_model_args(p)
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--port", type=PORT, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--share", action="store_true", help="also open a public gradio.live link (off by default)")
-    p.add_argument("--parallel", type=int, default=1,
+    p.add_argument("--parallel", type=PARALLEL, default=1,
                    help="answers decoded at the same time, each on its own contexts (default 1: requests queue)")
     p.add_argument("--system", help="system message for the chat template")
-    p.add_argument("-n", "--max-new", type=int, default=256, help="initial max new tokens (default 256)")
+    p.add_argument("-n", "--max-new", type=MAX_NEW, default=256, help="initial max new tokens (default 256)")
     p.set_defaults(func=cmd_ui)
     return p
+
+
+def require_gradio() -> None:
+    """Checked before any model is loaded: without the extra, one line naming it."""
+    import importlib.util
+
+    from prove_local.errors import MissingExtra
+    if importlib.util.find_spec("gradio") is None:
+        raise MissingExtra("ui", "gradio")
 
 
 def cmd_ui(args) -> int:
     from .runtime import Runtime
 
-    if args.parallel < 1:
-        print("prove-local ui: error: --parallel must be >= 1", file=sys.stderr)
-        return 2
+    require_gradio()
     runtime = Runtime.from_args(args)
     if runtime.error:
         print(f"prove-local ui: {runtime.error} (the page shows this too)", file=sys.stderr)

@@ -1,0 +1,41 @@
+"""An independent reference for the tests: greedy decoding by hand on a fresh llama.cpp context, one
+token per llama_decode call, without the engine or the decoding rules under test."""
+from __future__ import annotations
+
+import numpy as np
+
+from prove_local.chat import Conversation
+from prove_local.llama import Context, Model
+
+F32 = dict(n_ctx=512, n_threads=1, type_k="f32", type_v="f32")
+
+
+def greedy_ar(model: Model, prompt: list[int], max_new: int, **context_options) -> list[int]:
+    """The greedy continuation of `prompt`: up to `max_new` tokens, ending with an end-of-generation
+    token if one comes first, or where the context is full (as the engine's stops)."""
+    opts = {**F32, **context_options}
+    ctx = Context(model, **opts)
+    try:
+        logits = ctx.eval(list(prompt))[0]
+        out: list[int] = []
+        while len(out) < max_new:
+            tok = int(np.argmax(logits))
+            out.append(tok)
+            if model.is_eog(tok) or len(prompt) + len(out) >= ctx.n_ctx:
+                break
+            logits = ctx.eval([tok])[0]
+        return out
+    finally:
+        ctx.close()
+
+
+def chat_reference(model: Model, turns: list[str], max_new: int, system: str | None = None,
+                   **context_options) -> list[list[int]]:
+    """Every turn's greedy answer (token ids), each decoded from scratch on the whole conversation so far."""
+    conv = Conversation(model, system=system)
+    answers = []
+    for user in turns:
+        ids = greedy_ar(model, conv.prompt_tokens(user), max_new, **context_options)
+        answers.append(ids)
+        conv.add_reply(model.detokenize([t for t in ids if not model.is_eog(t)]))
+    return answers
