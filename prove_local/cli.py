@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     add_pull(sub)
     from prove_local.bench import add_parser as add_bench
     add_bench(sub)
+    from prove_local.rpc import add_parser as add_rpc_server
+    add_rpc_server(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,325 @@
+"""llama.cpp's RPC backend: a tiny F32 model's layers on two `prove-local rpc-server` processes on
+loopback ports. Every server is started by a test and stopped by the test, by its PID.
+
+What crosses a process boundary here is what would cross the network between two machines; the
+exact modes over RPC must equal `ar` run locally token for token, and each KV cache must hold only
+committed tokens after every cycle. A server that dies mid-generation makes ggml abort the client
+process: the test checks that it ends promptly, with one clear line and the committed text kept.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prove_local import rpc
+from prove_local.engine import Engine, Settings
+from prove_local.errors import UsageError
+from prove_local.llama import Context, Model
+from tests.test_runtime import next_logits
+from tests.tiny import tiny_gguf
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+       "PROVE_NO_MEMORY_CHECK": "1"}
+F32 = dict(n_ctx=512, n_threads=1, type_k="f32", type_v="f32")
+PROMPTS = ["Hello world", "def f(x): return x * 2", "The cat sat on the mat.", "12345 + 678 = ?",
+           "Natalia sold clips to 48 of her friends.", "a a a a a"]
+
+pytestmark = pytest.mark.skipif(not rpc.supported(), reason="llama-cpp-python built without -DGGML_RPC=ON")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `prove-local rpc-server` subprocess on a loopback port."""
+
+    def __init__(self, tmp: Path, port: int | None = None):
+        self.port = port or free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.log = tmp / f"rpc-server-{self.port}.log"
+        self.proc = None
+
+    def start(self) -> "Server":
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "prove_local.cli", "rpc-server", "--port", str(self.port), "--threads", "1"],
+                cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while not rpc.alive(self.endpoint, timeout=0.5):
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, f"rpc-server on {self.endpoint} did not start"
+            time.sleep(0.1)
+        return self
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rpc-models")
+    return {"prop": tiny_gguf(d, seed=0, layers=4),
+            "draft": tiny_gguf(d, seed=2, hidden=32, mask=False, role="verifier")}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rpc-servers")
+    started = []
+    try:
+        for _ in range(2):
+            started.append(Server(tmp).start())
+        yield started
+    finally:
+        for s in started:
+            s.kill(signal.SIGTERM)
+            assert s.proc.returncode == 0, s.log.read_text()     # SIGTERM ends the server cleanly
+
+
+@pytest.fixture(scope="module")
+def models(paths, servers):
+    """The proposer twice: local, and split 1:1 across the two servers (nothing local but the
+    token embeddings); the draft stays local. Freed before the servers stop."""
+    local = Model(paths["prop"])
+    devices = rpc.add_servers([s.endpoint for s in servers])
+    remote = Model(paths["prop"], n_gpu_layers=-1, devices=devices, tensor_split=[1, 1])
+    draft = Model(paths["draft"])
+    made = {"local": local, "remote": remote, "draft": draft, "contexts": []}
+    yield made
+    for c in made["contexts"]:
+        c.close()
+    for m in (remote, local, draft):
+        m.close()
+
+
+def engine(models, which, **kw):
+    e = Engine.load(models[which], draft=models["draft"], **F32, **kw)
+    models["contexts"] += e.contexts.values()
+    return e
+
+
+def generate(e, prompt, **kw):
+    return [t for c in e.generate(prompt, Settings(**kw)) for t in c.committed]
+
+
+# ----------------------------------------------------------------------------- errors, one line
+def test_endpoint_syntax():
+    assert rpc.parse_endpoints("10.0.0.2:50052, host:1") == ["10.0.0.2:50052", "host:1"]
+    for bad in ["10.0.0.2", "host:", ":50052", "host:99999", "host:x", "a:1,a:1"]:
+        with pytest.raises(UsageError, match="--rpc"):
+            rpc.parse_endpoints(bad)
+
+
+def test_unreachable_endpoint_is_one_line_and_fast():
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(rpc.RpcUnreachable, match=f"127.0.0.1:{port}: cannot connect"):
+        rpc.probe(f"127.0.0.1:{port}")
+    assert time.monotonic() - t0 < rpc.CONNECT_TIMEOUT + 5
+
+
+def _fake_server(answer):
+    """A socket server on a free loopback port that answers one connection with `answer(conn)`."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def run():
+        conn, _ = srv.accept()
+        with conn:
+            conn.settimeout(10)
+            answer(conn)
+        srv.close()
+    threading.Thread(target=run, daemon=True).start()
+    return f"127.0.0.1:{srv.getsockname()[1]}"
+
+
+def _hello_reply(version):
+    def answer(conn):
+        conn.recv(1 + 8 + rpc.RPC_CONN_CAPS_SIZE)
+        conn.sendall((4 + rpc.RPC_CONN_CAPS_SIZE).to_bytes(8, "little") + bytes(version) + bytes(1 + rpc.RPC_CONN_CAPS_SIZE))
+    return answer
+
+
+def test_version_mismatch():
+    with pytest.raises(rpc.RpcVersionMismatch, match=r"speaks RPC protocol 6\.0\.0, this client 7\.0\.0"):
+        rpc.probe(_fake_server(_hello_reply((6, 0, 0))))
+    with pytest.raises(rpc.RpcVersionMismatch, match=r"speaks RPC protocol 7\.9\.0"):
+        rpc.probe(_fake_server(_hello_reply((7, 9, 0))))       # newer minor: ggml refuses it too
+    assert rpc.probe(_fake_server(_hello_reply((7, 0, 3)))) == (7, 0, 3)
+    with pytest.raises(rpc.RpcVersionMismatch, match="closed the connection at the handshake"):
+        rpc.probe(_fake_server(lambda conn: None))              # not an RPC server (or an old one)
+
+
+def test_silent_server_times_out():
+    done = threading.Event()
+    endpoint = _fake_server(lambda conn: done.wait(10))
+    with pytest.raises(rpc.RpcUnreachable, match="no RPC handshake answer within 0.5 s"):
+        rpc.probe(endpoint, timeout=0.5)
+    done.set()
+
+
+def test_cli_errors_are_one_line(tmp_path, paths):
+    port = free_port()
+    out = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", str(paths["prop"]), "--rpc",
+                          f"127.0.0.1:{port}", "-p", "hi", "-n", "4"], cwd=ROOT, env=ENV, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1 and out.stderr.strip().count("\n") == 0, out.stderr
+    assert f"127.0.0.1:{port}: cannot connect" in out.stderr
+    with socket.socket() as blocker:          # rpc-server on a port that is taken
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen(1)
+        out = subprocess.run([sys.executable, "-m", "prove_local.cli", "rpc-server", "--port",
+                              str(blocker.getsockname()[1])], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                             timeout=60)
+    assert out.returncode == 1 and "cannot listen on 127.0.0.1" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_warning_beyond_loopback():
+    assert rpc.is_loopback("127.0.0.1") and rpc.is_loopback("localhost") and rpc.is_loopback("::1")
+    assert not rpc.is_loopback("0.0.0.0") and not rpc.is_loopback("192.168.1.20")
+    assert "no authentication and no encryption" in rpc.WARNING
+
+
+# ----------------------------------------------------------------------------- exactness over RPC
+def test_layers_are_on_both_servers(models, servers):
+    placement = models["remote"].placement
+    for s in servers:
+        assert any(s.endpoint in name and mib > 0 for name, mib in placement.items()), placement
+    # the servers report their memory through ggml_backend_rpc_get_device_memory
+    free, total = rpc.add_servers([servers[0].endpoint])[0].memory()
+    assert 0 < free <= total
+
+
+@pytest.mark.parametrize("mode,extra", [("ar", {}), ("lossless", {}), ("lossless", {"block": 5}),
+                                        ("spec", {"draft_k": 3})])
+def test_exact_modes_over_rpc_equal_local_ar(models, mode, extra):
+    local, remote = engine(models, "local"), engine(models, "remote")
+    prop = models["local"]
+    for p in PROMPTS:
+        want = generate(local, prop.tokenize(p), mode="ar", max_new=48)
+        got = generate(remote, prop.tokenize(p), mode=mode, max_new=48, **extra)
+        assert got == want, (mode, p)
+
+
+@pytest.mark.parametrize("mode", ["lossless", "spec"])
+def test_kv_cache_holds_only_committed_tokens_over_rpc(models, mode):
+    e = engine(models, "remote")
+    prompt = models["local"].tokenize("Natalia sold clips to 48 of her friends.")
+    checked = 0
+    for _ in e.generate(prompt, Settings(mode=mode, max_new=40, block=6, draft_k=3)):
+        for role, ctx in e.contexts.items():
+            if ctx.n_past == 0:
+                continue
+            got = next_logits(ctx, e.tokens)
+            fresh = Context(models["local"] if role == "proposer" else ctx.model, **F32)   # local, from scratch
+            want = fresh.eval(e.tokens)[0]
+            fresh.close()
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=f"{mode}/{role}")
+            checked += 1
+    assert checked >= 5
+
+
+# ----------------------------------------------------------------------------- a server that goes away
+HARNESS = r"""
+import json, sys
+from prove_local import rpc
+from prove_local.engine import Engine, Settings
+from prove_local.llama import Model
+path, endpoints, pause = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
+m = Model(path, n_gpu_layers=-1, devices=rpc.add_servers(endpoints), tensor_split=[1, 1])
+e = Engine.load(m, n_ctx=512, n_threads=1, type_k="f32", type_v="f32")
+for i, c in enumerate(e.generate(m.tokenize("Hello world"), Settings(mode="lossless", max_new=48, block=4))):
+    print(json.dumps(c.committed), flush=True)
+    if i + 1 == pause:
+        print("PAUSED", flush=True)
+        sys.stdin.readline()          # the test kills a server now
+print("DONE", flush=True)
+"""
+
+
+def harness(path, endpoints, pause=0):
+    return subprocess.Popen([sys.executable, "-c", HARNESS, str(path), ",".join(endpoints), str(pause)], cwd=ROOT,
+                            env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_server_killed_mid_generation_then_restarted(tmp_path, paths, models):
+    own = [Server(tmp_path).start(), Server(tmp_path).start()]
+    procs = []
+    try:
+        local = engine(models, "local")
+        want = generate(local, models["local"].tokenize("Hello world"), mode="ar", max_new=48)
+
+        p = harness(paths["prop"], [s.endpoint for s in own], pause=3)
+        procs.append(p)
+        lines = []
+        deadline = time.monotonic() + 60
+        while (line := p.stdout.readline()) and line.strip() != "PAUSED":
+            lines.append(json.loads(line))
+            assert time.monotonic() < deadline
+        assert len(lines) == 3
+        own[1].kill()                                  # mid-generation: between cycle 3 and 4
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        out, err = p.communicate(timeout=60)           # no hang
+        assert p.returncode == rpc.LOST_EXIT, err
+        assert "DONE" not in out
+        last = [x for x in err.splitlines() if x.strip()][-1]
+        assert last.startswith(f"prove-local: error: lost the RPC server {own[1].endpoint};"), err
+        committed = [t for c in lines for t in c]
+        assert committed == want[:len(committed)]      # what was committed before the loss is right
+
+        own[1] = Server(tmp_path, own[1].port).start()  # restart it on the same port: a new client works
+        p = harness(paths["prop"], [s.endpoint for s in own])
+        procs.append(p)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        got = [t for line in out.splitlines() if line.startswith("[") for t in json.loads(line)]
+        assert got == want
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+        for s in own:
+            s.kill(signal.SIGTERM)
+
+
+def test_cli_run_over_rpc_equals_local(tmp_path, paths):
+    """`prove-local run --rpc` end to end, on servers of its own (a llama.cpp RPC server serves one
+    client at a time, and this test process is connected to the module's servers)."""
+    own = []
+
+    def run(*extra):
+        out = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", str(paths["prop"]), "--raw", "--json",
+                              "-p", "The quick brown fox", "-n", "32", "--threads", "1", *extra], cwd=ROOT, env=ENV,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["token_ids"]
+    try:
+        own += [Server(tmp_path).start(), Server(tmp_path).start()]
+        want = run("--mode", "ar")
+        eps = ",".join(s.endpoint for s in own)
+        assert run("--mode", "lossless", "--rpc", eps, "--tensor-split", "3,1") == want
+        assert run("--mode", "ar", "--rpc", eps, "--n-gpu-layers", "2") == want       # two layers stay local
+    finally:
+        for s in own:
+            s.kill(signal.SIGTERM)
