@@ -324,6 +324,8 @@ def serve(host: str, port: int, threads: int | None = None, cache: str | None = 
     lib = library()
     import llama_cpp as ll
     ll.llama_backend_init()
+    if not is_loopback(host):
+        print(WARNING.format(host=host), file=sys.stderr, flush=True)
     try:  # ggml's server prints nothing useful when the port is taken; find out first
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -337,8 +339,6 @@ def serve(host: str, port: int, threads: int | None = None, cache: str | None = 
     arr = (ctypes.c_void_p * len(devs))(*devs)
     names = ", ".join(f"{lib.base.ggml_backend_dev_name(d).decode()} ({lib.base.ggml_backend_dev_description(d).decode()})"
                       for d in devs)
-    if not is_loopback(host):
-        print(WARNING.format(host=host), file=sys.stderr, flush=True)
     endpoint = f"{host}:{port}"
     done = threading.Event()
 

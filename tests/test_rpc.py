@@ -196,7 +196,18 @@ def test_cli_errors_are_one_line(tmp_path, paths):
 def test_warning_beyond_loopback():
     assert rpc.is_loopback("127.0.0.1") and rpc.is_loopback("localhost") and rpc.is_loopback("::1")
     assert not rpc.is_loopback("0.0.0.0") and not rpc.is_loopback("192.168.1.20")
-    assert "no authentication and no encryption" in rpc.WARNING
+    # the CLI warns before it binds; a port taken on 0.0.0.0 keeps the test from serving anything
+    with socket.socket() as blocker:
+        blocker.bind(("0.0.0.0", 0))
+        blocker.listen(1)
+        out = subprocess.run([sys.executable, "-m", "prove_local.cli", "rpc-server", "--host", "0.0.0.0", "--port",
+                              str(blocker.getsockname()[1])], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                             timeout=60)
+    assert out.returncode == 1 and "cannot listen on 0.0.0.0" in out.stderr
+    assert "WARNING" in out.stderr and "no authentication and no encryption" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "prove_local.cli", "rpc-server", "--port", "0"], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "--port 0 is not a TCP port" in out.stderr
 
 
 # ----------------------------------------------------------------------------- exactness over RPC
@@ -323,3 +334,27 @@ def test_cli_run_over_rpc_equals_local(tmp_path, paths):
     finally:
         for s in own:
             s.kill(signal.SIGTERM)
+
+
+# ----------------------------------------------------------------------------- memory across machines
+def test_memory_check_counts_remote_memory(paths):
+    from prove_local.memory import Offload, WontFit, check_fits
+    prop = paths["prop"]
+    whole = check_fits([prop, prop], 512, "f32", 0, gpu=False, ram_free=1 << 40).cpu     # two contexts, all local
+    big = 1 << 40
+    # what stays local with every layer on the servers: embeddings and a host copy of the logits
+    local_part = lambda ram: check_fits([], 512, "f32", 0, gpu=False, ram_free=ram,
+                                        offload=Offload(prop, 2, -1, [("A", big), ("B", big)]))
+    with pytest.raises(WontFit, match="RAM"):
+        check_fits([prop, prop], 512, "f32", 0, gpu=False, ram_free=int(whole * 0.6))
+    local_part(int(whole * 0.6))                      # the same model fits across machines
+    with pytest.raises(WontFit, match="for the --rpc model's local part"):
+        local_part(1)
+    # a server without room for its share is named, with the options that move layers
+    with pytest.raises(WontFit, match=r"its share on B \(50% of the offloaded layers\).*--tensor-split \(order: A, B\)"):
+        check_fits([], 512, "f32", 0, gpu=False, ram_free=big,
+                   offload=Offload(prop, 1, -1, [("A", big), ("B", 1024)], split=[1, 1]))
+    check_fits([], 512, "f32", 0, gpu=False, ram_free=big,                               # all of it on A
+               offload=Offload(prop, 1, -1, [("A", big), ("B", 1024)], split=[1, 0]))
+    # default split: proportional to free memory, as llama.cpp does
+    assert Offload(prop, 1, -1, [("A", 3 * 2**30), ("B", 2**30)]).shares() == [0.75, 0.25]
