@@ -88,7 +88,8 @@ def load_models(args, *, parallel: int = 1, want_verifier: bool | None = None,
     if devices:   # the proposer goes to the RPC servers (+ local GPUs); the other models stay local
         prop_ngl = -1 if args.n_gpu_layers is None else args.n_gpu_layers
         from .memory import Offload
-        offload = Offload(proposer, max(1, parallel), prop_ngl, [(d.label, d.memory()[0]) for d in devices], split)
+        offload = Offload(proposer, max(1, parallel), prop_ngl, [(d.label, d.memory()[0]) for d in devices], split,
+                          [d.endpoint is None for d in devices])
         check_fits([verifier, draft] * max(1, parallel), args.ctx, args.kv_type, ngl, flash_attn=args.flash_attn,
                    offload=offload)
     else:
@@ -104,6 +105,10 @@ def load_models(args, *, parallel: int = 1, want_verifier: bool | None = None,
         return loaded[key]
 
     prop = load(proposer, **({"n_gpu_layers": prop_ngl, "devices": devices, "tensor_split": split} if devices else {}))
+    if devices:
+        import sys
+        print(f"note: {prop.path.name}: weights " + ", ".join(f"{k} {v:.0f} MiB" for k, v in prop.placement.items()),
+              file=sys.stderr)
     ver, drf = load(verifier), load(draft)
     kv = args.kv_type or ("f32" if prop.meta("general.file_type") == "0" else "f16")
     opts = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)

@@ -44,6 +44,7 @@ class Offload:
     n_gpu_layers: int
     devices: list[tuple[str, int]]
     split: list[float] | None = None
+    local: list[bool] | None = None        # which devices are this machine's GPUs
 
     def shares(self) -> list[float]:
         w = list(self.split or [free for _, free in self.devices])
@@ -181,12 +182,11 @@ def check_fits(paths, n_ctx: int, kv_type: str | None = "f16", n_gpu_layers: int
     if os.environ.get("PROVE_NO_MEMORY_CHECK", "") not in ("", "0"):
         return None
     files = _gguf_paths(paths)
-    remote_cpu = 0.0
-    if offload is not None and _gguf_paths([offload.path]):
-        remote_cpu = _check_offload(offload, n_ctx, kv_type, n_batch, flash_attn)
+    offload = offload if offload is not None and _gguf_paths([offload.path]) else None
     if not files:
-        if remote_cpu:
-            _check_ram(Estimate(n_ctx, kv_type or "f16"), remote_cpu, ram_free, False, 0)
+        if offload is not None:
+            _check_ram(Estimate(n_ctx, kv_type or "f16"), _check_offload(offload, n_ctx, kv_type, n_batch, flash_attn),
+                       ram_free, False, 0)
         return None
     infos, shared, seen = [], [], {}
     for p in files:
@@ -214,6 +214,9 @@ def check_fits(paths, n_ctx: int, kv_type: str | None = "f16", n_gpu_layers: int
                 f"the models need about {gib(est.gpu)} of GPU memory ({est.breakdown()}), but the GPU has "
                 f"{gib(free)} free; use a smaller quantization, a smaller --ctx, --kv-type q8_0, or "
                 f"--n-gpu-layers {k} to keep {layers - min(k, layers)} of {layers} layers in RAM ({hint})")
+    remote_cpu = 0.0
+    if offload is not None:
+        remote_cpu = _check_offload(offload, n_ctx, kv_type, n_batch, flash_attn, est.gpu if ngl != 0 else 0.0)
     _check_ram(est, remote_cpu, ram_free, gpu, ngl)
     return est
 
@@ -230,8 +233,10 @@ def _check_ram(est: Estimate, extra: float, ram_free, gpu: bool, ngl: int) -> No
             + " (set PROVE_NO_MEMORY_CHECK=1 to load anyway)")
 
 
-def _check_offload(o: Offload, n_ctx: int, kv_type: str | None, n_batch: int, flash_attn: bool) -> float:
-    """Check each device's share of an offloaded model; return the bytes that stay in local RAM."""
+def _check_offload(o: Offload, n_ctx: int, kv_type: str | None, n_batch: int, flash_attn: bool,
+                   local_gpu_used: float = 0.0) -> float:
+    """Check each device's share of an offloaded model (local GPUs: minus what the other models
+    put there, `local_gpu_used`); return the bytes that stay in local RAM."""
     info = read_gguf_info(o.path)
     kv = kv_type or ("f32" if info.file_type == 0 else "f16")
     n = max(1, o.contexts)
@@ -239,9 +244,12 @@ def _check_offload(o: Offload, n_ctx: int, kv_type: str | None, n_batch: int, fl
                    shared=[False] + [True] * (n - 1))
     spread = sum(p.weights_gpu + p.kv_gpu for p in est.parts)
     compute = sum(p.compute_gpu for p in est.parts)
-    for (label, free), share in zip(o.devices, o.shares()):
+    n_local = sum(o.local or []) or 1
+    for i, ((label, free), share) in enumerate(zip(o.devices, o.shares())):
         if share == 0:
             continue
+        if o.local and o.local[i]:
+            free -= local_gpu_used / n_local
         need = spread * share + compute
         if need > free:
             raise WontFit(

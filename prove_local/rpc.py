@@ -131,6 +131,9 @@ def parse_endpoints(text: str, option: str = "--rpc") -> list[str]:
         host, sep, port = item.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise UsageError(f"{option}: {item!r} is not HOST:PORT (e.g. 192.168.1.20:{DEFAULT_PORT})")
+        if ":" in host or "[" in host:
+            # ggml-rpc's parse_endpoint splits at the first ':' and would abort the process
+            raise UsageError(f"{option}: {item!r}: llama.cpp's RPC backend takes IPv4 addresses or host names, not IPv6")
         if item in out:
             raise UsageError(f"{option}: {item} is given twice")
         out.append(item)
@@ -139,7 +142,7 @@ def parse_endpoints(text: str, option: str = "--rpc") -> list[str]:
 
 def _split(endpoint: str) -> tuple[str, int]:
     host, _, port = endpoint.rpartition(":")
-    return host.strip("[]"), int(port)
+    return host, int(port)
 
 
 def probe(endpoint: str, timeout: float = CONNECT_TIMEOUT) -> tuple[int, int, int]:
@@ -304,7 +307,7 @@ def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
@@ -327,7 +330,7 @@ def serve(host: str, port: int, threads: int | None = None, cache: str | None = 
     if not is_loopback(host):
         print(WARNING.format(host=host), file=sys.stderr, flush=True)
     try:  # ggml's server prints nothing useful when the port is taken; find out first
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
     except OSError as e:
@@ -380,6 +383,8 @@ def add_parser(sub) -> None:
 
 
 def cmd_rpc_server(args: argparse.Namespace) -> int:
+    if ":" in args.host:
+        raise UsageError(f"rpc-server: --host {args.host}: llama.cpp's RPC server listens on IPv4 addresses only")
     if not 0 < args.port < 65536:
         raise UsageError(f"rpc-server: --port {args.port} is not a TCP port (1..65535)")
     if args.threads is not None and args.threads < 1:

@@ -27,6 +27,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,6 +81,43 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
+def lo_bytes() -> int | None:
+    """Bytes received on the loopback interface so far (/proc/net/dev); None off Linux."""
+    try:
+        for line in Path("/proc/net/dev").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                return int(rest.split()[0])
+    except OSError:
+        return None
+    return None
+
+
+def bytes_per_pass(model: Model, threads: int, fill: list[int], ns, passes: int = 8) -> dict:
+    """Loopback bytes per pass of n tokens (logits of every row) after len(fill) tokens: what would
+    cross the network (both directions, with TCP/IP headers; other loopback traffic on a shared
+    machine adds to it, so the smallest of three rounds is kept)."""
+    from prove_local.llama import Context
+
+    ctx = Context(model, n_ctx=len(fill) + max(ns) + 8, n_threads=threads, type_k="f16", type_v="f16")
+    ctx.eval(fill, rows=[])
+    out = {}
+    for n in ns:
+        rounds = []
+        for _ in range(3):
+            b0 = lo_bytes()
+            for _ in range(passes):
+                ctx.eval(fill[:n], rows=list(range(n)))
+                ctx.truncate(len(fill))
+            b1 = lo_bytes()
+            if b0 is None or b1 is None:
+                return {}
+            rounds.append((b1 - b0) / passes)
+        out[n] = int(min(rounds))
+    ctx.close()
+    return out
+
+
 def speeds(model: Model, threads: int, prompts: list[list[int]], max_new: int, block: int) -> dict:
     e = Engine.load(model, mask_token=model.n_vocab - 1, n_ctx=1024, n_threads=threads, type_k="f16", type_v="f16")
     out = {}
@@ -116,6 +154,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=3, help="prompts for tokens/s (default 3)")
     ap.add_argument("--max-new", type=int, default=32, help="new tokens per prompt (default 32)")
     ap.add_argument("--block", type=int, default=8, help="lossless block (default 8)")
+    ap.add_argument("--n-gpu-layers", type=int, default=-1,
+                    help="layers on the servers (default -1: all and the output head; the number of layers "
+                         "keeps the output head local, so logits do not cross the network)")
     ap.add_argument("--work", help="folder for the GGUF and server logs (default: a temp folder)")
     args = ap.parse_args(argv)
 
@@ -135,13 +176,9 @@ def main(argv=None) -> int:
     result = {"model": {"shape": args.shape, "quant": args.quant, "file_bytes": path.stat().st_size},
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "load_avg_before": os.getloadavg()},
-              "servers": args.servers, "threads": args.threads, "ns": list(ns), "reps": args.reps}
+              "servers": args.servers, "n_gpu_layers": args.n_gpu_layers, "threads": args.threads, "ns": list(ns), "reps": args.reps}
 
     local = Model(path)
-    result["local"] = {"pass_ms": {n: round(t * 1e3, 3) for n, t in measure_pass_cost(local, opts, fill, ns=ns, reps=args.reps).items()},
-                       **{k: v for k, v in speeds(local, args.threads, prompts, args.max_new, args.block).items()}}
-    local.close()
-
     procs = []
     try:
         endpoints = []
@@ -150,21 +187,34 @@ def main(argv=None) -> int:
             procs.append(proc)
             endpoints.append(endpoint)
         t0 = time.perf_counter()
-        remote = Model(path, n_gpu_layers=-1, devices=rpc.add_servers(endpoints), tensor_split=[1] * args.servers)
+        remote = Model(path, n_gpu_layers=args.n_gpu_layers, devices=rpc.add_servers(endpoints),
+                       tensor_split=[1] * args.servers)
         result["rpc"] = {"endpoints": endpoints, "load_seconds": round(time.perf_counter() - t0, 2),
-                         "placement_mib": remote.placement,
-                         "pass_ms": {n: round(t * 1e3, 3) for n, t in measure_pass_cost(remote, opts, fill, ns=ns, reps=args.reps).items()},
-                         **speeds(remote, args.threads, prompts, args.max_new, args.block)}
+                         "placement_mib": remote.placement}
+        # pass cost: local and RPC alternate, one repetition each, so that the machine's load drifts
+        # over both alike; the median over the repetitions
+        samples = {"local": {n: [] for n in ns}, "rpc": {n: [] for n in ns}}
+        for _ in range(args.reps):
+            for name, m in (("local", local), ("rpc", remote)):
+                for n, t in measure_pass_cost(m, opts, fill, ns=ns, reps=1).items():
+                    samples[name][n].append(t)
+        result["local"] = {"pass_ms": {n: round(statistics.median(v) * 1e3, 3) for n, v in samples["local"].items()}}
+        result["rpc"]["pass_ms"] = {n: round(statistics.median(v) * 1e3, 3) for n, v in samples["rpc"].items()}
+        result["rpc"]["loopback_bytes_per_pass"] = bytes_per_pass(remote, args.threads, fill, ns)
+        result["local"].update(speeds(local, args.threads, prompts, args.max_new, args.block))
+        result["rpc"].update(speeds(remote, args.threads, prompts, args.max_new, args.block))
         remote.close()
     finally:
         for p in procs:
             stop(p)
+    local.close()
     loc, rem = result["local"], result["rpc"]
     for r in (loc, rem):
         r["ratio"] = {n: round(t / r["pass_ms"][1], 3) for n, t in r["pass_ms"].items()}
     rem["extra_ms_per_pass"] = {n: round(rem["pass_ms"][n] - loc["pass_ms"][n], 3) for n in ns}
-    for mode in ("ar", "lossless"):
-        rem[mode]["same_as_local_ar"] = rem[mode].pop("outputs") == loc["ar"]["outputs"]
+    for mode in ("ar", "lossless"):    # RPC changes nothing: the same tokens as the same mode run locally
+        rem[mode]["same_as_local"] = rem[mode].pop("outputs") == loc[mode]["outputs"]
+    loc["lossless"]["same_as_ar"] = loc["lossless"]["outputs"] == loc["ar"]["outputs"]   # F16 KV: may differ
     for mode in ("lossless", "ar"):
         loc[mode].pop("outputs")
     result["machine"]["load_avg_after"] = os.getloadavg()
@@ -172,13 +222,14 @@ def main(argv=None) -> int:
 
     print(f"{args.shape} {args.quant}, {args.servers} loopback servers, {args.threads} thread(s) each "
           f"(load average {result['machine']['load_avg_before'][0]:.1f}: a shared machine, noisy)")
-    print(f"{'n':>4} {'local ms':>10} {'ratio':>6} {'rpc ms':>10} {'ratio':>6} {'rpc - local':>12}")
+    print(f"{'n':>4} {'local ms':>10} {'ratio':>6} {'rpc ms':>10} {'ratio':>6} {'rpc - local':>12} {'KiB/pass':>9}")
     for n in ns:
+        kib = rem["loopback_bytes_per_pass"].get(n)
         print(f"{n:>4} {loc['pass_ms'][n]:>10.2f} {loc['ratio'][n]:>6.2f} {rem['pass_ms'][n]:>10.2f} "
-              f"{rem['ratio'][n]:>6.2f} {rem['extra_ms_per_pass'][n]:>12.2f}")
+              f"{rem['ratio'][n]:>6.2f} {rem['extra_ms_per_pass'][n]:>12.2f} {kib / 1024 if kib else float('nan'):>9.1f}")
     for mode in ("ar", "lossless"):
         print(f"{mode:>8}: local {loc[mode]['tokens_per_second']:.1f} tokens/s, rpc {rem[mode]['tokens_per_second']:.1f} "
-              f"tokens/s, same tokens as local ar: {rem[mode]['same_as_local_ar']}")
+              f"tokens/s, same tokens as local {mode}: {rem[mode]['same_as_local']}")
     return 0
 
 

@@ -123,7 +123,7 @@ def generate(e, prompt, **kw):
 # ----------------------------------------------------------------------------- errors, one line
 def test_endpoint_syntax():
     assert rpc.parse_endpoints("10.0.0.2:50052, host:1") == ["10.0.0.2:50052", "host:1"]
-    for bad in ["10.0.0.2", "host:", ":50052", "host:99999", "host:x", "a:1,a:1"]:
+    for bad in ["10.0.0.2", "host:", ":50052", "host:99999", "host:x", "a:1,a:1", "[::1]:50052", "::1:50052"]:
         with pytest.raises(UsageError, match="--rpc"):
             rpc.parse_endpoints(bad)
 
@@ -358,3 +358,11 @@ def test_memory_check_counts_remote_memory(paths):
                offload=Offload(prop, 1, -1, [("A", big), ("B", 1024)], split=[1, 0]))
     # default split: proportional to free memory, as llama.cpp does
     assert Offload(prop, 1, -1, [("A", 3 * 2**30), ("B", 2**30)]).shares() == [0.75, 0.25]
+    # a local GPU in the device list: what the local models put there is not free for the split model
+    on_gpu = check_fits([prop], 512, "f32", -1, gpu=True, gpu_free=big, ram_free=big).gpu
+    devs = [("A", big), ("CUDA0", int(on_gpu))]
+    check_fits([prop], 512, "f32", -1, gpu=True, gpu_free=big, ram_free=big,
+               offload=Offload(prop, 1, -1, devs, [1, 1], [False, False]))
+    with pytest.raises(WontFit, match="its share on CUDA0"):
+        check_fits([prop], 512, "f32", -1, gpu=True, gpu_free=big, ram_free=big,
+                   offload=Offload(prop, 1, -1, devs, [1, 1], [False, True]))
