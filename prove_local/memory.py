@@ -113,16 +113,18 @@ def estimate(models: list[ModelInfo], n_ctx: int, kv_type: str = "f16", n_gpu_la
              n_batch: int = 512, flash_attn: bool = False, shared: list[bool] | None = None) -> Estimate:
     """Memory by device for one context on each of `models` (weights counted once where shared[i]:
     a model that serves two contexts appears twice, the second time with shared=True).
-    n_gpu_layers: 0 CPU only; k offloads the last k layers (llama.cpp's rule), > layers also the
-    output head; negative: everything."""
+    n_gpu_layers: 0 CPU only; k >= 1 offloads the output head and the last k-1 layers (llama.cpp's
+    rule); negative or > layers: everything."""
     est = Estimate(n_ctx, kv_type)
     shared = shared or [False] * len(models)
     for m, again in zip(models, shared):
         k = m.layers + 1 if n_gpu_layers < 0 else min(n_gpu_layers, m.layers + 1)
-        on_gpu = [i >= m.layers - k for i in range(m.layers)]
+        # llama.cpp 0.3.36 (load_tensors) offloads the output head first, then the last k-1 layers:
+        # its log says "offloading output layer ... offloading k-1 repeating layers" for k <= layers
+        on_gpu = [i >= m.layers - (k - 1) for i in range(m.layers)] if k > 0 else [False] * m.layers
         p = Part(m.name)
         if not again:
-            p.weights_gpu = sum(b for b, g in zip(m.layer_bytes, on_gpu) if g) + (m.output_bytes if k > m.layers else 0)
+            p.weights_gpu = sum(b for b, g in zip(m.layer_bytes, on_gpu) if g) + (m.output_bytes if k > 0 else 0)
             p.weights_cpu = m.weight_bytes - p.weights_gpu
         per_layer_kv = m.kv_bytes_per_token(kv_type) / max(1, m.layers) * n_ctx
         n_gpu = sum(on_gpu)
@@ -213,7 +215,7 @@ def check_fits(paths, n_ctx: int, kv_type: str | None = "f16", n_gpu_layers: int
             raise WontFit(
                 f"the models need about {gib(est.gpu)} of GPU memory ({est.breakdown()}), but the GPU has "
                 f"{gib(free)} free; use a smaller quantization, a smaller --ctx, --kv-type q8_0, or "
-                f"--n-gpu-layers {k} to keep {layers - min(k, layers)} of {layers} layers in RAM ({hint})")
+                f"--n-gpu-layers {k} to keep {layers - max(0, min(k, layers + 1) - 1)} of {layers} layers in RAM ({hint})")
     remote_cpu = 0.0
     if offload is not None:
         remote_cpu = _check_offload(offload, n_ctx, kv_type, n_batch, flash_attn, est.gpu if ngl != 0 else 0.0)
