@@ -106,13 +106,18 @@ def load_models(args, *, parallel: int = 1, want_verifier: bool | None = None,
 
     prop = load(proposer, **({"n_gpu_layers": prop_ngl, "devices": devices, "tensor_split": split} if devices else {}))
     if devices:
-        import sys
-        print(f"note: {prop.path.name}: weights " + ", ".join(f"{k} {v:.0f} MiB" for k, v in prop.placement.items()),
-              file=sys.stderr)
+        placement_note(prop)
     ver, drf = load(verifier), load(draft)
     kv = args.kv_type or ("f32" if prop.meta("general.file_type") == "0" else "f16")
     opts = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
     return Loaded(prop, ver, drf, opts, getattr(args, "mask_token", None))
+
+
+def placement_note(model) -> None:
+    """One stderr line: where llama.cpp put the weights (after --rpc)."""
+    import sys
+    print(f"note: {model.path.name}: weights " + ", ".join(f"{k} {v:.0f} MiB" for k, v in model.placement.items()),
+          file=sys.stderr)
 
 
 def rpc_devices(args) -> tuple[list, list[float] | None]:

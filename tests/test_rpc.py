@@ -6,6 +6,7 @@ exact modes over RPC must equal `ar` run locally token for token, and each KV ca
 committed tokens after every cycle. A server that dies mid-generation makes ggml abort the client
 process: the test checks that it ends promptly, with one clear line and the committed text kept.
 """
+import gc
 import json
 import os
 import signal
@@ -108,6 +109,7 @@ def models(paths, servers):
         c.close()
     for m in (remote, local, draft):
         m.close()
+    gc.collect()        # nothing may free remote buffers after the servers are gone (ggml would abort)
 
 
 def engine(models, which, **kw):
@@ -324,6 +326,8 @@ def test_cli_run_over_rpc_equals_local(tmp_path, paths):
                               "-p", "The quick brown fox", "-n", "32", "--threads", "1", *extra], cwd=ROOT, env=ENV,
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
+        if "--rpc" in extra:     # the weights really went to both servers
+            assert all(f"RPC0[{s.endpoint}]" in out.stderr for s in own), out.stderr
         return json.loads(out.stdout)["token_ids"]
     try:
         own += [Server(tmp_path).start(), Server(tmp_path).start()]
@@ -366,3 +370,57 @@ def test_memory_check_counts_remote_memory(paths):
     with pytest.raises(WontFit, match="its share on CUDA0"):
         check_fits([prop], 512, "f32", -1, gpu=True, gpu_free=big, ram_free=big,
                    offload=Offload(prop, 1, -1, devs, [1, 1], [False, True]))
+
+
+# ----------------------------------------------------------------------------- the front ends' loader
+def test_load_models_puts_only_the_proposer_on_the_servers(paths, servers, models):
+    """The loader `run` and `ui` share: with --rpc the proposer's weights are on the servers, the
+    verifier's and draft's stay local; parallel contexts share the one remote model."""
+    import argparse
+    from prove_local.loading import add_model_args, load_models
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    eps = ",".join(s.endpoint for s in servers)
+    args = p.parse_args([str(paths["prop"]), "--draft", str(paths["draft"]), "--rpc", eps, "--threads", "1",
+                         "--ctx", "512"])
+    loaded = load_models(args, parallel=2, draft_required=True)
+    try:
+        assert all(any(s.endpoint in k for k in loaded.proposer.placement) for s in servers)
+        assert not any("RPC" in k for k in loaded.draft.placement)
+        e = loaded.engine()
+        models["contexts"] += e.contexts.values()
+        want = generate(engine(models, "local"), models["local"].tokenize("Hello world"), mode="ar", max_new=24)
+        assert generate(e, models["local"].tokenize("Hello world"), mode="spec", max_new=24, draft_k=3) == want
+        with pytest.raises(UsageError, match="--tensor-split has 3 shares for 2 devices"):
+            load_models(p.parse_args([str(paths["prop"]), "--rpc", eps, "--tensor-split", "1,1,1"]))
+    finally:
+        for c in models["contexts"]:
+            c.close()
+        models["contexts"].clear()
+        loaded.proposer.close()
+        loaded.draft.close()
+
+
+def test_bench_over_rpc(tmp_path, paths):
+    """`prove-local bench --rpc`: the exact modes over RPC reproduce ar (servers of its own)."""
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "x\n#### 3"}) + "\n"
+                            for q in ("What is 1 + 2?", "Natalia sold 48 clips.")))
+    own = []
+    try:
+        own += [Server(tmp_path).start(), Server(tmp_path).start()]
+        out = subprocess.run([sys.executable, "-m", "prove_local.cli", "bench", "--proposer", str(paths["prop"]),
+                              "--draft", str(paths["draft"]), "--modes", "ar,lossless,spec", "--data", str(data),
+                              "--max-new", "16", "--threads", "1", "--ctx", "512", "--kv-type", "f32", "--warmup", "0",
+                              "--no-pass-cost", "--no-plots", "-q", "--out", str(tmp_path / "out"),
+                              "--rpc", ",".join(s.endpoint for s in own)],
+                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        res = json.loads((tmp_path / "out" / "results.json").read_text())
+        assert res["modes"]["lossless"]["exact_match_vs_ar"] == 1.0 and res["modes"]["spec"]["exact_match_vs_ar"] == 1.0
+        note = [x for x in out.stderr.splitlines() if x.startswith("note:")]
+        assert note and all(f"RPC0[{s.endpoint}]" in note[0] for s in own), out.stderr
+    finally:
+        for s in own:
+            s.kill(signal.SIGTERM)

@@ -154,6 +154,9 @@ def cmd_bench(args) -> int:
         return loaded[key]
 
     models = {"proposer": model(proposer_path, **(remote if devices else {}))}
+    if devices:
+        from ..loading import placement_note
+        placement_note(models["proposer"])
     if "prove" in modes:
         models["verifier"] = model(verifier_path)
     if "spec" in modes:
