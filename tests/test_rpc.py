@@ -424,3 +424,38 @@ def test_bench_over_rpc(tmp_path, paths):
     finally:
         for s in own:
             s.kill(signal.SIGTERM)
+
+
+def test_server_cache_keeps_large_tensors(tmp_path):
+    """`rpc-server --cache DIR`: tensors over 10 MiB (ggml-rpc's HASH_THRESHOLD) are stored by hash,
+    and a second load of the same file finds them there; the output is unchanged."""
+    path = tiny_gguf(tmp_path, seed=3, vocab_rows=48_000)      # tied 64 x 48000 F32 head: 12.3 MB
+    cache = tmp_path / "cache"
+    server = Server(tmp_path)
+    server.proc = None
+    outs = []
+    try:
+        with open(server.log, "ab") as log:
+            server.proc = subprocess.Popen(
+                [sys.executable, "-m", "prove_local.cli", "rpc-server", "--port", str(server.port), "--threads", "1",
+                 "--cache", str(cache)], cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while not rpc.alive(server.endpoint, timeout=0.5):
+            assert server.proc.poll() is None and time.monotonic() < deadline, server.log.read_text()
+            time.sleep(0.1)
+        for _ in range(2):
+            m = Model(path, n_gpu_layers=-1, devices=rpc.add_servers([server.endpoint]))
+            try:
+                e = Engine.load(m, **F32)
+                outs.append(generate(e, m.tokenize("Hello world"), mode="ar", max_new=16))
+                # after a pass (the server handles commands in order, so the upload is done)
+                files = sorted(cache.iterdir())
+                assert len(files) == 1 and files[0].stat().st_size == 64 * 48_000 * 4
+                for c in e.contexts.values():
+                    c.close()
+            finally:
+                m.close()
+        assert outs[0] == outs[1]
+    finally:
+        server.kill(signal.SIGTERM)
