@@ -280,7 +280,8 @@ def _on_abort(message: bytes) -> None:  # pragma: no cover - runs in ggml's disp
         sys.stdout.flush()
     except Exception:
         pass
-    if gone or any("RPC" in line for line in text):
+    rpc_lost = bool(gone) or any("RPC" in line for line in text)
+    if rpc_lost:
         what = (f"lost the RPC server{'s' if len(gone) > 1 else ''} {', '.join(gone)}" if gone
                 else f"an RPC server ({', '.join(_guarded)}) broke the connection")
         line = (f"prove-local: error: {what}; llama.cpp cannot continue without it and ends the process "
@@ -289,7 +290,7 @@ def _on_abort(message: bytes) -> None:  # pragma: no cover - runs in ggml's disp
     else:
         line = f"prove-local: error: llama.cpp aborted: {' '.join(text) or 'no message'}"
     os.write(2, ("\n" + line + "\n").encode())
-    os._exit(LOST_EXIT)
+    os._exit(LOST_EXIT if rpc_lost else 134)      # 134: what a shell reports for abort()
 
 
 def install_abort_guard(endpoints: list[str]) -> None:

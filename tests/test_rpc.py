@@ -8,6 +8,7 @@ process: the test checks that it ends promptly, with one clear line and the comm
 """
 import gc
 import json
+import select
 import os
 import signal
 import socket
@@ -269,6 +270,13 @@ print("DONE", flush=True)
 """
 
 
+def readline(proc, timeout=60) -> str:
+    """One line of a subprocess's stdout, or fail after `timeout` seconds (no hang)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"no output within {timeout} s"
+    return proc.stdout.readline()
+
+
 def harness(path, endpoints, pause=0):
     return subprocess.Popen([sys.executable, "-c", HARNESS, str(path), ",".join(endpoints), str(pause)], cwd=ROOT,
                             env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -284,10 +292,8 @@ def test_server_killed_mid_generation_then_restarted(tmp_path, paths, models):
         p = harness(paths["prop"], [s.endpoint for s in own], pause=3)
         procs.append(p)
         lines = []
-        deadline = time.monotonic() + 60
-        while (line := p.stdout.readline()) and line.strip() != "PAUSED":
+        while (line := readline(p)) and line.strip() != "PAUSED":
             lines.append(json.loads(line))
-            assert time.monotonic() < deadline
         assert len(lines) == 3
         own[1].kill()                                  # mid-generation: between cycle 3 and 4
         p.stdin.write("go\n")
@@ -459,3 +465,31 @@ def test_server_cache_keeps_large_tensors(tmp_path):
         assert outs[0] == outs[1]
     finally:
         server.kill(signal.SIGTERM)
+
+
+def test_cli_chat_server_killed_between_answers(tmp_path, paths):
+    """`prove-local run --rpc` as a chat: the first answer comes, a server dies, the next answer
+    ends the process with one line naming the server and exit status 3 (no hang)."""
+    own = [Server(tmp_path).start(), Server(tmp_path).start()]
+    p = None
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "prove_local.cli", "run", str(paths["prop"]), "--raw", "--json",
+                              "-n", "16", "--threads", "1", "--mode", "lossless",
+                              "--rpc", ",".join(s.endpoint for s in own)], cwd=ROOT, env=ENV, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p.stdin.write("Hello world\n")
+        p.stdin.flush()
+        first = json.loads(readline(p).lstrip("> "))      # input() writes its "> " prompt to stdout
+        assert len(first["token_ids"]) == 16
+        own[0].kill()
+        p.stdin.write("The cat sat\n")
+        p.stdin.flush()
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == rpc.LOST_EXIT, err
+        assert err.strip().splitlines()[-1].startswith(f"prove-local: error: lost the RPC server {own[0].endpoint};")
+    finally:
+        if p is not None and p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+        for s in own:
+            s.kill(signal.SIGTERM)
