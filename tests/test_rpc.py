@@ -8,7 +8,7 @@ process: the test checks that it ends promptly, with one clear line and the comm
 """
 import gc
 import json
-import select
+import queue
 import os
 import signal
 import socket
@@ -270,11 +270,25 @@ print("DONE", flush=True)
 """
 
 
-def readline(proc, timeout=60) -> str:
-    """One line of a subprocess's stdout, or fail after `timeout` seconds (no hang)."""
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    assert ready, f"no output within {timeout} s"
-    return proc.stdout.readline()
+class Lines:
+    """A subprocess's stdout, line by line, with a timeout per line (a reader thread; no hang)."""
+
+    def __init__(self, proc):
+        self.queue = queue.Queue()
+        threading.Thread(target=lambda: [self.queue.put(x) for x in iter(proc.stdout.readline, "")] + [self.queue.put("")],
+                         daemon=True).start()
+
+    def next(self, timeout=60) -> str:
+        try:
+            return self.queue.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no output within {timeout} s") from None
+
+    def rest(self) -> str:
+        out = []
+        while (x := self.next()) != "":
+            out.append(x)
+        return "".join(out)
 
 
 def harness(path, endpoints, pause=0):
@@ -291,14 +305,16 @@ def test_server_killed_mid_generation_then_restarted(tmp_path, paths, models):
 
         p = harness(paths["prop"], [s.endpoint for s in own], pause=3)
         procs.append(p)
-        lines = []
-        while (line := readline(p)) and line.strip() != "PAUSED":
+        lines, reader = [], Lines(p)
+        while (line := reader.next()) and line.strip() != "PAUSED":
             lines.append(json.loads(line))
         assert len(lines) == 3
         own[1].kill()                                  # mid-generation: between cycle 3 and 4
         p.stdin.write("go\n")
         p.stdin.flush()
-        out, err = p.communicate(timeout=60)           # no hang
+        p.stdin.close()
+        p.wait(timeout=60)                             # no hang
+        out, err = reader.rest(), p.stderr.read()
         assert p.returncode == rpc.LOST_EXIT, err
         assert "DONE" not in out
         last = [x for x in err.splitlines() if x.strip()][-1]
@@ -479,12 +495,15 @@ def test_cli_chat_server_killed_between_answers(tmp_path, paths):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         p.stdin.write("Hello world\n")
         p.stdin.flush()
-        first = json.loads(readline(p).lstrip("> "))      # input() writes its "> " prompt to stdout
+        reader = Lines(p)
+        first = json.loads(reader.next().lstrip("> "))      # input() writes its "> " prompt to stdout
         assert len(first["token_ids"]) == 16
         own[0].kill()
         p.stdin.write("The cat sat\n")
         p.stdin.flush()
-        out, err = p.communicate(timeout=60)
+        p.stdin.close()
+        p.wait(timeout=60)
+        err = p.stderr.read()
         assert p.returncode == rpc.LOST_EXIT, err
         assert err.strip().splitlines()[-1].startswith(f"prove-local: error: lost the RPC server {own[0].endpoint};")
     finally:
