@@ -356,7 +356,7 @@ def test_cli_run_over_rpc_equals_local(tmp_path, paths):
         want = run("--mode", "ar")
         eps = ",".join(s.endpoint for s in own)
         assert run("--mode", "lossless", "--rpc", eps, "--tensor-split", "3,1") == want
-        assert run("--mode", "ar", "--rpc", eps, "--n-gpu-layers", "2") == want       # two layers stay local
+        assert run("--mode", "ar", "--rpc", eps, "--n-gpu-layers", "2") == want    # 3 of 4 layers stay local
     finally:
         for s in own:
             s.kill(signal.SIGTERM)
