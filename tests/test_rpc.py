@@ -196,6 +196,15 @@ def test_cli_errors_are_one_line(tmp_path, paths):
     assert out.returncode == 1 and "cannot listen on 127.0.0.1" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_build_without_rpc_says_how_to_reinstall(monkeypatch):
+    import llama_cpp
+    monkeypatch.setattr(rpc, "_lib", None)
+    monkeypatch.setattr(llama_cpp, "llama_supports_rpc", lambda: False)
+    with pytest.raises(rpc.RpcUnavailable, match=r"built without the RPC backend.*-DGGML_RPC=ON.*--no-cache-dir --force-reinstall"):
+        rpc.add_servers(["127.0.0.1:1"])
+    assert not rpc.supported()
+
+
 def test_warning_beyond_loopback():
     assert rpc.is_loopback("127.0.0.1") and rpc.is_loopback("localhost") and rpc.is_loopback("::1")
     assert not rpc.is_loopback("0.0.0.0") and not rpc.is_loopback("192.168.1.20")
