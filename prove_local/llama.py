@@ -9,6 +9,7 @@ import collections
 import ctypes
 import os
 import re
+import sys as _sys
 import time
 from pathlib import Path
 
@@ -92,6 +93,18 @@ def default_threads(model: "Model") -> int:
 SMALL_MODEL_PARAMS = 30_000_000
 
 
+def _rpc_check(endpoints: list[str]) -> None:
+    from .rpc import check
+    check(endpoints)
+
+
+def _rpc_lost(endpoints: list[str]) -> bool:
+    """Whether remote buffers must not be freed. True also while the interpreter shuts down (the
+    rpc module may be gone): leaking at exit is harmless, writing to a dead server aborts."""
+    rpc = _sys.modules.get("prove_local.rpc")
+    return rpc is None or rpc.lost(endpoints)
+
+
 class Model:
     """Weights, vocabulary and metadata of one GGUF file. Serves any number of contexts."""
 
@@ -111,6 +124,8 @@ class Model:
         params = ll.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         self.devices = list(devices or [])
+        # the RPC servers this model's layers live on: checked before every pass (prove_local.rpc)
+        self.endpoints = sorted({d.endpoint for d in self.devices if getattr(d, "endpoint", None)})
         if devices:
             # a NULL-terminated ggml_backend_dev_t array; kept alive with the model
             self._devices = (ctypes.c_void_p * (len(devices) + 1))(*[d.ptr for d in devices], None)
@@ -217,6 +232,9 @@ class Model:
 
     def close(self) -> None:
         if getattr(self, "_model", None):
+            if self.endpoints and _rpc_lost(self.endpoints):
+                self._model = None      # its buffers are on a lost server: freeing them would abort
+                return
             ll.llama_model_free(self._model)
             self._model = None
 
@@ -279,6 +297,8 @@ class Context:
         wanted = np.zeros(len(tokens), dtype=np.int8)
         wanted[rows] = 1
         done = 0
+        if self.model.endpoints:        # a server that went away: one line, before ggml aborts on it
+            _rpc_check(self.model.endpoints)
         for start in range(0, len(tokens), self.n_batch):
             n = min(self.n_batch, len(tokens) - start)
             self._batch.n_tokens = n
@@ -314,7 +334,8 @@ class Context:
     def close(self) -> None:
         if getattr(self, "_ctx", None):
             ll.llama_batch_free(self._batch)
-            ll.llama_free(self._ctx)
+            if not (self.model.endpoints and _rpc_lost(self.model.endpoints)):   # see Model.close
+                ll.llama_free(self._ctx)
             self._ctx = None
 
     def __del__(self):

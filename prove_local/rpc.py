@@ -68,6 +68,10 @@ class RpcVersionMismatch(RpcError):
     """The server speaks another version of the RPC protocol."""
 
 
+class RpcServerLost(RpcError):
+    """A server closed its connection (it stopped or crashed) after the model was loaded."""
+
+
 # ----------------------------------------------------------------------------------- library
 _lib = None
 
@@ -268,6 +272,81 @@ def local_gpus() -> list[Device]:
 
 
 # ----------------------------------------------------------------------------------- lost servers
+# Two ways to notice that a server went away. Between passes (the common case: a server stopped
+# while the program waits for the next request, or between two cycles): its end of ggml's TCP
+# connection is closed, which a non-blocking MSG_PEEK on that socket shows without sending anything
+# (the server never sends unsolicited data). `check` raises RpcServerLost then, before ggml writes to
+# the dead socket and aborts; the process lives on and says why on every later use of that model.
+# During a pass, ggml aborts in its own thread and nothing can continue: the abort guard below.
+_lost: dict[str, str] = {}          # endpoint -> why
+_fds: dict[str, int] = {}           # endpoint -> fd of ggml's connection to it (re-found if it changes)
+
+
+def _peer(endpoint: str) -> tuple[str, int]:
+    host, port = _split(endpoint)
+    return socket.gethostbyname(host), port
+
+
+def _socket_fds() -> list[int]:
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                out.append(int(name))
+        except OSError:
+            continue
+    return out
+
+
+def _connected(fd: int, peer: tuple[str, int]) -> bool | None:
+    """None: fd is not a TCP socket connected to peer; else whether the peer still has it open."""
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        if s.family != socket.AF_INET or s.type != socket.SOCK_STREAM or s.getpeername() != peer:
+            return None
+        try:
+            return s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True                 # nothing to read: open
+        except OSError:
+            return False                # reset
+    except OSError:
+        return None                     # not connected
+    finally:
+        s.close()                       # the duplicate only; ggml's fd stays open
+
+
+def check(endpoints: list[str]) -> None:
+    """Raise RpcServerLost (one line) if a server of these endpoints closed ggml's connection, now
+    or earlier in this process. Cheap (a few system calls per server); Linux only (/proc)."""
+    for e in endpoints:
+        if e in _lost:
+            raise RpcServerLost(_lost[e])
+        if not os.path.isdir("/proc/self/fd"):
+            return
+        peer = _peer(e)
+        state = _connected(_fds[e], peer) if e in _fds else None
+        if state is None:
+            for fd in _socket_fds():
+                state = _connected(fd, peer)
+                if state is not None:
+                    _fds[e] = fd
+                    break
+        if state is False:
+            _lost[e] = (f"lost the RPC server {e} (it closed the connection); the model on it cannot be used "
+                        "any more: restart the server, then prove-local")
+            raise RpcServerLost(_lost[e])
+
+
+def lost(endpoints: list[str]) -> bool:
+    """Whether any of these servers was found gone (its remote buffers must then not be freed:
+    ggml would write to the dead connection and abort)."""
+    return any(e in _lost for e in endpoints)
+
+
 _abort_cb = None
 _guarded: list[str] = []
 

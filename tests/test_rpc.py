@@ -266,15 +266,25 @@ HARNESS = r"""
 import json, sys
 from prove_local import rpc
 from prove_local.engine import Engine, Settings
+from prove_local.errors import ProveError
 from prove_local.llama import Model
 path, endpoints, pause = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
 m = Model(path, n_gpu_layers=-1, devices=rpc.add_servers(endpoints), tensor_split=[1, 1])
 e = Engine.load(m, n_ctx=512, n_threads=1, type_k="f32", type_v="f32")
-for i, c in enumerate(e.generate(m.tokenize("Hello world"), Settings(mode="lossless", max_new=48, block=4))):
-    print(json.dumps(c.committed), flush=True)
-    if i + 1 == pause:
-        print("PAUSED", flush=True)
-        sys.stdin.readline()          # the test kills a server now
+prompt = m.tokenize("Hello world")
+try:
+    for i, c in enumerate(e.generate(prompt, Settings(mode="lossless", max_new=48, block=4))):
+        print(json.dumps(c.committed), flush=True)
+        if i + 1 == pause:
+            print("PAUSED", flush=True)
+            sys.stdin.readline()          # the test stops or kills a server now
+except ProveError as err:
+    print("ERROR", err, flush=True)
+    try:                                  # the next request on this engine says why, too
+        list(e.generate(prompt, Settings(mode="ar", max_new=4)))
+    except ProveError as err2:
+        print("ERROR", err2, flush=True)
+    sys.exit(1)
 print("DONE", flush=True)
 """
 
@@ -305,7 +315,34 @@ def harness(path, endpoints, pause=0):
                             env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def until_paused(p) -> tuple[list[list[int]], Lines]:
+    lines, reader = [], Lines(p)
+    while (line := reader.next()) and line.strip() != "PAUSED":
+        lines.append(json.loads(line))
+    return lines, reader
+
+
+def resume(p) -> None:
+    p.stdin.write("go\n")
+    p.stdin.flush()
+    p.stdin.close()
+
+
+def recv_queue(port: int) -> int:
+    """Bytes waiting unread in the receive queue of the server side of a connection to `port`
+    (/proc/net/tcp: a stopped server does not read what the client sends)."""
+    total = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if int(f[1].split(":")[1], 16) == port and f[3] == "01":          # local port, ESTABLISHED
+            total += int(f[4].split(":")[1], 16)
+    return total
+
+
 def test_server_killed_mid_generation_then_restarted(tmp_path, paths, models):
+    """Killed between two cycles: the pass that would use it stops with one line before ggml writes
+    to the dead connection; the committed tokens are right; the next request on the same engine
+    says why; the process ends normally. Restarted: a new client gets the same tokens."""
     own = [Server(tmp_path).start(), Server(tmp_path).start()]
     procs = []
     try:
@@ -314,20 +351,17 @@ def test_server_killed_mid_generation_then_restarted(tmp_path, paths, models):
 
         p = harness(paths["prop"], [s.endpoint for s in own], pause=3)
         procs.append(p)
-        lines, reader = [], Lines(p)
-        while (line := reader.next()) and line.strip() != "PAUSED":
-            lines.append(json.loads(line))
+        lines, reader = until_paused(p)
         assert len(lines) == 3
         own[1].kill()                                  # mid-generation: between cycle 3 and 4
-        p.stdin.write("go\n")
-        p.stdin.flush()
-        p.stdin.close()
+        resume(p)
         p.wait(timeout=60)                             # no hang
         out, err = reader.rest(), p.stderr.read()
-        assert p.returncode == rpc.LOST_EXIT, err
-        assert "DONE" not in out
-        last = [x for x in err.splitlines() if x.strip()][-1]
-        assert last.startswith(f"prove-local: error: lost the RPC server {own[1].endpoint};"), err
+        assert p.returncode == 1, err
+        errors = [x for x in out.splitlines() if x.startswith("ERROR")]
+        assert len(errors) == 2 and all(f"lost the RPC server {own[1].endpoint} (it closed the connection)" in x
+                                        for x in errors), out + err
+        assert "DONE" not in out and "Traceback" not in err and "abort" not in err.lower()
         committed = [t for c in lines for t in c]
         assert committed == want[:len(committed)]      # what was committed before the loss is right
 
@@ -343,6 +377,36 @@ def test_server_killed_mid_generation_then_restarted(tmp_path, paths, models):
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
+        for s in own:
+            s.kill(signal.SIGTERM)
+
+
+def test_server_killed_during_a_pass_ends_the_process_with_one_line(tmp_path, paths):
+    """A server that dies while a pass waits for it: ggml aborts in its network thread, which no
+    Python code survives; the abort guard turns it into one line naming the server, exit status 3,
+    promptly. (The server is stopped first, so that the pass is surely waiting on it.)"""
+    own = [Server(tmp_path).start(), Server(tmp_path).start()]
+    p = None
+    try:
+        p = harness(paths["prop"], [s.endpoint for s in own], pause=2)
+        lines, reader = until_paused(p)
+        os.kill(own[1].proc.pid, signal.SIGSTOP)      # alive, but it reads nothing any more
+        resume(p)
+        deadline = time.monotonic() + 30
+        while recv_queue(own[1].port) == 0:           # the next pass has sent it work: it waits on it
+            assert time.monotonic() < deadline, "the pass never reached the stopped server"
+            time.sleep(0.05)
+        own[1].kill()                                  # SIGKILL works on a stopped process
+        p.wait(timeout=60)
+        out, err = reader.rest(), p.stderr.read()
+        assert p.returncode == rpc.LOST_EXIT, err
+        last = [x for x in err.splitlines() if x.strip()][-1]
+        assert last.startswith(f"prove-local: error: lost the RPC server {own[1].endpoint};"), err
+        assert "DONE" not in out and len(lines) == 2
+    finally:
+        if p is not None and p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
         for s in own:
             s.kill(signal.SIGTERM)
 
@@ -494,7 +558,7 @@ def test_server_cache_keeps_large_tensors(tmp_path):
 
 def test_cli_chat_server_killed_between_answers(tmp_path, paths):
     """`prove-local run --rpc` as a chat: the first answer comes, a server dies, the next answer
-    ends the process with one line naming the server and exit status 3 (no hang)."""
+    stops with one line naming the server and exit status 1 (no hang, no abort)."""
     own = [Server(tmp_path).start(), Server(tmp_path).start()]
     p = None
     try:
@@ -513,8 +577,9 @@ def test_cli_chat_server_killed_between_answers(tmp_path, paths):
         p.stdin.close()
         p.wait(timeout=60)
         err = p.stderr.read()
-        assert p.returncode == rpc.LOST_EXIT, err
-        assert err.strip().splitlines()[-1].startswith(f"prove-local: error: lost the RPC server {own[0].endpoint};")
+        assert p.returncode == 1, err
+        assert err.strip().splitlines()[-1].startswith(
+            f"prove-local: error: lost the RPC server {own[0].endpoint} (it closed the connection)"), err
     finally:
         if p is not None and p.poll() is None:
             os.kill(p.pid, signal.SIGKILL)
