@@ -15,10 +15,12 @@ via ctypes on the functions of the vendored `ggml/include/ggml-rpc.h`:
 
 ggml's RPC client ends the process with `abort()` when a server is unreachable, answers with another
 protocol version, or goes away later (`GGML_ABORT` in ggml-rpc.cpp). So before ggml sees an
-endpoint, `check_endpoint` connects with a short timeout and does the protocol's HELLO itself; and
-for a server lost mid-generation, which cannot be caught, `install_abort_guard` turns the abort into
-one line on stderr (naming the endpoint that went away) and exit status 3, after flushing the text
-already streamed. The RPC protocol has no authentication and no encryption.
+endpoint, `probe` connects with a short timeout and does the protocol's HELLO itself; before every
+pass, `check` looks whether a server closed ggml's connection (then: RpcServerLost, one line, the
+process lives on); and for a server lost during a pass, which cannot be caught,
+`install_abort_guard` turns the abort into one line on stderr (naming the endpoint that went away)
+and exit status 3, after flushing the text already streamed. The RPC protocol has no
+authentication and no encryption.
 """
 from __future__ import annotations
 
