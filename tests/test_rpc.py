@@ -411,6 +411,55 @@ def test_server_killed_during_a_pass_ends_the_process_with_one_line(tmp_path, pa
             s.kill(signal.SIGTERM)
 
 
+UI_SCRIPT = r"""
+import argparse, sys
+from prove_local.engine import Settings
+from prove_local.loading import add_model_args, load_models
+from prove_local.ui.runtime import Runtime, Session, UIError, run_turn
+p = argparse.ArgumentParser()
+add_model_args(p)
+rt = Runtime(load_models(p.parse_args(sys.argv[1:] + ["--threads", "1", "--ctx", "512"])), parallel=1)
+sess = Session()
+turns = list(run_turn(rt, sess, "Hello", Settings(mode="lossless", max_new=16)))
+print("TURN", len(turns[-1].view.tokens), flush=True)
+sys.stdin.readline()                      # the test kills a server now
+for _ in range(2):
+    try:
+        list(run_turn(rt, sess, "Again", Settings(mode="lossless", max_new=16)))
+        print("NO ERROR", flush=True)
+    except UIError as e:
+        print("UIERROR", e, flush=True)
+print("ALIVE", flush=True)
+"""
+
+
+def test_ui_runtime_survives_a_lost_server(tmp_path, paths):
+    """The chat UI's runtime: after a server is lost, each request shows the one-line reason and the
+    process keeps serving."""
+    own = [Server(tmp_path).start(), Server(tmp_path).start()]
+    p = None
+    try:
+        p = subprocess.Popen([sys.executable, "-c", UI_SCRIPT, str(paths["prop"]), "--rpc",
+                              ",".join(s.endpoint for s in own)], cwd=ROOT, env=ENV, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        reader = Lines(p)
+        assert reader.next() == "TURN 16\n"
+        own[0].kill()
+        resume(p)
+        p.wait(timeout=60)
+        out, err = reader.rest(), p.stderr.read()
+        assert p.returncode == 0, err
+        lines = out.splitlines()
+        assert lines[-1] == "ALIVE" and len(lines) == 3, out
+        assert all(x.startswith(f"UIERROR llama.cpp error: lost the RPC server {own[0].endpoint}") for x in lines[:2]), out
+    finally:
+        if p is not None and p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+        for s in own:
+            s.kill(signal.SIGTERM)
+
+
 def test_cli_run_over_rpc_equals_local(tmp_path, paths):
     """`prove-local run --rpc` end to end, on servers of its own (a llama.cpp RPC server serves one
     client at a time, and this test process is connected to the module's servers)."""
