@@ -284,9 +284,15 @@ _lost: dict[str, str] = {}          # endpoint -> why
 _fds: dict[str, int] = {}           # endpoint -> fd of ggml's connection to it (re-found if it changes)
 
 
+_peers: dict[str, tuple[str, int]] = {}
+
+
 def _peer(endpoint: str) -> tuple[str, int]:
-    host, port = _split(endpoint)
-    return socket.gethostbyname(host), port
+    """(IPv4 address, port) as getpeername() reports it; resolved once (no DNS lookup per pass)."""
+    if endpoint not in _peers:
+        host, port = _split(endpoint)
+        _peers[endpoint] = (socket.gethostbyname(host), port)
+    return _peers[endpoint]
 
 
 def _socket_fds() -> list[int]:
