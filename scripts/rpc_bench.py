@@ -169,6 +169,8 @@ def main(argv=None) -> int:
     if not path.exists():
         write_random_gguf(path, shape, args.quant, name=f"random {args.shape}")
     ns = tuple(int(x) for x in args.ns.split(","))
+    if max(ns) < 8:     # measure_pass_cost warms up with a pass of 8 tokens taken after the fill
+        ap.error("--ns: the largest width must be at least 8")
     rng = np.random.default_rng(0)
     prompts = [[int(x) for x in rng.integers(0, 256, 48)] for _ in range(args.prompts)]
     fill = [int(x) for x in rng.integers(0, 256, 256)]
