@@ -133,6 +133,8 @@ def rpc_devices(args) -> tuple[list, list[float] | None]:
             raise UsageError(f"--tensor-split {args.tensor_split!r}: shares must be >= 0 and not all 0")
     if not getattr(args, "rpc", None):
         return [], split
+    if getattr(args, "n_gpu_layers", None) == 0:
+        raise UsageError("--rpc with --n-gpu-layers 0 would put nothing on the servers (leave it out: all layers)")
     from . import rpc
     endpoints = rpc.parse_endpoints(args.rpc)
     devices = rpc.add_servers(endpoints) + rpc.local_gpus()

@@ -538,6 +538,10 @@ def test_load_models_puts_only_the_proposer_on_the_servers(paths, servers, model
         assert generate(e, models["local"].tokenize("Hello world"), mode="spec", max_new=24, draft_k=3) == want
         with pytest.raises(UsageError, match="--tensor-split has 3 shares for 2 devices"):
             load_models(p.parse_args([str(paths["prop"]), "--rpc", eps, "--tensor-split", "1,1,1"]))
+        with pytest.raises(UsageError, match="--n-gpu-layers 0 would put nothing on the servers"):
+            load_models(p.parse_args([str(paths["prop"]), "--rpc", eps, "--n-gpu-layers", "0"]))
+        with pytest.raises(UsageError, match="--tensor-split '1,x': expected numbers"):
+            load_models(p.parse_args([str(paths["prop"]), "--rpc", eps, "--tensor-split", "1,x"]))
     finally:
         for c in models["contexts"]:
             c.close()
