@@ -218,6 +218,8 @@ def _main(argv: list[str] | None = None) -> int:
     add_bench(sub)
     from prove_local.server import add_parser as add_serve   # FastAPI is imported only when `serve` runs
     add_serve(sub)
+    from prove_local.rpc import add_parser as add_rpc_server
+    add_rpc_server(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import re
+import sys as _sys
 import time
 from pathlib import Path
 
@@ -27,6 +29,11 @@ def _log_callback(level, text, user_data):  # pragma: no cover - called from C
     line = text.decode("utf-8", "replace").rstrip()
     if line:
         _log_tail.append(line)
+        if "model buffer size" in line:        # load_tensors: where the weights went (CPU, RPC0[host:port], CUDA0)
+            _buffers.append(line)
+
+
+_buffers: list[str] = []
 
 
 _backend_ready = False
@@ -51,8 +58,27 @@ GGML_TYPES = {"f32": ll.GGML_TYPE_F32, "f16": ll.GGML_TYPE_F16, "q8_0": ll.GGML_
 
 
 def gpu_offload_supported() -> bool:
+    """Whether llama.cpp has a local GPU to offload to. Not llama_supports_gpu_offload() alone: a
+    build with the RPC backend answers True there on a machine without any GPU."""
     _init_backend()
-    return bool(ll.llama_supports_gpu_offload())
+    return bool(ll.llama_supports_gpu_offload()) and local_gpu_count() > 0
+
+
+def local_gpu_count() -> int:
+    """GPU devices among ggml's registered backends (RPC servers are not registered globally)."""
+    _init_backend()
+    # by soname: the copies libllama loaded (the wheel ships libggml.so and libggml.so.0 as two files)
+    ggml, base = ctypes.CDLL("libggml.so.0"), ctypes.CDLL("libggml-base.so.0")
+    ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
+    ggml.ggml_backend_dev_get.restype, ggml.ggml_backend_dev_get.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    base.ggml_backend_dev_type.restype, base.ggml_backend_dev_type.argtypes = ctypes.c_int, [ctypes.c_void_p]
+    base.ggml_backend_dev_name.restype, base.ggml_backend_dev_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    n = 0
+    for i in range(ggml.ggml_backend_dev_count()):
+        dev = ggml.ggml_backend_dev_get(i)
+        # enum ggml_backend_dev_type: 1 GPU, 2 IGPU
+        n += base.ggml_backend_dev_type(dev) in (1, 2) and not base.ggml_backend_dev_name(dev).startswith(b"RPC")
+    return n
 
 
 def default_threads(model: "Model") -> int:
@@ -67,10 +93,26 @@ def default_threads(model: "Model") -> int:
 SMALL_MODEL_PARAMS = 30_000_000
 
 
+def _rpc_check(endpoints: list[str]) -> None:
+    from .rpc import check
+    check(endpoints)
+
+
+def _rpc_lost(endpoints: list[str]) -> bool:
+    """Whether remote buffers must not be freed. True also while the interpreter shuts down (the
+    rpc module may be gone): leaking at exit is harmless, writing to a dead server aborts."""
+    rpc = _sys.modules.get("prove_local.rpc")
+    return rpc is None or rpc.lost(endpoints)
+
+
 class Model:
     """Weights, vocabulary and metadata of one GGUF file. Serves any number of contexts."""
 
-    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0):
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, *, devices: list | None = None,
+                 tensor_split: list[float] | None = None):
+        """devices: ggml backend devices to offload to, in order (RPC servers' devices from
+        prove_local.rpc, local GPUs); None: every local GPU (llama.cpp's default). tensor_split:
+        the share of the offloaded layers per device (default: proportional to their free memory)."""
         self.path = Path(path)
         if not self.path.is_file():
             raise LlamaError(f"{self.path}: no such model file")
@@ -81,10 +123,27 @@ class Model:
         _init_backend()
         params = ll.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        self.devices = list(devices or [])
+        # the RPC servers this model's layers live on: checked before every pass (prove_local.rpc)
+        self.endpoints = sorted({d.endpoint for d in self.devices if getattr(d, "endpoint", None)})
+        if devices:
+            # a NULL-terminated ggml_backend_dev_t array; kept alive with the model
+            self._devices = (ctypes.c_void_p * (len(devices) + 1))(*[d.ptr for d in devices], None)
+            params.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+        if tensor_split:
+            if len(tensor_split) > ll.LLAMA_MAX_DEVICES:
+                raise LlamaError(f"--tensor-split has {len(tensor_split)} values; llama.cpp takes at most {ll.LLAMA_MAX_DEVICES}")
+            self._split = (ctypes.c_float * ll.LLAMA_MAX_DEVICES)(*tensor_split)
+            params.tensor_split = self._split
         _log_tail.clear()
+        _buffers.clear()
         self._model = ll.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
             raise LlamaError(f"{self.path}: llama.cpp could not load this model ({_last_log() or 'no reason given'})")
+        # {buffer name: MiB of weights}, e.g. {"CPU_Mapped": 0.1, "RPC0[10.0.0.2:50052]": 9300.0}
+        # (from llama.cpp's log; empty when PROVE_LLAMA_LOG sends the log to stderr instead)
+        self.placement = {m.group(1): float(m.group(2)) for m in
+                          (re.search(r"load_tensors:\s+(\S+) model buffer size =\s+([\d.]+) MiB", b) for b in _buffers) if m}
         self._vocab = ll.llama_model_get_vocab(self._model)
         self.n_vocab = ll.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train = ll.llama_model_n_ctx_train(self._model)
@@ -173,6 +232,9 @@ class Model:
 
     def close(self) -> None:
         if getattr(self, "_model", None):
+            if self.endpoints and _rpc_lost(self.endpoints):
+                self._model = None      # its buffers are on a lost server: freeing them would abort
+                return
             ll.llama_model_free(self._model)
             self._model = None
 
@@ -235,6 +297,8 @@ class Context:
         wanted = np.zeros(len(tokens), dtype=np.int8)
         wanted[rows] = 1
         done = 0
+        if self.model.endpoints:        # a server that went away: one line, before ggml aborts on it
+            _rpc_check(self.model.endpoints)
         for start in range(0, len(tokens), self.n_batch):
             n = min(self.n_batch, len(tokens) - start)
             self._batch.n_tokens = n
@@ -270,7 +334,8 @@ class Context:
     def close(self) -> None:
         if getattr(self, "_ctx", None):
             ll.llama_batch_free(self._batch)
-            ll.llama_free(self._ctx)
+            if not (self.model.endpoints and _rpc_lost(self.model.endpoints)):   # see Model.close
+                ll.llama_free(self._ctx)
             self._ctx = None
 
     def __del__(self):

@@ -97,6 +97,17 @@ def add_model_args(p: argparse.ArgumentParser, *, positional: bool = True) -> No
     p.add_argument("--kv-type", choices=KV_TYPES,
                    help="KV cache type (default: f32 for F32 models, so that batched and one-token "
                         "evaluation agree exactly; f16 otherwise)")
+    add_rpc_args(p)
+
+
+def add_rpc_args(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's RPC backend: the proposer's layers on `prove-local rpc-server` machines (README "RPC")."""
+    p.add_argument("--rpc", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="put the proposer's layers on these `prove-local rpc-server`s (with the local GPUs, if "
+                        "any); the verifier and draft stay local. Implies --n-gpu-layers -1 unless given")
+    p.add_argument("--tensor-split", metavar="F[,F...]",
+                   help="share of the offloaded layers per device, in order: the --rpc servers' devices, then "
+                        "local GPUs (llama.cpp's -ts; default: proportional to their free memory)")
 
 
 @dataclass
@@ -138,22 +149,64 @@ def load_models(args, *, parallel: int = 1, want_verifier: bool | None = None,
     if draft_required and draft is None:
         raise UsageError("--mode spec needs --draft D.gguf")
     ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (-1 if gpu_offload_supported() else 0)
-    check_fits([proposer, verifier, draft] * max(1, parallel), args.ctx, args.kv_type, ngl, flash_attn=args.flash_attn)
+    devices, split = rpc_devices(args)
+    if devices:   # the proposer goes to the RPC servers (+ local GPUs); the other models stay local
+        prop_ngl = -1 if args.n_gpu_layers is None else args.n_gpu_layers
+        from .memory import Offload
+        offload = Offload(proposer, max(1, parallel), prop_ngl, [(d.label, d.memory()[0]) for d in devices], split,
+                          [d.endpoint is None for d in devices])
+        check_fits([verifier, draft] * max(1, parallel), args.ctx, args.kv_type, ngl, flash_attn=args.flash_attn,
+                   offload=offload)
+    else:
+        check_fits([proposer, verifier, draft] * max(1, parallel), args.ctx, args.kv_type, ngl, flash_attn=args.flash_attn)
     loaded: dict[Path, Model] = {}
 
-    def load(path: Path | None):
+    def load(path: Path | None, **where):
         if path is None:
             return None
         key = path.resolve() if path.exists() else path
         if key not in loaded:
-            loaded[key] = Model(path, n_gpu_layers=ngl)
+            loaded[key] = Model(path, **(where or {"n_gpu_layers": ngl, "tensor_split": None if devices else split}))
         return loaded[key]
 
-    prop = load(proposer)
+    prop = load(proposer, **({"n_gpu_layers": prop_ngl, "devices": devices, "tensor_split": split} if devices else {}))
+    if devices:
+        placement_note(prop)
     ver, drf = load(verifier), load(draft)
     kv = args.kv_type or ("f32" if prop.meta("general.file_type") == "0" else "f16")
     opts = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
     return Loaded(prop, ver, drf, opts, getattr(args, "mask_token", None))
+
+
+def placement_note(model) -> None:
+    """One stderr line: where llama.cpp put the weights (after --rpc)."""
+    import sys
+    print(f"note: {model.path.name}: weights " + ", ".join(f"{k} {v:.0f} MiB" for k, v in model.placement.items()),
+          file=sys.stderr)
+
+
+def rpc_devices(args) -> tuple[list, list[float] | None]:
+    """--rpc: check and register the servers (one-line errors), their devices then the local GPUs;
+    --tensor-split as floats. ([], None) without the options."""
+    split = None
+    if getattr(args, "tensor_split", None):
+        try:
+            split = [float(x) for x in args.tensor_split.split(",")]
+        except ValueError:
+            raise UsageError(f"--tensor-split {args.tensor_split!r}: expected numbers like 3,1") from None
+        if any(x < 0 for x in split) or not sum(split) > 0:
+            raise UsageError(f"--tensor-split {args.tensor_split!r}: shares must be >= 0 and not all 0")
+    if not getattr(args, "rpc", None):
+        return [], split
+    if getattr(args, "n_gpu_layers", None) == 0:
+        raise UsageError("--rpc with --n-gpu-layers 0 would put nothing on the servers (leave it out: all layers)")
+    from . import rpc
+    endpoints = rpc.parse_endpoints(args.rpc)
+    devices = rpc.add_servers(endpoints) + rpc.local_gpus()
+    if split is not None and len(split) > len(devices):
+        raise UsageError(f"--tensor-split has {len(split)} shares for {len(devices)} devices "
+                         f"({', '.join(d.label for d in devices)})")
+    return devices, split
 
 
 def load_engine(args):

@@ -34,6 +34,26 @@ class WontFit(LlamaError):
 
 
 @dataclass
+class Offload:
+    """A model whose offloaded layers go to explicit devices (RPC servers, then local GPUs):
+    `contexts` contexts on it, `n_gpu_layers` as llama.cpp takes it, `devices` [(label, free bytes)]
+    (free as `ggml_backend_rpc_get_device_memory` reports it), `split` the share per device
+    (None: proportional to free memory, llama.cpp's default)."""
+    path: Path
+    contexts: int
+    n_gpu_layers: int
+    devices: list[tuple[str, int]]
+    split: list[float] | None = None
+    local: list[bool] | None = None        # which devices are this machine's GPUs
+
+    def shares(self) -> list[float]:
+        w = list(self.split or [free for _, free in self.devices])
+        w += [0.0] * (len(self.devices) - len(w))
+        total = sum(w) or 1.0
+        return [x / total for x in w]
+
+
+@dataclass
 class Part:
     """One model's share of an estimate, in bytes, by device."""
     name: str
@@ -93,16 +113,18 @@ def estimate(models: list[ModelInfo], n_ctx: int, kv_type: str = "f16", n_gpu_la
              n_batch: int = 512, flash_attn: bool = False, shared: list[bool] | None = None) -> Estimate:
     """Memory by device for one context on each of `models` (weights counted once where shared[i]:
     a model that serves two contexts appears twice, the second time with shared=True).
-    n_gpu_layers: 0 CPU only; k offloads the last k layers (llama.cpp's rule), > layers also the
-    output head; negative: everything."""
+    n_gpu_layers: 0 CPU only; k >= 1 offloads the output head and the last k-1 layers (llama.cpp's
+    rule); negative or > layers: everything."""
     est = Estimate(n_ctx, kv_type)
     shared = shared or [False] * len(models)
     for m, again in zip(models, shared):
         k = m.layers + 1 if n_gpu_layers < 0 else min(n_gpu_layers, m.layers + 1)
-        on_gpu = [i >= m.layers - k for i in range(m.layers)]
+        # llama.cpp 0.3.36 (load_tensors) offloads the output head first, then the last k-1 layers:
+        # its log says "offloading output layer ... offloading k-1 repeating layers" for k <= layers
+        on_gpu = [i >= m.layers - (k - 1) for i in range(m.layers)] if k > 0 else [False] * m.layers
         p = Part(m.name)
         if not again:
-            p.weights_gpu = sum(b for b, g in zip(m.layer_bytes, on_gpu) if g) + (m.output_bytes if k > m.layers else 0)
+            p.weights_gpu = sum(b for b, g in zip(m.layer_bytes, on_gpu) if g) + (m.output_bytes if k > 0 else 0)
             p.weights_cpu = m.weight_bytes - p.weights_gpu
         per_layer_kv = m.kv_bytes_per_token(kv_type) / max(1, m.layers) * n_ctx
         n_gpu = sum(on_gpu)
@@ -149,17 +171,24 @@ def _fitting_layers(models, shared, n_ctx, kv_type, n_batch, flash_attn, gpu_fre
 
 def check_fits(paths, n_ctx: int, kv_type: str | None = "f16", n_gpu_layers: int = 0, *, n_batch: int = 512,
                flash_attn: bool = False, gpu_free: int | None = None, ram_free: int | None = None,
-               gpu: bool | None = None) -> Estimate | None:
+               gpu: bool | None = None, offload: Offload | None = None) -> Estimate | None:
     """Estimate the memory of one context per path (a path given twice: one model, two contexts) and
     raise WontFit with a one-line explanation when it exceeds what is free. Missing or non-GGUF paths
     are skipped (loading reports them). kv_type None: as `prove-local run` chooses, f32 when the first
     model is an all-F32 file, else f16. gpu: whether llama.cpp can offload (default: ask it);
     gpu_free / ram_free override the measured free memory (tests). Returns the estimate, or None
-    when the check is switched off (PROVE_NO_MEMORY_CHECK=1)."""
+    when the check is switched off (PROVE_NO_MEMORY_CHECK=1).
+    offload: one more model whose layers go to explicit devices (--rpc): each device's share of its
+    offloaded weights and KV cache (plus a compute buffer per context) must fit that device's free
+    memory, and what stays local counts against the RAM with the other models."""
     if os.environ.get("PROVE_NO_MEMORY_CHECK", "") not in ("", "0"):
         return None
     files = _gguf_paths(paths)
+    offload = offload if offload is not None and _gguf_paths([offload.path]) else None
     if not files:
+        if offload is not None:
+            _check_ram(Estimate(n_ctx, kv_type or "f16"), _check_offload(offload, n_ctx, kv_type, n_batch, flash_attn),
+                       ram_free, False, 0)
         return None
     infos, shared, seen = [], [], {}
     for p in files:
@@ -186,11 +215,48 @@ def check_fits(paths, n_ctx: int, kv_type: str | None = "f16", n_gpu_layers: int
             raise WontFit(
                 f"the models need about {gib(est.gpu)} of GPU memory ({est.breakdown()}), but the GPU has "
                 f"{gib(free)} free; use a smaller quantization, a smaller --ctx, --kv-type q8_0, or "
-                f"--n-gpu-layers {k} to keep {layers - min(k, layers)} of {layers} layers in RAM ({hint})")
-    ram = available_ram_bytes() if ram_free is None else ram_free
-    if ram is not None and est.cpu > ram:
-        raise WontFit(
-            f"the models need about {gib(est.cpu)} of RAM ({est.breakdown()}), but only {gib(ram)} is "
-            f"available; use a smaller quantization or a smaller --ctx"
-            + (", or offload layers to a GPU with --n-gpu-layers" if gpu and ngl == 0 else "") + f" ({hint})")
+                f"--n-gpu-layers {k} to keep {layers - max(0, min(k, layers + 1) - 1)} of {layers} layers in RAM ({hint})")
+    remote_cpu = 0.0
+    if offload is not None:
+        remote_cpu = _check_offload(offload, n_ctx, kv_type, n_batch, flash_attn, est.gpu if ngl != 0 else 0.0)
+    _check_ram(est, remote_cpu, ram_free, gpu, ngl)
     return est
+
+
+def _check_ram(est: Estimate, extra: float, ram_free, gpu: bool, ngl: int) -> None:
+    ram = available_ram_bytes() if ram_free is None else ram_free
+    need = est.cpu + extra
+    if ram is not None and need > ram:
+        raise WontFit(
+            f"the models need about {gib(need)} of RAM ({est.breakdown()}"
+            + (f"; {gib(extra)} of it for the --rpc model's local part" if extra else "") + f"), but only {gib(ram)} is "
+            f"available; use a smaller quantization or a smaller --ctx"
+            + (", or offload layers to a GPU with --n-gpu-layers" if gpu and ngl == 0 else "")
+            + " (set PROVE_NO_MEMORY_CHECK=1 to load anyway)")
+
+
+def _check_offload(o: Offload, n_ctx: int, kv_type: str | None, n_batch: int, flash_attn: bool,
+                   local_gpu_used: float = 0.0) -> float:
+    """Check each device's share of an offloaded model (local GPUs: minus what the other models
+    put there, `local_gpu_used`); return the bytes that stay in local RAM."""
+    info = read_gguf_info(o.path)
+    kv = kv_type or ("f32" if info.file_type == 0 else "f16")
+    n = max(1, o.contexts)
+    est = estimate([info] * n, n_ctx, kv, o.n_gpu_layers, n_batch=n_batch, flash_attn=flash_attn,
+                   shared=[False] + [True] * (n - 1))
+    spread = sum(p.weights_gpu + p.kv_gpu for p in est.parts)
+    compute = sum(p.compute_gpu for p in est.parts)
+    n_local = sum(o.local or []) or 1
+    for i, ((label, free), share) in enumerate(zip(o.devices, o.shares())):
+        if share == 0:
+            continue
+        if o.local and o.local[i]:
+            free -= local_gpu_used / n_local
+        need = spread * share + compute
+        if need > free:
+            raise WontFit(
+                f"{o.path.name}: its share on {label} ({share:.0%} of the offloaded layers) needs about "
+                f"{gib(need)}, but that device has {gib(free)} free; shift layers with --tensor-split (order: "
+                f"{', '.join(lbl for lbl, _ in o.devices)}), keep layers local with --n-gpu-layers, or add a "
+                "server (set PROVE_NO_MEMORY_CHECK=1 to load anyway)")
+    return est.cpu

@@ -71,6 +71,8 @@ def add_parser(sub) -> None:
     p.add_argument("--ctx", type=CTX, default=4096, help="context size (default 4096)")
     p.add_argument("--n-gpu-layers", type=GPU_LAYERS, help="layers to offload (default: all when llama.cpp has a GPU backend)")
     p.add_argument("--flash-attn", action="store_true")
+    from ..loading import add_rpc_args
+    add_rpc_args(p)     # --rpc, --tensor-split: the proposer on `prove-local rpc-server`s
     p.add_argument("--kv-type", choices=("f32", "f16", "q8_0", "q4_0"),
                    help="KV cache type (default: f32 for an F32 proposer, so the exact modes can match ar exactly; f16 otherwise)")
     p.add_argument("--warmup", type=int_in(0), default=16, help="tokens per run generated before measuring (default 16; 0: none)")
@@ -168,14 +170,20 @@ def cmd_bench(args) -> int:
 
     ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (-1 if gpu_offload_supported() else 0)
     loaded: dict[Path, Model] = {}
+    from ..loading import rpc_devices
+    devices, split = rpc_devices(args)
+    remote = dict(n_gpu_layers=-1 if args.n_gpu_layers is None else ngl, devices=devices, tensor_split=split)
 
-    def model(path: Path) -> Model:
+    def model(path: Path, **where) -> Model:
         key = Path(path).resolve() if Path(path).exists() else Path(path)
         if key not in loaded:
-            loaded[key] = Model(path, n_gpu_layers=ngl)
+            loaded[key] = Model(path, **(where or {"n_gpu_layers": ngl}))
         return loaded[key]
 
-    models = {"proposer": model(proposer_path)}
+    models = {"proposer": model(proposer_path, **(remote if devices else {}))}
+    if devices:
+        from ..loading import placement_note
+        placement_note(models["proposer"])
     if "prove" in modes:
         models["verifier"] = model(verifier_path)
     if "spec" in modes:
