@@ -401,7 +401,9 @@ def test_server_killed_during_a_pass_ends_the_process_with_one_line(tmp_path, pa
         out, err = reader.rest(), p.stderr.read()
         assert p.returncode == rpc.LOST_EXIT, err
         last = [x for x in err.splitlines() if x.strip()][-1]
-        assert last.startswith(f"prove-local: error: lost the RPC server {own[1].endpoint};"), err
+        # the guard names the lost server when its socket already reads as closed at abort time, else
+        # every server it guards (a race between ggml's abort and the kernel closing the socket)
+        assert last.startswith("prove-local: error: ") and own[1].endpoint in last and len(err.splitlines()) <= 3, err
         assert "DONE" not in out and len(lines) == 2
     finally:
         if p is not None and p.poll() is None:
