@@ -452,3 +452,101 @@ def test_greedy_with_repeat_penalty_equals_ar_with_it(pair, engine, mode):
     plain = [t for c in engine.generate(prompt, Settings(mode="ar", max_new=64)) for t in c.committed]
     out = [t for c in engine.generate(prompt, Settings(mode=mode, **s)) for t in c.committed]
     assert out == ar and ar != plain
+
+
+# ------------------------------------------------------------------ projections: inspector, bench, CLI
+def test_inspector_shows_acceptance_and_residual():
+    from prove_local.rules import Cycle
+    from prove_local.ui import view
+    c = Cycle([1, 2, 3, 4], [.9, .6, .5, .4], [.9, .3, .2, .1], [1, 2, 9], 2, {"proposer": 2},
+              accept_prob=[1.0, 0.5, 0.4, 0.25], residual=True)
+    rows = view.inspect_cycle(c, "lossless", token_text=str)
+    assert [r.status for r in rows] == ["committed", "committed", "dropped", "dropped", "correction"]
+    assert [r.accept for r in rows] == [1.0, 0.5, 0.4, 0.25, None]
+    assert "exact sample" in rows[0].verdict and "0.500" in rows[1].verdict and "rejected" in rows[2].verdict
+    assert "max(0, p − q)" in rows[4].verdict
+    h = view.inspector_html(c, rows, "lossless", theta=0.05, tau=0.95)
+    assert "min(1, p/q)" in h and "0.250" in h and "exact speculative sampling" in h
+    full = Cycle([1, 2], [.9, .9], [.9, .9], [1, 2, 3], 2, {"proposer": 2}, accept_prob=[1.0, 1.0], residual=False)
+    assert view.inspect_cycle(full, "lossless", token_text=str)[-1].status == "bonus"
+    assert "in distribution" in view.compare_html("lossless", "a", [], None, "b", None, None, temperature=0.7)
+
+
+def test_bench_acceptance_and_distribution_statistics():
+    from prove_local.bench import stats as bstats
+    from prove_local.rules import Cycle
+    cyc = [Cycle([1, 2, 3], [1] * 3, [1] * 3, [1, 2, 5], 2, {}, accept_prob=[1.0, 0.8, 0.3], residual=True),
+           Cycle([1, 2, 3], [1] * 3, [1] * 3, [1, 7], 1, {}, accept_prob=[1.0, 0.4, 0.9], residual=True),
+           Cycle([1, 2, 3], [1] * 3, [1] * 3, [1, 2, 3, 4], 3, {}, accept_prob=[1.0, 1.0, 0.5], residual=False)]
+    a = bstats.acceptance_by_slot(cyc)
+    assert a["n"] == [3, 3, 2] and a["rate"] == [1.0, 2 / 3, 0.5]
+    assert a["mean_accept_prob"] == pytest.approx([1.0, 2.2 / 3, 0.4])
+    for x, df in [(3.0, 1), (50.0, 10), (200.0, 30), (1000.0, 900), (0.5, 4)]:
+        assert bstats.chi2_sf(x, df) == pytest.approx(sst.chi2.sf(x, df), rel=1e-9)
+    rng = np.random.default_rng(0)
+    p, q = np.array([0.5, 0.3, 0.2]), np.array([0.2, 0.3, 0.5])
+    same_a = {i: [list(rng.choice(3, 6, p=p)) for _ in range(60)] for i in range(10)}
+    same_b = {i: [list(rng.choice(3, 6, p=p)) for _ in range(60)] for i in range(10)}
+    other = {i: [list(rng.choice(3, 6, p=q)) for _ in range(60)] for i in range(10)}
+    assert bstats.distribution_check(same_a, same_b, positions=6)["p_value"] > ALPHA
+    assert bstats.distribution_check(same_a, other, positions=6)["p_value"] < ALPHA
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    from tests.tiny import tiny_gguf
+    d = tmp_path_factory.mktemp("sampling-models")
+    return tiny_gguf(d, seed=0), tiny_gguf(d, seed=2, hidden=32, role="verifier", mask=False)
+
+
+def test_bench_at_a_temperature_end_to_end(tiny_models, tmp_path):
+    import json
+    from prove_local.cli import main
+    prop, draft = tiny_models
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "x\n#### 3"}) + "\n" for q in ("What is 1 + 2?", "Hi")))
+    out = tmp_path / "out"
+    assert main(["bench", "--proposer", str(prop), "--draft", str(draft), "--modes", "ar,lossless,spec", "--data", str(data),
+                 "--max-new", "12", "--temp", "0,0.7", "--samples", "3", "--threads", "1", "--ctx", "256",
+                 "--kv-type", "f32", "--warmup", "0", "--no-pass-cost", "--no-plots", "-q", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert list(res["modes"]) == ["ar", "lossless", "spec", "ar@T0.7", "lossless@T0.7", "spec@T0.7"]
+    m = res["modes"]
+    assert m["lossless"]["exact_match_vs_ar"] == 1.0 and m["lossless@T0.7"]["exact_match_vs_ar"] is None
+    for name in ("lossless@T0.7", "spec@T0.7"):
+        d = m[name]["distribution_vs_ar"]
+        assert d["reference"] == "ar@T0.7" and d["samples"] == 6 and (d["p_value"] is None or 0 <= d["p_value"] <= 1)
+        acc = m[name]["acceptance_by_slot"]
+        assert acc["n"][0] > 0 and all(0 <= x <= 1 for x in acc["mean_accept_prob"] if x is not None)
+        assert m[name]["temperature"] == 0.7 and m[name]["sampling"]["samples"] == 3
+    assert m["lossless"]["acceptance_by_slot"]["rate"][0] == 1.0 and m["ar"]["acceptance_by_slot"] is None
+    assert res["settings"]["temperature"] == [0.0, 0.7] and "--temp 0,0.7" in res["command"]
+    lines = [json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 * (3 + 3 * 3)
+    seeds = {(x["prompt"], x["run"], x["sample"]): x["seed"] for x in lines}
+    assert seeds[("gsm/1", "lossless@T0.7", 2)] == seeds[("gsm/1", "spec@T0.7", 2)] == 1000 + 2
+    md = (out / "summary.md").read_text()
+    assert "## Acceptance per slot" in md and "distributions, not tokens" in md
+    assert main(["bench", "--out", str(out), "--report-only", "--no-plots"]) == 0
+    again = json.loads((out / "results.json").read_text())
+    for name in m:
+        for k in ("acceptance_by_slot", "distribution_vs_ar", "temperature", "tokens_per_cycle"):
+            assert again["modes"][name][k] == m[name][k], (name, k)
+
+
+def test_cli_sampling_flags_and_errors(capsys):
+    import json
+    from prove_local.cli import main
+    q = "A baker made 24 muffins and sold half of them. How many are left?"
+    args = ["run", "-p", q, "-n", "24", "--json", "--threads", "1", "--temperature", "0.9", "--top-k", "20",
+            "--top-p", "0.9", "--min-p", "0.02", "--repeat-penalty", "1.1", "--repeat-last-n", "32", "--seed", "5"]
+    assert main(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert {k: r["settings"][k] for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed")} == \
+        {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "min_p": 0.02, "repeat_penalty": 1.1, "repeat_last_n": 32, "seed": 5}
+    assert main(args) == 0 and json.loads(capsys.readouterr().out)["token_ids"] == r["token_ids"]
+    assert main(["run", "-p", q, "-n", "4", "--json", "--threads", "1", "--temp", "0.5"]) == 0
+    assert isinstance(json.loads(capsys.readouterr().out)["settings"]["seed"], int)     # drawn and reported
+    assert main(["run", "-p", q, "--threads", "1", "--top-p", "1.5", "--temp", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "top-p must be in [0, 1]" in err

@@ -98,7 +98,7 @@ def summary_markdown(res: dict) -> str:
               _table(["run", "T", "tokens/cycle"] + [str(i + 1) for i in range(n)], rows), ""]
     dist = {k: m["distribution_vs_ar"] for k, m in res["modes"].items() if m.get("distribution_vs_ar")}
     if dist:
-        rows = [[f"`{k}`", f"`{d['reference']}`", str(d["samples"]), str(d["positions"]), f"{d['p_value']:.3g}",
+        rows = [[f"`{k}`", f"`{d['reference']}`", str(d["samples"]), str(d["positions"]), f"{d['p_value']:.3g}" if d["p_value"] is not None else "– (too few samples)",
                  ", ".join(stats.fmt(x, 3) for x in d["tv_by_position"])] for k, d in dist.items()]
         L += ["## Exactness at temperature > 0: distributions, not tokens", "",
               "Sampled outputs of an exact mode are not equal to `ar`'s token for token (the random streams are "

@@ -111,7 +111,7 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
             "exact_match_vs_ar": _r(exact),
             # sampled exact modes: per-position token distributions against ar's at the same temperature
             "distribution_vs_ar": None if dist is None else {
-                "reference": sampled_ref, "p_value": _r(dist["p_value"], 6), "positions": dist["positions"],
+                "reference": sampled_ref, "p_value": None if dist["p_value"] is None else float(f"{dist['p_value']:.4g}"), "positions": dist["positions"],
                 "samples": dist["samples"], "tv_by_position": [_r(x) for x in dist["tv_by_position"]],
                 "method": dist["method"]},
             "acceptance_by_slot": ({k: [_r(x) for x in v] if k != "n" else v

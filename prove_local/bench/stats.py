@@ -412,9 +412,10 @@ def distribution_check(reference: dict, outputs: dict, positions: int = 8, min_c
         if df:
             per_pos.append(chi2_sf(stat, df))
             tv.append(sum(tvs) / len(tvs))
-    if not per_pos:
+    if not outputs:
         return None
-    return {"p_value": min(1.0, min(per_pos) * len(per_pos)), "p_by_position": per_pos, "tv_by_position": tv,
+    return {"p_value": min(1.0, min(per_pos) * len(per_pos)) if per_pos else None,   # None: too few samples
+            "p_by_position": per_pos, "tv_by_position": tv,
             "positions": len(per_pos), "samples": sum(len(v) for v in outputs.values()),
             "method": "per-position two-sample chi-square of token frequencies over repeated seeds, "
                       "summed over prompts, Bonferroni over positions"}
