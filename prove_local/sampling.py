@@ -93,18 +93,31 @@ class Sampler:
         if self.temperature == 0:
             return np.array([int(np.argmax(x))]), np.ones(1)
         k, n_vocab = self.top_k, len(x)
-        cand = np.argpartition(x, n_vocab - k)[n_vocab - k:] if 0 < k < n_vocab else np.arange(n_vocab)
-        z = np.asarray(x[cand], dtype=np.float64) / self.temperature
+        if 0 < k < n_vocab:
+            cand = np.argpartition(x, n_vocab - k)[n_vocab - k:]
+            z = np.asarray(x[cand], dtype=np.float64) / self.temperature
+            norm = None
+        else:
+            # no top-k: the normaliser is the whole vocabulary's; with min-p, only tokens within
+            # ln(min_p) of the best (and a margin) can survive, so only they are sorted
+            z_all = np.asarray(x, dtype=np.float64) / self.temperature
+            z_max = z_all.max()
+            norm = np.exp(z_all - z_max).sum()
+            if self.min_p > 0.0:
+                cand = np.flatnonzero(z_all >= z_max + math.log(self.min_p) - 1e-6)
+            else:
+                cand = np.arange(n_vocab)
+            z = z_all[cand]
         order = np.argsort(-z, kind="stable")
         cand, z = cand[order], z[order]
         prob = np.exp(z - z[0])
-        prob /= prob.sum()
+        prob /= prob.sum() if norm is None else norm
         n = len(prob)
         if self.top_p < 1.0:        # smallest head whose mass reaches top_p (llama.cpp: cum_sum >= p)
             n = min(n, int(np.searchsorted(np.cumsum(prob), self.top_p)) + 1)
         if self.min_p > 0.0:        # tokens with p >= min_p * p_max (on the top-p-renormalised head)
             n = min(n, int(np.count_nonzero(prob[:n] >= self.min_p * prob[0])))
-        prob = prob[:max(n, 1)]
+        prob = prob[:max(n, 1)]              # (n is at most len(cand): the min-p candidates suffice)
         return cand[:len(prob)], prob / prob.sum()
 
     def dist(self, logits: np.ndarray, prefix, drafted=()) -> np.ndarray:

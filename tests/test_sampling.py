@@ -97,7 +97,8 @@ def reference_chain(logits, window, T, top_k, top_p, min_p, penalty):
 
 @pytest.mark.parametrize("T,top_k,top_p,min_p,penalty", [
     (1.0, 0, 1.0, 0.0, 1.0), (0.7, 4, 0.95, 0.05, 1.0), (1.3, 0, 0.6, 0.0, 1.7), (0.5, 3, 1.0, 0.3, 0.8),
-    (1.0, 50, 0.0, 0.0, 1.0), (0.0, 40, 0.95, 0.05, 3.0), (2.0, 6, 0.9, 0.1, 1.2)])
+    (1.0, 50, 0.0, 0.0, 1.0), (0.0, 40, 0.95, 0.05, 3.0), (2.0, 6, 0.9, 0.1, 1.2), (0.8, 0, 0.9, 0.1, 1.0),
+    (1.0, 0, 1.0, 0.05, 1.3), (1.5, 0, 0.5, 0.2, 1.0)])
 def test_chain_matches_a_plain_reference(T, top_k, top_p, min_p, penalty):
     rng = np.random.default_rng(7)
     for _ in range(20):
