@@ -194,7 +194,8 @@ def _lossless_sampled(ctx, tokens, block, mask, verify, sampler) -> Cycle:
     the verify pass gives the targets p_i. Slot 1's row is the ordinary next-token distribution of
     the same model after the same prefix (causal attention: the masks after it are unseen), so q_1
     IS the target and d_1 is an exact sample of it: accepted with probability 1. Slots 2..v go
-    through exact speculative sampling; the residual or bonus token follows, as greedy's correction."""
+    through exact speculative sampling; the residual or bonus token follows, as greedy's correction.
+    A `verify` function gets the processed probabilities of the drawn slot tokens."""
     pending = len(_pending(ctx, tokens))
     d, q = sampler.propose(proposal_logits(ctx, tokens, block, mask), tokens)
     conf = q[np.arange(block), d]                    # processed probability of each drawn slot token

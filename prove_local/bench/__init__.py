@@ -69,7 +69,7 @@ def add_parser(sub) -> None:
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="sampling: repeat penalty (default 1.0: off)")
     p.add_argument("--repeat-last-n", type=int, default=64, help="sampling: penalty window (default 64)")
     p.add_argument("--seed", type=int, default=0,
-                   help="base seed; generation j of prompt i uses seed + 1000 i + j, the same in every mode (default 0)")
+                   help="base seed; generation j of prompt i in the r-th run uses seed + 1e8 r + 1000 i + j (default 0)")
     p.add_argument("--samples", type=int, default=4,
                    help="generations per prompt at T > 0 (repeated seeds), for the distribution check (default 4)")
     p.add_argument("--mask-token", type=int, help="placeholder token id (overrides the GGUF's mask token)")

@@ -150,8 +150,9 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
                     if j >= run.samples:
                         continue
                     bar.set_postfix_str(f"{prompts[i].id} {run.name}", refresh=False)
-                    # the same seed for every run of a prompt and sample (each mode reproduces itself)
-                    seed = (run.settings.seed or 0) + 1000 * i + j
+                    # a seed of its own for every run, prompt and sample: the distribution check
+                    # compares independent samples (ar and lossless with one seed draw the same first token)
+                    seed = (run.settings.seed or 0) + 10 ** 8 * runs.index(run) + 1000 * i + j
                     cycles, seconds, (n_pre, t_pre) = generate_once(engine, tokens, replace(run.settings, seed=seed))
                     out = [t for c in cycles for t in c.committed]
                     data.generations.append(Generation(i, run.name, out, cycles, seconds, n_pre, t_pre,

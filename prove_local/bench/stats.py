@@ -417,5 +417,5 @@ def distribution_check(reference: dict, outputs: dict, positions: int = 8, min_c
     return {"p_value": min(1.0, min(per_pos) * len(per_pos)) if per_pos else None,   # None: too few samples
             "p_by_position": per_pos, "tv_by_position": tv,
             "positions": len(per_pos), "samples": sum(len(v) for v in outputs.values()),
-            "method": "per-position two-sample chi-square of token frequencies over repeated seeds, "
+            "method": "Per-position two-sample chi-square of token frequencies over repeated seeds, "
                       "summed over prompts, Bonferroni over positions"}
