@@ -44,11 +44,11 @@ def _verify(plan: Plan) -> int:
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("ar", ("proposer",), False, True, False, "plain greedy decoding, one token per pass",
+    Mode("ar", ("proposer",), False, True, False, "plain decoding (greedy, or sampled), one token per pass",
          lambda c, t, plan, s, mask, sampler=None: rules.ar_cycle(c["proposer"], t, sampler=sampler),
          lambda pend, plan: {"proposer": [pend["proposer"]]}),
     Mode("lossless", ("proposer",), True, True, True,
-         "ProVe-lossless: the proposer verifies its own block; output identical to ar",
+         "ProVe-lossless: the proposer verifies its own block; output identical to ar (in distribution when sampling)",
          lambda c, t, plan, s, mask, sampler=None: rules.lossless_cycle(c["proposer"], t, plan.block, mask,
                                                                      verify=plan.verify, sampler=sampler),
          lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1, _verify(plan)]}),
@@ -63,7 +63,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
                                                                  sampler=sampler),
          lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1]}),
     Mode("spec", ("proposer", "draft"), False, True, False,
-         "speculative decoding with a draft model; output identical to ar",
+         "speculative decoding with a draft model; output identical to ar (in distribution when sampling)",
          lambda c, t, plan, s, mask, sampler=None: rules.spec_cycle(c["proposer"], c["draft"], t, plan.draft_k,
                                                                  sampler=sampler),
          lambda pend, plan: {"draft": ([pend["draft"]] + [1] * (plan.draft_k - 1)) if plan.draft_k else [],

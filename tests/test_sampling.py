@@ -282,7 +282,7 @@ def test_exact_modes_on_fakes_match_closed_form_ar(mode, sampler_cls, ok):
     else:
         tgt, dft = FakeContext(ar_dist, V), FakeContext(draft_dist, V)
         def cycle(t): return rules.spec_cycle(tgt, dft, t, 3, sampler=s)
-    samples = [first_tokens(cycle, 3) for _ in range(2500)]
+    samples = [first_tokens(cycle, 3) for _ in range(2500 if ok else 1000)]   # the controls fail by far
     pval = gof(samples, exact)
     assert (pval > ALPHA) if ok else (pval < ALPHA), pval
 
@@ -363,14 +363,15 @@ def marginal(exact: dict, i: int) -> dict:
 
 
 # (mode, temperature, truncation, sampler, must pass, samples). Cost on a loaded 2-core machine:
-# ~10 ms a sample (two or three passes). Each case tests the joint and both marginals. Skipping
-# the residual is the subtlest error here (chi-square noncentrality ~0.06 per sample on x1).
+# ~10 ms a sample (two or three passes). Each case tests the joint and both marginals.
 REAL_CASES = [
-    ("lossless", 0.7, TRUNC, Sampler, True, 800), ("lossless", 1.0, FULL, Sampler, True, 800),
-    ("spec", 0.7, FULL, Sampler, True, 800), ("spec", 1.0, TRUNC, Sampler, True, 800),
-    ("lossless", 0.7, TRUNC, RawQ, False, 500), ("spec", 1.0, FULL, ArgmaxSlots, False, 300),
-    ("spec", 1.0, FULL, NoResidual, False, 1500),
+    ("lossless", 0.7, TRUNC, Sampler, True, 600), ("lossless", 1.0, FULL, Sampler, True, 600),
+    ("spec", 0.7, FULL, Sampler, True, 600), ("spec", 1.0, TRUNC, Sampler, True, 600),
+    ("lossless", 0.7, TRUNC, RawQ, False, 400), ("spec", 1.0, FULL, ArgmaxSlots, False, 200),
 ]
+# Skipping the residual is the subtlest of the three errors on this pair (chi-square noncentrality
+# ~0.06 per sample on the first token): it needs ~1,500 samples (~25 s here) to fail reliably, so
+# it is caught on the scripted models above and by the closed-form rejection-step test instead.
 
 
 def real_cycle(pair, mode, sampler):
@@ -403,11 +404,11 @@ def test_lossless_vs_ar_two_sample_on_llama_cpp(pair):
     ctx_ar = pair[2]
     ctx_ar.truncate(0)
     s_ar = Sampler(np.random.default_rng(1), **settings)
-    ar = [first_tokens(lambda t: rules.ar_cycle(ctx_ar, t, sampler=s_ar), 2, prompt) for _ in range(600)]
+    ar = [first_tokens(lambda t: rules.ar_cycle(ctx_ar, t, sampler=s_ar), 2, prompt) for _ in range(500)]
     lossless = real_cycle(pair, "lossless", Sampler(np.random.default_rng(2), **settings))
-    assert two_sample(ar, [first_tokens(lossless, 2, prompt) for _ in range(600)]) > ALPHA
+    assert two_sample(ar, [first_tokens(lossless, 2, prompt) for _ in range(500)]) > ALPHA
     argmax = real_cycle(pair, "lossless", ArgmaxSlots(np.random.default_rng(3), **settings))
-    assert two_sample(ar, [first_tokens(argmax, 2, prompt) for _ in range(300)]) < ALPHA
+    assert two_sample(ar, [first_tokens(argmax, 2, prompt) for _ in range(200)]) < ALPHA
 
 
 @pytest.fixture(scope="module")
