@@ -20,6 +20,7 @@ from scipy import stats as sst
 from prove_local import rules
 from prove_local.engine import Engine, ModeError, Settings
 from prove_local.sampling import Sampler, check
+from tests.test_ui import browser, models, paths, server  # noqa: F401  (fixtures of the UI tests)
 from tests.fakes import FakeContext
 
 ALPHA = 1e-8
@@ -552,3 +553,25 @@ def test_cli_sampling_flags_and_errors(capsys):
     assert main(["run", "-p", q, "--threads", "1", "--top-p", "1.5", "--temp", "1"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "top-p must be in [0, 1]" in err
+
+
+def test_ui_sampling_controls_reproduce_the_engine(browser, server, models):
+    """The side panel's sampling controls reach the engine: temperature 0.7 and seed 3 in the page
+    give the engine's own seeded output, and the inspector shows the acceptance probabilities."""
+    from tests.test_ui import MAX_NEW, answer_spans, open_page, reference, send
+    prompt = "Natalia sold clips to 48 of her friends in April. How many clips did she sell?"
+    want = reference(models, [prompt], temperature=0.7, seed=3)[0]
+    assert want != reference(models, [prompt])[0] or MAX_NEW < 4
+    page = open_page(browser, server)
+    page.click("#sampling button, #sampling .label-wrap >> nth=0")
+    for elem, value in (("temp", "0.7"), ("seed", "3")):
+        box = page.locator(f"#{elem} input[type=number]")
+        box.fill(value)
+        box.press("Tab")
+    send(page, prompt, 0)()
+    spans = answer_spans(page, 0)
+    assert "".join(s["text"] for s in spans) == want
+    page.click(f'#chat .answer[data-turn="0"] span.cyc[data-pick="{spans[0]["pick"]}"] >> nth=0')
+    page.wait_for_selector("#inspector .insp-table")
+    assert "min(1, p/q)" in page.inner_text("#inspector .insp-table")
+    page.close()
