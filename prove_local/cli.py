@@ -32,6 +32,7 @@ def add_run_parser(sub) -> None:
     p.add_argument("--tau", type=TAU, default=0.95,
                    help="MARS rule: commit while p >= tau, a finite number >= 0 (default 0.95)")
     p.add_argument("--draft-k", type=DRAFT_K, default=4, help="drafts per cycle for --mode spec (default 4)")
+    add_sampling_args(p)
     p.add_argument("-p", "--prompt", help="one prompt; the answer streams to stdout")
     p.add_argument("-n", "--max-new", type=MAX_NEW, default=256, help="max new tokens per answer, >= 1 (default 256)")
     p.add_argument("--raw", action="store_true", help="plain completion of the prompt, no chat template")
@@ -39,6 +40,26 @@ def add_run_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per answer instead of streamed text")
     p.add_argument("--no-color", action="store_true", help="no colors even on a terminal")
     p.set_defaults(func=cmd_run)
+
+
+def add_sampling_args(p) -> None:
+    """The sampler chain's options (llama.cpp's names and defaults, except temperature: 0 = greedy)."""
+    g = p.add_argument_group("sampling", "penalties -> temperature -> top-k -> top-p -> min-p; the exact modes "
+                             "(lossless, spec) stay distributed exactly as ar sampling")
+    g.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.0,
+                   help="temperature (default 0: greedy, every exact mode equals ar token for token)")
+    g.add_argument("--top-k", type=int, default=40, help="keep the k most probable tokens (default 40; 0: off)")
+    g.add_argument("--top-p", type=float, default=0.95, help="keep the smallest head with this mass (default 0.95; 1: off)")
+    g.add_argument("--min-p", type=float, default=0.05, help="keep tokens with p >= min_p * p_max (default 0.05; 0: off)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty on recent tokens (default 1.0: off)")
+    g.add_argument("--repeat-last-n", type=int, default=64,
+                   help="tokens the penalty looks back over (default 64; -1: the whole context)")
+    g.add_argument("--seed", type=int, help="random seed (default: a fresh one, reported in --json)")
+
+
+def sampling_settings(args) -> dict:
+    return {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
+                                          "repeat_last_n", "seed")}
 
 
 def answer(engine, model, prompt_tokens, settings, out, color: bool):
@@ -83,7 +104,10 @@ def report(engine, model, settings, cycles, seconds, request, interrupted) -> di
         "prefill": {"tokens": request.prefill[0], "seconds": request.prefill[1]},
         "stop": "interrupted" if interrupted else s["stop"],
         "settings": {"block": settings.block or engine.block_size, "theta": settings.theta, "tau": settings.tau,
-                     "draft_k": settings.draft_k, "max_new": settings.max_new},
+                     "draft_k": settings.draft_k, "max_new": settings.max_new, "temperature": settings.temperature,
+                     "top_k": settings.top_k, "top_p": settings.top_p, "min_p": settings.min_p,
+                     "repeat_penalty": settings.repeat_penalty, "repeat_last_n": settings.repeat_last_n,
+                     "seed": request.seed},
     }
 
 
@@ -120,7 +144,7 @@ def cmd_run(args) -> int:
         print(f"note: {model.path.name} has no mask token; using --mode ar (pass --mask-token ID for the exact modes)",
               file=sys.stderr)
     settings = Settings(mode=mode, max_new=args.max_new, block=args.block, theta=args.theta, tau=args.tau,
-                        draft_k=args.draft_k)
+                        draft_k=args.draft_k, **sampling_settings(args))
     engine.check(settings)
     color = sys.stdout.isatty() and not args.no_color and not args.json
     system = clean_text(args.system) if args.system is not None else None

@@ -7,11 +7,12 @@ generation live here, the decoding rules live in rules.py.
 from __future__ import annotations
 
 import codecs
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from . import modes, rules
+from . import modes, rules, sampling
 from .errors import ContextFull, EngineBusy, ModeError
 from .llama import Context, Model
 from .modes import MODES, Plan
@@ -28,7 +29,8 @@ class Settings:
     theta: float = 0.05
     tau: float = 0.95
     draft_k: int = 4
-    # sampling (llama.cpp's names and, except temperature, its defaults); temperature 0 is greedy
+    # sampling (llama.cpp's names and, except temperature, its defaults); temperature 0 is greedy.
+    # The chain and its order: sampling.py. repeat_last_n -1 = the whole context, 0 = no penalty.
     temperature: float = 0.0
     top_k: int = 40
     top_p: float = 0.95
@@ -86,8 +88,9 @@ class Engine:
             raise ModeError(f"mode {s.mode!r} needs a draft model (--draft D.gguf)")
         if (s.block or 1) < 1 or s.draft_k < 0 or s.max_new < 0:
             raise ModeError("block and max new tokens must be >= 1, draft k >= 0")
-        if s.temperature != 0 or s.repeat_penalty != 1.0:
-            raise ModeError("sampling (temperature > 0, repeat penalty) is not available yet: every mode decodes greedily")
+        bad = sampling.check(s.temperature, s.top_k, s.top_p, s.min_p, s.repeat_penalty, s.repeat_last_n, s.seed)
+        if bad:
+            raise ModeError(bad)
 
     def plan(self, req: "Request") -> Plan:
         """The widths of the next cycle: the request's fixed settings, cut to the room left in the
@@ -120,7 +123,11 @@ class Engine:
         self.tokens = self.tokens[:keep]
         self._sync()
         self.tokens = list(prompt)
-        self.active = Request(list(prompt), s, s.block or self.block_size)
+        # one seeded generator per request (sampling.py documents the order it is consumed in);
+        # without a seed a fresh one is drawn and recorded in the request, so a run can be repeated
+        seed = s.seed if s.seed is not None else secrets.randbits(63)
+        self.active = Request(list(prompt), s, s.block or self.block_size, seed=seed,
+                              sampler=sampling.Sampler.for_settings(s, seed))
         return Generation(self, self.active)
 
     def _release(self, req: "Request") -> None:
@@ -151,7 +158,7 @@ class Engine:
             plan = self.plan(req)
             before = {r: (c.n_decode, c.decode_seconds) for r, c in self.contexts.items()}
             t0 = time.perf_counter()
-            cycle = mode.cycle(self.contexts, self.tokens, plan, s, self.mask_token)
+            cycle = mode.cycle(self.contexts, self.tokens, plan, s, self.mask_token, sampler=req.sampler)
             cycle.seconds = time.perf_counter() - t0
             # passes are counted, not declared: llama_decode calls made during this cycle
             cycle.passes = {r: c.n_decode - before[r][0] for r, c in self.contexts.items() if c.n_decode > before[r][0]}
@@ -193,6 +200,8 @@ class Request:
     n_cycles: int = 0
     passes: dict = field(default_factory=dict)
     stop: str | None = None
+    seed: int | None = None                    # the seed of `sampler`'s generator (settings.seed or drawn)
+    sampler: sampling.Sampler | None = field(default=None, repr=False)   # None: greedy
 
     @property
     def n_prompt(self) -> int:

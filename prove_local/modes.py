@@ -27,10 +27,12 @@ class Mode:
     name: str
     roles: tuple[str, ...]          # contexts the mode decodes with; "proposer" first
     needs_mask: bool
-    exact: bool                     # greedy output equals ar's token for token
+    exact: bool                     # greedy output equals ar's token for token; sampled output is
+                                    # distributed exactly as ar sampling with the same settings
     uses_block: bool
     summary: str
-    # run one cycle: (contexts by role, committed tokens, plan, settings, mask token) -> Cycle
+    # run one cycle: (contexts by role, committed tokens, plan, settings, mask token, sampler=None) -> Cycle
+    # (sampler: the request's sampling.Sampler; None = greedy)
     cycle: Callable
     # widths of its passes per role, given the tokens pending in each context: {role: [n, ...]}
     widths: Callable[[dict, Plan], dict]
@@ -42,24 +44,28 @@ def _verify(plan: Plan) -> int:
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("ar", ("proposer",), False, True, False, "plain greedy decoding, one token per pass",
-         lambda c, t, plan, s, mask: rules.ar_cycle(c["proposer"], t),
+    Mode("ar", ("proposer",), False, True, False, "plain decoding (greedy, or sampled), one token per pass",
+         lambda c, t, plan, s, mask, sampler=None: rules.ar_cycle(c["proposer"], t, sampler=sampler),
          lambda pend, plan: {"proposer": [pend["proposer"]]}),
     Mode("lossless", ("proposer",), True, True, True,
-         "ProVe-lossless: the proposer verifies its own block; output identical to ar",
-         lambda c, t, plan, s, mask: rules.lossless_cycle(c["proposer"], t, plan.block, mask, verify=plan.verify),
+         "ProVe-lossless: the proposer verifies its own block; output identical to ar (in distribution when sampling)",
+         lambda c, t, plan, s, mask, sampler=None: rules.lossless_cycle(c["proposer"], t, plan.block, mask,
+                                                                     verify=plan.verify, sampler=sampler),
          lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1, _verify(plan)]}),
     Mode("prove", ("proposer", "verifier"), True, False, True,
          "ProVe: a stock verifier gates the block, commit while p*q >= theta (lossy)",
-         lambda c, t, plan, s, mask: rules.prove_cycle(c["proposer"], c["verifier"], t, plan.block, mask, s.theta),
+         lambda c, t, plan, s, mask, sampler=None: rules.prove_cycle(c["proposer"], c["verifier"], t, plan.block, mask,
+                                                                  s.theta, sampler=sampler),
          lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1],
                              "verifier": [pend["verifier"] + plan.block - 1]}),
     Mode("mars", ("proposer",), True, False, True, "MARS confidence rule, commit while p >= tau (lossy)",
-         lambda c, t, plan, s, mask: rules.mars_cycle(c["proposer"], t, plan.block, mask, s.tau),
+         lambda c, t, plan, s, mask, sampler=None: rules.mars_cycle(c["proposer"], t, plan.block, mask, s.tau,
+                                                                 sampler=sampler),
          lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1]}),
     Mode("spec", ("proposer", "draft"), False, True, False,
-         "speculative decoding with a draft model; output identical to ar",
-         lambda c, t, plan, s, mask: rules.spec_cycle(c["proposer"], c["draft"], t, plan.draft_k),
+         "speculative decoding with a draft model; output identical to ar (in distribution when sampling)",
+         lambda c, t, plan, s, mask, sampler=None: rules.spec_cycle(c["proposer"], c["draft"], t, plan.draft_k,
+                                                                 sampler=sampler),
          lambda pend, plan: {"draft": ([pend["draft"]] + [1] * (plan.draft_k - 1)) if plan.draft_k else [],
                              "proposer": [pend["proposer"] + plan.draft_k]}),
 )}

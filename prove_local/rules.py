@@ -5,6 +5,12 @@ A context is anything with `n_past`, `eval(tokens, rows) -> logits[len(rows), vo
 (prompt + generated). On entry and on return, every context holds a prefix of `tokens` in its
 KV cache; the tokens after its `n_past` are pending and go at the front of its next eval.
 A cycle never mutates `tokens`; it returns a `Cycle` whose `committed` run the caller appends.
+
+Sampling: every cycle takes an optional `sampler` (sampling.Sampler: the request's sampler chain
+and random generator). None is greedy decoding, today's code, bit for bit. With a sampler, each
+rule has a `_sampled` twin: slot/draft tokens are drawn from their processed distributions q_i,
+and the exact modes verify them by exact speculative sampling against the processed targets p_i
+(sampling.Sampler.verify), so their output is distributed exactly as `ar` sampling.
 """
 from __future__ import annotations
 
@@ -29,6 +35,12 @@ class Cycle:
     index: int = 0                # set by the driver
     start: int = 0                # generated tokens before this cycle
     stop: str | None = None       # on the last cycle: "eog", "length" or "context"
+    # sampling (exact modes): min(1, p/q) of each verified slot (lossless slot 1: 1.0, an exact
+    # sample of the target); None when greedy (the test is equality). `residual`: the token after
+    # the accepted run replaced a rejected proposal (drawn from norm(max(0, p - q)) when sampling,
+    # the target's argmax when greedy) rather than being the bonus token after a full match.
+    accept_prob: list[float] | None = None
+    residual: bool = False
 
 
 def top1(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -63,13 +75,18 @@ def _pending(ctx, tokens: list[int]) -> list[int]:
     return tokens[ctx.n_past:]
 
 
-def propose(ctx, tokens: list[int], block: int, mask: int):
+def proposal_logits(ctx, tokens: list[int], block: int, mask: int) -> np.ndarray:
     """MARS proposal pass: [pending..., <mask> x (block-1)]. The last pending row is slot 1 (the
     ordinary next-token distribution); the j-th mask's row is slot j+1. Masks are removed after."""
     pending = _pending(ctx, tokens)
     logits = ctx.eval(pending + [mask] * (block - 1), rows=list(range(len(pending) - 1, len(pending) + block - 1)))
     ctx.truncate(len(tokens))
-    return top1(logits)
+    return logits
+
+
+def propose(ctx, tokens: list[int], block: int, mask: int):
+    """Greedy proposal: the argmax of every slot and its probability."""
+    return top1(proposal_logits(ctx, tokens, block, mask))
 
 
 def leading_run(ok) -> int:
@@ -78,14 +95,16 @@ def leading_run(ok) -> int:
     return int(ok.argmin()) if not ok.all() else len(ok)
 
 
-def ar_cycle(ctx, tokens: list[int]) -> Cycle:
+def ar_cycle(ctx, tokens: list[int], sampler=None) -> Cycle:
+    if sampler is not None:
+        return _ar_sampled(ctx, tokens, sampler)
     pending = _pending(ctx, tokens)
     ids, p = top1(ctx.eval(pending))
     return Cycle([int(ids[0])], [float(p[0])], None, [int(ids[0])], 1, {"proposer": 1},
                  {"proposer": [len(pending)]})
 
 
-def lossless_cycle(ctx, tokens: list[int], block: int, mask: int, verify=None) -> Cycle:
+def lossless_cycle(ctx, tokens: list[int], block: int, mask: int, verify=None, sampler=None) -> Cycle:
     """ProVe-lossless: the proposer verifies its own block in a second pass.
     Row i of the verify pass is the greedy token after tokens + d[:i+1]; d[i+1] is accepted while
     it equals that token. Slot 1 is the AR token, so >= 1 token is accepted, and the greedy token at
@@ -93,6 +112,8 @@ def lossless_cycle(ctx, tokens: list[int], block: int, mask: int, verify=None) -
     `verify` < block feeds only d[:verify] to the second pass (the rest of the proposal is dropped
     unread: a narrower pass is cheaper where width costs time, as on a CPU). It may be a function
     of the slot confidences p, called between the two passes (a planner's choice)."""
+    if sampler is not None:
+        return _lossless_sampled(ctx, tokens, block, mask, verify, sampler)
     pending = len(_pending(ctx, tokens))
     d, p = propose(ctx, tokens, block, mask)
     if callable(verify):
@@ -104,13 +125,15 @@ def lossless_cycle(ctx, tokens: list[int], block: int, mask: int, verify=None) -
     ctx.truncate(len(tokens) + n)                # keep d[:n]; g[n-1] stays pending
     committed = d[:n].tolist() + [int(g[n - 1])]
     return Cycle(d.tolist(), p.tolist(), [float(p[0])] + q.tolist(), committed, n, {"proposer": 2},
-                 {"proposer": [pending + block - 1, v]})
+                 {"proposer": [pending + block - 1, v]}, residual=n < v)
 
 
-def prove_cycle(ctx_prop, ctx_ver, tokens: list[int], block: int, mask: int, theta: float) -> Cycle:
+def prove_cycle(ctx_prop, ctx_ver, tokens: list[int], block: int, mask: int, theta: float, sampler=None) -> Cycle:
     """ProVe: a stock AR verifier reads the block teacher-forced; q_i is its probability of d_i
     after d[:i]. Commit the longest leading run with p_i * q_i >= theta, at least slot 1 (the
     proposer's own AR token). No correction token: the next cycle starts at the first failure."""
+    if sampler is not None:
+        return _prove_sampled(ctx_prop, ctx_ver, tokens, block, mask, theta, sampler)
     width = len(_pending(ctx_prop, tokens)) + block - 1
     d, p = propose(ctx_prop, tokens, block, mask)
     pending = _pending(ctx_ver, tokens)
@@ -123,17 +146,21 @@ def prove_cycle(ctx_prop, ctx_ver, tokens: list[int], block: int, mask: int, the
                  {"proposer": [width], "verifier": [len(feed)]})
 
 
-def mars_cycle(ctx, tokens: list[int], block: int, mask: int, tau: float) -> Cycle:
+def mars_cycle(ctx, tokens: list[int], block: int, mask: int, tau: float, sampler=None) -> Cycle:
     """MARS confidence rule: commit the leading run with p_i >= tau, at least one. One pass."""
+    if sampler is not None:
+        return _mars_sampled(ctx, tokens, block, mask, tau, sampler)
     width = len(_pending(ctx, tokens)) + block - 1
     d, p = propose(ctx, tokens, block, mask)
     n = max(1, leading_run(p >= tau))
     return Cycle(d.tolist(), p.tolist(), None, d[:n].tolist(), n, {"proposer": 1}, {"proposer": [width]})
 
 
-def spec_cycle(ctx_tgt, ctx_draft, tokens: list[int], k: int) -> Cycle:
+def spec_cycle(ctx_tgt, ctx_draft, tokens: list[int], k: int, sampler=None) -> Cycle:
     """Speculative decoding: the draft proposes k tokens greedily, one pass each; the target
     scores [pending, x_1..x_k] in one pass and commits the matching run plus its own next token."""
+    if sampler is not None:
+        return _spec_sampled(ctx_tgt, ctx_draft, tokens, k, sampler)
     x, px, draft_widths = [], [], []
     feed = _pending(ctx_draft, tokens)
     for _ in range(k):
@@ -148,4 +175,88 @@ def spec_cycle(ctx_tgt, ctx_draft, tokens: list[int], k: int) -> Cycle:
     ctx_tgt.truncate(len(tokens) + n)
     ctx_draft.truncate(min(ctx_draft.n_past, len(tokens) + n))
     return Cycle(x, px, q.tolist(), x[:n] + [int(g[n])], n, {"draft": k, "proposer": 1},
-                 {"draft": draft_widths, "proposer": [len(pending) + k]})
+                 {"draft": draft_widths, "proposer": [len(pending) + k]}, residual=n < k)
+
+
+# ---------------------------------------------------------------------------------- sampling
+# The same cycles with a sampler (temperature > 0, or a repetition penalty). q: the processed
+# distributions the proposed tokens were drawn from; p: the processed target distributions.
+
+def _ar_sampled(ctx, tokens, sampler) -> Cycle:
+    pending = _pending(ctx, tokens)
+    p = sampler.dist(ctx.eval(pending), tokens)
+    x = sampler.draw(p[0])
+    return Cycle([x], [float(p[0, x])], None, [x], 1, {"proposer": 1}, {"proposer": [len(pending)]})
+
+
+def _lossless_sampled(ctx, tokens, block, mask, verify, sampler) -> Cycle:
+    """Slot tokens d_i ~ q_i (the processed MARS slot distributions, penalties over tokens + d[:i-1]);
+    the verify pass gives the targets p_i. Slot 1's row is the ordinary next-token distribution of
+    the same model after the same prefix (causal attention: the masks after it are unseen), so q_1
+    IS the target and d_1 is an exact sample of it: accepted with probability 1. Slots 2..v go
+    through exact speculative sampling; the residual or bonus token follows, as greedy's correction.
+    A `verify` function gets the processed probabilities of the drawn slot tokens."""
+    pending = len(_pending(ctx, tokens))
+    d, q = sampler.propose(proposal_logits(ctx, tokens, block, mask), tokens)
+    conf = q[np.arange(block), d]                    # processed probability of each drawn slot token
+    if callable(verify):
+        verify = verify(conf)
+    v = block if verify is None else max(1, min(int(verify), block))
+    # row i of the verify pass: the target after tokens + d[:i+1]
+    p = sampler.dist(ctx.eval(d[:v], rows=list(range(v))), tokens + d[:1], d[1:v])
+    n, nxt, accept, residual = sampler.verify(p, q[1:v], d[1:v])
+    n += 1                                           # slot 1 (exact)
+    ctx.truncate(len(tokens) + n)                    # keep d[:n]; nxt stays pending
+    target = [float(conf[0])] + [float(p[i, d[i + 1]]) for i in range(v - 1)]
+    return Cycle(d, conf.tolist(), target, d[:n] + [nxt], n, {"proposer": 2},
+                 {"proposer": [pending + block - 1, v]}, accept_prob=[1.0] + accept, residual=residual)
+
+
+def _spec_sampled(ctx_tgt, ctx_draft, tokens, k, sampler) -> Cycle:
+    """The draft samples x_j ~ q_j (its processed distribution after tokens + x[:j-1]), one pass
+    each; the target's processed p_j from one pass; exact speculative sampling decides."""
+    x, q, draft_widths = [], [], []
+    feed = _pending(ctx_draft, tokens)
+    for _ in range(k):
+        (xj,), qj = sampler.propose(ctx_draft.eval(feed), tokens + x)
+        draft_widths.append(len(feed))
+        x.append(xj), q.append(qj[0])
+        feed = x[-1:]
+    pending = _pending(ctx_tgt, tokens)
+    logits = ctx_tgt.eval(pending + x, rows=list(range(len(pending) - 1, len(pending) + k)))
+    p = sampler.dist(logits, tokens, x)              # row j: the target after tokens + x[:j]
+    q = np.array(q).reshape(k, p.shape[1])
+    n, nxt, accept, residual = sampler.verify(p, q, x)
+    ctx_tgt.truncate(len(tokens) + n)
+    ctx_draft.truncate(min(ctx_draft.n_past, len(tokens) + n))
+    return Cycle(x, [float(q[j, x[j]]) for j in range(k)], [float(p[j, x[j]]) for j in range(k)], x[:n] + [nxt], n,
+                 {"draft": k, "proposer": 1}, {"draft": draft_widths, "proposer": [len(pending) + k]},
+                 accept_prob=accept, residual=residual)
+
+
+def _prove_sampled(ctx_prop, ctx_ver, tokens, block, mask, theta, sampler) -> Cycle:
+    """ProVe with sampling (lossy by design): slot tokens drawn from the processed slot
+    distributions; the gate p̃_i * q_i >= theta uses the processed probability of the drawn token
+    under the proposer (p̃_i) and under the verifier with the same chain and prefix (q_i). Slot 1 is
+    an exact sample of the proposer's AR distribution and is always committed."""
+    width = len(_pending(ctx_prop, tokens)) + block - 1
+    d, qp = sampler.propose(proposal_logits(ctx_prop, tokens, block, mask), tokens)
+    conf = qp[np.arange(block), d]
+    pending = _pending(ctx_ver, tokens)
+    feed = pending + d[:-1]
+    pv = sampler.dist(ctx_ver.eval(feed, rows=list(range(len(pending) - 1, len(feed)))), tokens, d)
+    q = pv[np.arange(block), d]
+    n = max(1, leading_run(conf * q >= theta))
+    ctx_ver.truncate(len(tokens) + n - 1)            # keep d[:n-1]; d[n-1] stays pending
+    return Cycle(d, conf.tolist(), q.tolist(), d[:n], n, {"proposer": 1, "verifier": 1},
+                 {"proposer": [width], "verifier": [len(feed)]})
+
+
+def _mars_sampled(ctx, tokens, block, mask, tau, sampler) -> Cycle:
+    """MARS rule with sampling (lossy): slot tokens drawn from the processed slot distributions,
+    committed while their processed probability p̃_i >= tau (at least slot 1, an exact AR sample)."""
+    width = len(_pending(ctx, tokens)) + block - 1
+    d, q = sampler.propose(proposal_logits(ctx, tokens, block, mask), tokens)
+    conf = q[np.arange(block), d]
+    n = max(1, leading_run(conf >= tau))
+    return Cycle(d, conf.tolist(), None, d[:n], n, {"proposer": 1}, {"proposer": [width]})

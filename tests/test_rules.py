@@ -234,3 +234,47 @@ def test_top1_and_prob_of():
     assert ids.tolist() == [1, 0]
     np.testing.assert_allclose(p, [0.7, 0.5], rtol=1e-6)
     np.testing.assert_allclose(rules.prob_of(logits, [2, 1]), [0.2, 0.25], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------- sampling
+def sampler(seed=0, **kw):
+    from prove_local.sampling import Sampler
+    return Sampler(np.random.default_rng(seed), **{"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, **kw})
+
+
+def test_sampled_prove_and_mars_gate_on_processed_probabilities_and_keep_caches_clean():
+    for seed in range(20):
+        ctx_p, ctx_v = FakeContext(proposer(wrong={3}), V), FakeContext(verifier(), V)
+        c = rules.prove_cycle(ctx_p, ctx_v, PROMPT, block=4, mask=MASK, theta=0.3, sampler=sampler(seed))
+        assert c.n_accepted == len(c.committed) >= 1 and c.committed == c.proposed[:c.n_accepted]
+        ok = [p * q >= 0.3 for p, q in zip(c.p, c.q)]
+        assert c.n_accepted == max(1, rules.leading_run(ok))
+        assert ctx_p.cache == PROMPT and ctx_v.cache == (PROMPT + c.committed)[:len(PROMPT) + c.n_accepted - 1]
+        # T = 1, no truncation: p̃ is the plain softmax probability of the drawn token
+        assert c.p[0] == pytest.approx(0.9 if c.proposed[0] == 6 else 0.1 / (V - 1), rel=1e-4)
+        ctx = FakeContext(proposer(), V)
+        m = rules.mars_cycle(ctx, PROMPT, block=4, mask=MASK, tau=0.5, sampler=sampler(seed))
+        assert m.n_accepted == max(1, rules.leading_run([p >= 0.5 for p in m.p])) and ctx.cache == PROMPT
+
+
+def test_sampled_spec_and_ar_keep_caches_clean_and_report_acceptance():
+    def draft(prefix):
+        return onehot(V, 25 if len(prefix) % 3 == 0 else successor(prefix), 0.6)
+    ctx_t, ctx_d = FakeContext(ar_model(0.7), V), FakeContext(draft, V)
+    tokens = list(PROMPT)
+    s = sampler(3, temperature=0.8, top_k=5)
+    for _ in range(20):
+        c = rules.spec_cycle(ctx_t, ctx_d, tokens, 3, sampler=s)
+        assert len(c.accept_prob) == 3 and len(c.committed) == c.n_accepted + 1
+        assert c.residual == (c.n_accepted < 3) and c.committed[:c.n_accepted] == c.proposed[:c.n_accepted]
+        tokens += c.committed
+        assert ctx_t.cache == tokens[:ctx_t.n_past] and ctx_t.n_past == len(tokens) - 1
+        assert ctx_d.cache == tokens[:ctx_d.n_past]
+    a = rules.ar_cycle(FakeContext(ar_model(), V), PROMPT, sampler=sampler(1))
+    assert len(a.committed) == 1 and a.accept_prob is None
+
+
+def test_greedy_cycles_flag_the_correction_as_residual():
+    c = rules.lossless_cycle(FakeContext(proposer(wrong={3}), V), PROMPT, block=5, mask=MASK)
+    assert c.residual and c.accept_prob is None
+    assert not rules.lossless_cycle(FakeContext(proposer(), V), PROMPT, block=4, mask=MASK).residual

@@ -32,6 +32,7 @@ def canonical_command(args) -> str:
     """The command line that reproduces this run, every option spelled out."""
     parts = ["prove-local", "bench"]
     for opt in ("proposer", "verifier", "draft", "modes", "limit", "max_new", "theta", "tau", "block", "draft_k",
+                "temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed", "samples",
                 "mask_token", "threads", "ctx", "n_gpu_layers", "kv_type", "warmup", "pass_cost_reps", "pass_cost_max",
                 "bins", "system", "out"):
         v = getattr(args, opt, None)
@@ -63,6 +64,18 @@ def add_parser(sub) -> None:
     p.add_argument("--tau", type=TAU, default=0.95, help="MARS rule τ (default 0.95)")
     p.add_argument("--block", type=BLOCK, help="block length (default: the GGUF's prove.block_size, else 16)")
     p.add_argument("--draft-k", type=DRAFT_K, default=4, help="drafts per cycle for spec (default 4)")
+    p.add_argument("--temp", "--temperature", dest="temp", default="0",
+                   help="temperatures to run every mode at, comma-separated (default 0: greedy); runs at T > 0 "
+                        "are named mode@T<t>")
+    p.add_argument("--top-k", type=int, default=40, help="sampling: top-k (default 40; 0: off)")
+    p.add_argument("--top-p", type=float, default=0.95, help="sampling: top-p (default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="sampling: min-p (default 0.05)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="sampling: repeat penalty (default 1.0: off)")
+    p.add_argument("--repeat-last-n", type=int, default=64, help="sampling: penalty window (default 64)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="base seed; generation j of prompt i in the r-th run uses seed + 1e8 r + 1000 i + j (default 0)")
+    p.add_argument("--samples", type=int, default=4,
+                   help="generations per prompt at T > 0 (repeated seeds), for the distribution check (default 4)")
     p.add_argument("--mask-token", type=TOKEN_ID, help="placeholder token id (overrides the GGUF's mask token)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--raw", action="store_true", help="plain prompts, no chat template")
@@ -150,6 +163,9 @@ def cmd_bench(args) -> int:
         raise UsageError(f"unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(MODES)}")
     modes = list(dict.fromkeys(modes))
     thetas = _floats(args.theta)
+    temps = sorted(set(_floats(args.temp)))
+    if not temps or any(t < 0 for t in temps) or args.samples < 1:
+        raise UsageError("--temp needs values >= 0 and --samples must be >= 1")
     if "prove" in modes and not thetas:
         raise UsageError("--theta needs at least one value")
     proposer_path = Path(args.proposer) if args.proposer else EMBEDDED_PROPOSER
@@ -192,7 +208,10 @@ def cmd_bench(args) -> int:
     context_options = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
     engine = Engine.load(models["proposer"], models.get("verifier"), models.get("draft"), mask_token=args.mask_token,
                          **context_options)
-    runs = make_runs(modes, max_new=args.max_new, block=args.block, thetas=thetas, tau=args.tau, draft_k=args.draft_k)
+    sampling = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                    repeat_last_n=args.repeat_last_n, seed=args.seed)
+    runs = make_runs(modes, max_new=args.max_new, block=args.block, thetas=thetas, tau=args.tau, draft_k=args.draft_k,
+                     temps=temps, sampling=sampling, samples=args.samples)
     for r in runs:
         engine.check(r.settings)
 
@@ -234,7 +253,8 @@ def cmd_bench(args) -> int:
                           "mask_token": (engine.mask_token if role == "proposer" else m.mask_token),
                           "block_size": m.block_size} for role, m in models.items()},
         "settings": {"modes": modes, "max_new": args.max_new, "block": block, "theta": thetas, "tau": args.tau,
-                     "draft_k": args.draft_k, "ctx": args.ctx, "kv_type": kv, "threads": threads,
+                     "draft_k": args.draft_k, "temperature": temps, **sampling, "samples": args.samples,
+                     "ctx": args.ctx, "kv_type": kv, "threads": threads,
                      "n_gpu_layers": ngl, "warmup": args.warmup, "chat_template": not args.raw},
         "data": {"paths": [str(p) for p in args.data], "limit": args.limit},
         "bins": args.bins,

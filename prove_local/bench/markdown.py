@@ -47,7 +47,11 @@ def summary_markdown(res: dict) -> str:
     d = res["data"]
     st = res.get("settings", {})
     L.append(f"- prompts: {d['n_prompts']} ({', '.join(f'{k} {v}' for k, v in d['families'].items())}); "
-             f"max new tokens {st.get('max_new')}, block {st.get('block')}, greedy, one request at a time")
+             f"max new tokens {st.get('max_new')}, block {st.get('block')}, "
+             + (f"temperatures {', '.join(f'{t:g}' for t in st['temperature'])} (top-k {st.get('top_k')}, top-p "
+                f"{st.get('top_p')}, min-p {st.get('min_p')}, repeat penalty {st.get('repeat_penalty')}, "
+                f"{st.get('samples')} seeds per prompt at T > 0)" if any(st.get("temperature") or [])
+                else "greedy") + ", one request at a time")
     L.append(f"- machine: {mach.get('cpu', '?')}, {mach.get('threads')} thread(s), llama-cpp-python {mach.get('llama_cpp_python', '?')}"
              f"{', GPU offload' if mach.get('gpu_offload') else ''}; runs interleaved per prompt after a warm-up; "
              "times exclude the prompt prefill")
@@ -75,6 +79,35 @@ def summary_markdown(res: dict) -> str:
         rows = [[f"`{n}`"] + [_pct(m["accuracy_by_family"].get(f)) for f in acc_fams] for n, m in res["modes"].items()]
         L += ["Answer accuracy by family (final answer checked against the reference):", "", _table(["run"] + acc_fams, rows), ""]
 
+    acc = {k: m for k, m in res["modes"].items() if m.get("acceptance_by_slot")}
+    if acc:
+        n = max(len(m["acceptance_by_slot"]["rate"]) for m in acc.values())
+        rows = []
+        for k, m in acc.items():
+            a = m["acceptance_by_slot"]
+            cells = []
+            for i in range(n):
+                if i >= len(a["rate"]):
+                    cells.append("")
+                    continue
+                e = a["mean_accept_prob"][i] if a.get("mean_accept_prob") else None
+                cells.append(_pct(a["rate"][i]) + (f" ({_pct(e)})" if e is not None else ""))
+            rows.append([f"`{k}`", stats.fmt(m.get("temperature") or 0.0, 2), stats.fmt(m["tokens_per_cycle"], 2)] + cells)
+        L += ["## Acceptance per slot (exact modes)", "",
+              "Share of cycles that accepted slot i among those that tested it (all earlier slots accepted); "
+              "in parentheses, at temperature > 0, the mean acceptance probability min(1, p/q) of exact "
+              "speculative sampling. `lossless` slot 1 is the proposer's own next-token sample: always accepted.", "",
+              _table(["run", "T", "tokens/cycle"] + [str(i + 1) for i in range(n)], rows), ""]
+    dist = {k: m["distribution_vs_ar"] for k, m in res["modes"].items() if m.get("distribution_vs_ar")}
+    if dist:
+        rows = [[f"`{k}`", f"`{d['reference']}`", str(d["samples"]), str(d["positions"]), f"{d['p_value']:.3g}" if d["p_value"] is not None else "– (too few samples)",
+                 ", ".join(stats.fmt(x, 3) for x in d["tv_by_position"])] for k, d in dist.items()]
+        L += ["## Exactness at temperature > 0: distributions, not tokens", "",
+              "Sampled outputs of an exact mode are not equal to `ar`'s token for token (the random streams are "
+              "consumed differently); they must be equal in distribution. " + next(iter(dist.values()))["method"]
+              + ". A small p-value would show a difference. TV: mean total variation distance between the two "
+              "frequency tables per prompt, by position (sampling noise alone keeps it well above 0 with few seeds).", "",
+              _table(["run", "reference", "samples", "positions", "p-value", "TV by position"], rows), ""]
     if res["position_match_rate"]:
         n = max(len(v["rate"]) for v in res["position_match_rate"].values())
         header = ["run"] + [str(i + 1) for i in range(n)]

@@ -10,6 +10,7 @@ from . import stats
 from .data import check_answer
 from .markdown import summary_markdown
 from .plots import make_plots, roc_data
+from ..modes import MODES
 from .runner import BenchData
 
 SCHEMA_VERSION = 1
@@ -24,9 +25,20 @@ def reference_run(data: BenchData) -> str | None:
     return "ar" if "ar" in names else ("lossless" if "lossless" in names else None)
 
 
+def sampled_reference(data: BenchData, temperature: float) -> str | None:
+    """The `ar` run at this temperature: the distribution an exact mode's samples must follow."""
+    for r in data.runs:
+        if r.settings.mode == "ar" and r.settings.temperature == temperature:
+            return r.name
+    return None
+
+
 def build_results(data: BenchData, *, meta: dict) -> dict:
     runs = {r.name: r for r in data.runs}
-    by = {(g.prompt, g.run): g for g in data.generations}
+    by = {(g.prompt, g.run): g for g in data.generations if g.sample == 0}   # repeated seeds: see below
+    samples: dict[str, dict[int, list[list[int]]]] = {}
+    for g in data.generations:
+        samples.setdefault(g.run, {}).setdefault(g.prompt, []).append(g.tokens)
     prompts = data.prompts
     ref_name = reference_run(data)
     ref = {i: by[(i, ref_name)].tokens for i in range(len(prompts)) if (i, ref_name) in by} if ref_name else {}
@@ -36,6 +48,8 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
 
     correct = {}
     for g in data.generations:
+        if g.sample:
+            continue
         p = prompts[g.prompt]
         correct[(g.prompt, g.run)] = check_answer(p.family, g.text, p.answer)
 
@@ -65,12 +79,20 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
             if acc is not None:
                 fam_acc[fam] = _r(acc)
         proj = stats.projected(run.settings.mode, cycles, curves) if curves else {}
-        exact = stats.exact_match_share([g.tokens for g in gens_ok], [ref.get(g.prompt) for g in gens_ok]) \
-            if ref_name == "ar" else None
-        checkable = [correct[(g.prompt, name)] for g in gens_ok]
         s = run.settings
+        exact = stats.exact_match_share([g.tokens for g in gens_ok], [ref.get(g.prompt) for g in gens_ok]) \
+            if ref_name == "ar" and s.temperature == 0 else None
+        sampled_ref = sampled_reference(data, s.temperature) if s.temperature > 0 else None
+        dist = stats.distribution_check(samples.get(sampled_ref, {}), samples.get(name, {})) \
+            if sampled_ref and sampled_ref != name and MODES[s.mode].exact else None
+        all_cycles = [c for g in data.generations if g.run == name for c in g.cycles]
+        checkable = [correct[(g.prompt, name)] for g in gens_ok]
         entry = {
             "mode": s.mode,
+            "temperature": s.temperature,
+            "sampling": {"top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p, "repeat_penalty": s.repeat_penalty,
+                         "repeat_last_n": s.repeat_last_n, "seed": s.seed, "samples": run.samples}
+            if s.temperature > 0 or s.repeat_penalty != 1.0 else None,
             "theta": s.theta if s.mode == "prove" else None,
             "tau": s.tau if s.mode == "mars" else None,
             "block": s.block, "draft_k": s.draft_k if s.mode == "spec" else None,
@@ -87,6 +109,14 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
                            "projected": _r(proj.get("cycle_cost")), "projected_flat": _r(proj.get("cycle_cost_flat"))},
             "projected_speedup": {"curve": _r(proj.get("speedup")), "flat": _r(proj.get("speedup_flat"))},
             "exact_match_vs_ar": _r(exact),
+            # sampled exact modes: per-position token distributions against ar's at the same temperature
+            "distribution_vs_ar": None if dist is None else {
+                "reference": sampled_ref, "p_value": None if dist["p_value"] is None else float(f"{dist['p_value']:.4g}"), "positions": dist["positions"],
+                "samples": dist["samples"], "tv_by_position": [_r(x) for x in dist["tv_by_position"]],
+                "method": dist["method"]},
+            "acceptance_by_slot": ({k: [_r(x) for x in v] if k != "n" else v
+                                    for k, v in stats.acceptance_by_slot(all_cycles).items()}
+                                   if MODES[s.mode].exact and s.mode != "ar" else None),
             "accuracy": _r(stats.accuracy(checkable)),
             "n_checkable": sum(c is not None for c in checkable),
             "accuracy_by_family": fam_acc,
@@ -106,7 +136,7 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
                           "accuracy": entry["accuracy"], "exact_match_vs_ar": entry["exact_match_vs_ar"],
                           "projected_speedup_flat": entry["projected_speedup"]["flat"]})
         # the paper's analyses, for runs that propose blocks (or drafts)
-        if s.mode != "ar" and ref:
+        if s.mode != "ar" and ref and s.temperature == 0:   # greedy-path analyses
             labels, mruns = [], []
             for g in gens_ok:
                 if g.prompt in ref:
@@ -127,6 +157,7 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
     for i, p in enumerate(prompts):
         rr = {}
         for name in runs:
+            sampled = runs[name].settings.temperature > 0
             g = by.get((i, name))
             if g is None:
                 continue
@@ -134,9 +165,9 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
                         "tokens_per_second": _r(len(g.tokens) / g.seconds if g.seconds > 0 else None, 3),
                         "tokens_per_cycle": _r(stats.tokens_per_cycle(g.cycles)),
                         "stop": g.cycles[-1].stop if g.cycles else None,
-                        "equal_to_ar": (g.tokens == ref[i]) if ref_name == "ar" and i in ref else None,
+                        "equal_to_ar": (g.tokens == ref[i]) if ref_name == "ar" and i in ref and not sampled else None,
                         "first_divergence": (stats.common_prefix(g.tokens, ref[i]) if ref_name == "ar" and i in ref
-                                             and g.tokens != ref[i] else None),
+                                             and g.tokens != ref[i] and not sampled else None),
                         "correct": correct[(i, name)]}
         per_prompt.append({"id": p.id, "family": p.family, "source": p.source, "answer": p.answer,
                            "n_prompt_tokens": len(data.prompt_tokens[i]), "runs": rr})
@@ -172,8 +203,11 @@ def generations_jsonl(data: BenchData) -> str:
         lines.append(json.dumps({
             "prompt": data.prompts[g.prompt].id, "run": g.run, "text": g.text, "tokens": g.tokens,
             "seconds": round(g.seconds, 5), "prefill": [g.prefill_tokens, round(g.prefill_seconds, 5)],
+            "sample": g.sample, "seed": g.seed, "stop": g.cycles[-1].stop if g.cycles else None,
             "cycles": [{"start": c.start, "proposed": c.proposed, "p": [round(x, 5) for x in c.p],
                         "q": None if c.q is None else [round(x, 5) for x in c.q], "n_committed": len(c.committed),
+                        "accept_prob": None if c.accept_prob is None else [round(x, 5) for x in c.accept_prob],
+                        "residual": c.residual,
                         "n_accepted": c.n_accepted, "passes": c.passes, "seconds": round(c.seconds, 6),
                         "decode_seconds": {k: round(v, 6) for k, v in c.decode_seconds.items()}} for c in g.cycles],
         }, ensure_ascii=False))
@@ -202,10 +236,15 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
     index = {p.id: i for i, p in enumerate(prompts)}
     stops = {(p["id"], run): r.get("stop") for p in res["prompts"] for run, r in p["runs"].items()}
     default = Settings()
+    def sampling(m):
+        sm = m.get("sampling") or {}
+        return {k: sm[k] for k in ("top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed") if k in sm}
     runs = [Run(name, Settings(mode=m["mode"], max_new=res["settings"]["max_new"], block=m["block"],
                                theta=default.theta if m["theta"] is None else m["theta"],
                                tau=default.tau if m["tau"] is None else m["tau"],
-                               draft_k=default.draft_k if m["draft_k"] is None else m["draft_k"]))
+                               draft_k=default.draft_k if m["draft_k"] is None else m["draft_k"],
+                               temperature=m.get("temperature") or 0.0, **sampling(m)),
+                (m.get("sampling") or {}).get("samples", 1))
             for name, m in res["modes"].items()]
     gens = []
     for line in lines:
@@ -213,11 +252,12 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
         toks = g["tokens"]
         cycles = [Cycle(proposed=c["proposed"], p=c["p"], q=c["q"], committed=toks[c["start"]:c["start"] + c["n_committed"]],
                         n_accepted=c["n_accepted"], passes=c["passes"], decode_seconds=c["decode_seconds"],
-                        seconds=c["seconds"], index=k, start=c["start"]) for k, c in enumerate(g["cycles"])]
+                        seconds=c["seconds"], index=k, start=c["start"], accept_prob=c.get("accept_prob"),
+                        residual=c.get("residual", False)) for k, c in enumerate(g["cycles"])]
         if cycles:
-            cycles[-1].stop = stops.get((g["prompt"], g["run"]))
+            cycles[-1].stop = g["stop"] if "stop" in g else stops.get((g["prompt"], g["run"]))
         gens.append(Generation(index[g["prompt"]], g["run"], toks, cycles, g["seconds"],
-                               g["prefill"][0], g["prefill"][1], g["text"]))
+                               g["prefill"][0], g["prefill"][1], g["text"], g.get("sample", 0), g.get("seed")))
     data = BenchData(prompts, [[0] * p["n_prompt_tokens"] for p in res["prompts"]], runs, gens,
                      {role: dict(zip(v["n"], v["seconds"])) for role, v in res.get("pass_cost", {}).items()},
                      res.get("warmup_seconds") or 0.0)

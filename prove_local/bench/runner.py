@@ -6,7 +6,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import median
 
 from ..engine import Engine, Settings
@@ -22,6 +22,7 @@ class Run:
     """One measured configuration: a mode and its knobs. `name` keys results.json's `modes`."""
     name: str
     settings: Settings
+    samples: int = 1              # generations per prompt, seeds settings.seed + 1000 * prompt + j (sampled runs)
 
 
 @dataclass
@@ -34,6 +35,8 @@ class Generation:
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     text: str = ""
+    sample: int = 0               # which of the run's repeated seeds (0 for the first)
+    seed: int | None = None
 
 
 @dataclass
@@ -48,16 +51,25 @@ class BenchData:
 
 
 def make_runs(modes: list[str], *, max_new: int, block: int | None, thetas: list[float], tau: float,
-              draft_k: int) -> list[Run]:
+              draft_k: int, temps: list[float] = (0.0,), sampling: dict | None = None, samples: int = 1) -> list[Run]:
+    """One run per mode (and θ) and temperature. Runs at temperature > 0 are named `mode@T<t>` and
+    generate `samples` times per prompt (the exactness check compares their distributions)."""
     runs = []
-    for mode in modes:
-        if mode == "prove":
-            for th in thetas:
-                name = "prove" if len(thetas) == 1 else f"prove@{th:g}"
-                runs.append(Run(name, Settings(mode="prove", max_new=max_new, block=block, theta=th, tau=tau, draft_k=draft_k)))
-        else:
-            runs.append(Run(mode, Settings(mode=mode, max_new=max_new, block=block, theta=thetas[0] if thetas else 0.05,
-                                           tau=tau, draft_k=draft_k)))
+    sampling = dict(sampling or {})
+    sampling.setdefault("seed", 0)
+    for t in temps:
+        suffix = f"@T{t:g}" if t > 0 else ""
+        n = samples if t > 0 else 1
+        for mode in modes:
+            if mode == "prove":
+                for th in thetas:
+                    name = ("prove" if len(thetas) == 1 else f"prove@{th:g}") + suffix
+                    runs.append(Run(name, Settings(mode="prove", max_new=max_new, block=block, theta=th, tau=tau,
+                                                   draft_k=draft_k, temperature=t, **sampling), n))
+            else:
+                runs.append(Run(mode + suffix, Settings(mode=mode, max_new=max_new, block=block,
+                                                        theta=thetas[0] if thetas else 0.05, tau=tau, draft_k=draft_k,
+                                                        temperature=t, **sampling), n))
     return runs
 
 
@@ -118,8 +130,7 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
         t0 = time.perf_counter()
         for run in runs:
             s = run.settings
-            generate_once(engine, prompt_tokens[0], Settings(mode=s.mode, max_new=warmup, block=s.block,
-                                                             theta=s.theta, tau=s.tau, draft_k=s.draft_k))
+            generate_once(engine, prompt_tokens[0], replace(s, max_new=warmup))
         data.warmup_seconds = time.perf_counter() - t0
     if pass_cost and prompt_tokens:
         ns = tuple(n for n in PASS_COST_NS if n <= pass_cost_max)
@@ -131,19 +142,26 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
             if id(m) not in seen:
                 seen[id(m)] = measure_pass_cost(m, context_options, prompt_tokens[0], ns=ns, reps=pass_cost_reps)
             data.pass_cost[role] = seen[id(m)]
-    bar = tqdm(total=len(prompts) * len(runs), desc="bench", unit="gen", disable=not progress, file=sys.stderr,
-               dynamic_ncols=True)
+    bar = tqdm(total=len(prompts) * sum(r.samples for r in runs), desc="bench", unit="gen", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
     done = 0
     try:
         for i, tokens in enumerate(prompt_tokens):
             k = i % len(runs)
-            for run in runs[k:] + runs[:k]:
-                bar.set_postfix_str(f"{prompts[i].id} {run.name}", refresh=False)
-                cycles, seconds, (n_pre, t_pre) = generate_once(engine, tokens, run.settings)
-                out = [t for c in cycles for t in c.committed]
-                data.generations.append(Generation(i, run.name, out, cycles, seconds, n_pre, t_pre,
-                                                   proposer.detokenize([t for t in out if not proposer.is_eog(t)])))
-                bar.update(1)
+            for j in range(max(r.samples for r in runs)):
+                for run in runs[k:] + runs[:k]:
+                    if j >= run.samples:
+                        continue
+                    bar.set_postfix_str(f"{prompts[i].id} {run.name}", refresh=False)
+                    # a seed of its own for every run, prompt and sample: the distribution check
+                    # compares independent samples (ar and lossless with one seed draw the same first token)
+                    seed = (run.settings.seed or 0) + 10 ** 8 * runs.index(run) + 1000 * i + j
+                    cycles, seconds, (n_pre, t_pre) = generate_once(engine, tokens, replace(run.settings, seed=seed))
+                    out = [t for c in cycles for t in c.committed]
+                    data.generations.append(Generation(i, run.name, out, cycles, seconds, n_pre, t_pre,
+                                                       proposer.detokenize([t for t in out if not proposer.is_eog(t)]),
+                                                       sample=j, seed=seed))
+                    bar.update(1)
             done = i + 1
     except KeyboardInterrupt:
         data.interrupted = True

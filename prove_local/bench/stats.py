@@ -311,3 +311,111 @@ def fmt(x, digits: int = 2, suffix: str = "") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
     return f"{x:.{digits}f}{suffix}"
+
+
+# ------------------------------------------------------------------------------- sampling
+def acceptance_by_slot(cycles) -> dict:
+    """Exact modes: per proposed slot i, how often it was accepted among the cycles that tested it
+    (every slot before it accepted, and it was verified), and where the cycle sampled, the mean
+    acceptance probability min(1, p/q) it was tested with. Cycles cut by a stop are left out (the
+    cut, not the rule, ended their run)."""
+    tested: list[int] = []
+    accepted: list[int] = []
+    probs: list[list[float]] = []
+    for c in cycles:
+        if c.stop:
+            continue
+        ap = getattr(c, "accept_prob", None)
+        n_ver = len(ap) if ap is not None else (len(c.q) if c.q is not None else len(c.proposed))
+        for i in range(min(n_ver, c.n_accepted + 1)):
+            if i >= len(tested):
+                tested.append(0), accepted.append(0), probs.append([])
+            tested[i] += 1
+            accepted[i] += i < c.n_accepted
+            if ap is not None:
+                probs[i].append(float(ap[i]))
+    return {"rate": [a / t for a, t in zip(accepted, tested)], "n": tested,
+            "mean_accept_prob": [sum(p) / len(p) if p else None for p in probs]}
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """Survival function of the chi-square distribution: the regularized upper incomplete gamma
+    Q(df/2, x/2), by its series or continued fraction (Numerical Recipes, gammp/gammq)."""
+    if x <= 0 or df <= 0:
+        return 1.0
+    a, z = df / 2.0, x / 2.0
+    lg = math.lgamma(a)
+    if z < a + 1:                              # series for P, Q = 1 - P
+        term = total = 1.0 / a
+        n = a
+        for _ in range(10000):
+            n += 1
+            term *= z / n
+            total += term
+            if abs(term) < abs(total) * 1e-15:
+                break
+        return max(0.0, 1.0 - total * math.exp(-z + a * math.log(z) - lg))
+    b = z + 1 - a                              # continued fraction for Q (modified Lentz)
+    c, d = 1.0 / 1e-300, 1.0 / b
+    h = d
+    for i in range(1, 10000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = 1e-300 if abs(d) < 1e-300 else d
+        c = b + an / c
+        c = 1e-300 if abs(c) < 1e-300 else c
+        d = 1.0 / d
+        h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return math.exp(-z + a * math.log(z) - lg) * h
+
+
+def distribution_check(reference: dict, outputs: dict, positions: int = 8, min_count: int = 5) -> dict | None:
+    """Sampled outputs cannot be compared token for token: compare distributions instead.
+    `reference` / `outputs`: prompt -> list of sampled token lists (repeated seeds). For each
+    position k < positions and each prompt, a two-sample chi-square of the token at k (tokens seen
+    fewer than min_count times in both together pooled); the statistics of different prompts are
+    independent and are summed, giving one p-value per position; `p_value` is the smallest times
+    the number of positions (Bonferroni). Also the mean total variation distance per position
+    between the two frequency tables (it shrinks with more samples when the modes agree)."""
+    per_pos, tv = [], []
+    for k in range(positions):
+        stat, df, tvs = 0.0, 0, []
+        for prompt, outs in outputs.items():
+            a = [o[k] for o in reference.get(prompt, []) if len(o) > k]
+            b = [o[k] for o in outs if len(o) > k]
+            if len(a) < 2 or len(b) < 2:
+                continue
+            ca, cb = {}, {}
+            for t in a:
+                ca[t] = ca.get(t, 0) + 1
+            for t in b:
+                cb[t] = cb.get(t, 0) + 1
+            keys = set(ca) | set(cb)
+            tvs.append(0.5 * sum(abs(ca.get(t, 0) / len(a) - cb.get(t, 0) / len(b)) for t in keys))
+            big = [t for t in keys if ca.get(t, 0) + cb.get(t, 0) >= min_count]
+            cols = [(ca.get(t, 0), cb.get(t, 0)) for t in big]
+            rest = (len(a) - sum(x for x, _ in cols), len(b) - sum(y for _, y in cols))
+            if rest[0] + rest[1] > 0:
+                cols.append(rest)
+            if len(cols) < 2:
+                continue
+            n = len(a) + len(b)
+            for x, y in cols:
+                tot = x + y
+                for obs, size in ((x, len(a)), (y, len(b))):
+                    e = tot * size / n
+                    stat += (obs - e) ** 2 / e
+            df += len(cols) - 1
+        if df:
+            per_pos.append(chi2_sf(stat, df))
+            tv.append(sum(tvs) / len(tvs))
+    if not outputs:
+        return None
+    return {"p_value": min(1.0, min(per_pos) * len(per_pos)) if per_pos else None,   # None: too few samples
+            "p_by_position": per_pos, "tv_by_position": tv,
+            "positions": len(per_pos), "samples": sum(len(v) for v in outputs.values()),
+            "method": "Per-position two-sample chi-square of token frequencies over repeated seeds, "
+                      "summed over prompts, Bonferroni over positions"}

@@ -246,18 +246,22 @@ def build_app(runtime, *, max_new: int = 256):
         t = sess.turns[-1]
         cmp = t.compare
         return view.compare_html(t.settings.mode, cmp["mode_text"], t.view.spans, t.stats, cmp["ar_text"],
-                                 cmp["ar_stats"], cmp["speedup"], turn=len(sess.turns) - 1)
+                                 cmp["ar_stats"], cmp["speedup"], turn=len(sess.turns) - 1,
+                                 temperature=t.settings.temperature)
 
     # ------------------------------------------------------------------ handlers
-    def send(text, mode, theta, tau, block, max_new_, draft_k, sess):
+    def send(text, mode, theta, tau, block, max_new_, draft_k, temp, top_k, top_p, min_p, repeat_penalty, seed, sess):
         sess = sess if isinstance(sess, Session) else Session()
         text = (text or "").strip()
         if not text:
             yield chat(sess), stats(sess), inspector(sess), cycle_number(sess), view.banner_html(
                 "type a message first", "warn"), compare_panel(sess), gr.update(), sess
             return
+        # sampling: the side panel's "sampling" controls (seed -1: a fresh seed per answer)
         settings = Settings(mode=mode, max_new=int(max_new_), block=int(block), theta=float(theta),
-                            tau=float(tau), draft_k=int(draft_k))
+                            tau=float(tau), draft_k=int(draft_k), temperature=float(temp), top_k=int(top_k),
+                            top_p=float(top_p), min_p=float(min_p), repeat_penalty=float(repeat_penalty),
+                            seed=None if seed is None or int(seed) < 0 else int(seed))
         banner = ""
         last = 0.0
         try:
@@ -367,6 +371,15 @@ def build_app(runtime, *, max_new: int = 256):
                 draft_k = gr.Slider(1, 16, value=4, step=1, label="draft tokens per cycle (spec)",
                                     visible=default_mode == "spec", elem_id="draft_k")
                 max_new = gr.Slider(1, 2048, value=max_new, step=1, label="max new tokens", elem_id="max_new")
+                with gr.Accordion("sampling", open=False, elem_id="sampling"):
+                    temp = gr.Slider(0.0, 2.0, value=0.0, step=0.05, elem_id="temp",
+                                     label="temperature (0: greedy; lossless/spec stay exact in distribution)")
+                    top_k = gr.Slider(0, 200, value=40, step=1, label="top-k (0: off)", elem_id="top_k")
+                    top_p = gr.Slider(0.0, 1.0, value=0.95, step=0.01, label="top-p (1: off)", elem_id="top_p")
+                    min_p = gr.Slider(0.0, 1.0, value=0.05, step=0.01, label="min-p (0: off)", elem_id="min_p")
+                    repeat_penalty = gr.Slider(0.5, 2.0, value=1.0, step=0.05, elem_id="repeat_penalty",
+                                               label="repeat penalty over the last 64 tokens (1: off)")
+                    seed = gr.Number(value=-1, precision=0, label="seed (-1: random)", elem_id="seed")
                 compare_btn = gr.Button("Compare with AR", elem_id="compare")
                 clear_btn = gr.Button("Clear conversation", size="sm", elem_id="clear")
         with gr.Row(equal_height=True, elem_id="insp-bar"):
@@ -380,7 +393,8 @@ def build_app(runtime, *, max_new: int = 256):
         pick_box = gr.Textbox(elem_id="pick", visible="hidden", show_label=False)
 
         gen_outputs = [chat_box, stats_box, insp_box, cycle_no, banner, compare_box, box, state]
-        gr.on([send_btn.click, box.submit], send, [box, mode, theta, tau, block, max_new, draft_k, state],
+        gr.on([send_btn.click, box.submit], send, [box, mode, theta, tau, block, max_new, draft_k, temp, top_k, top_p,
+                                                   min_p, repeat_penalty, seed, state],
               gen_outputs, concurrency_limit=parallel, concurrency_id="decode", show_progress="hidden")
         stop_btn.click(stop, state, state, queue=False, show_progress="hidden")
         clear_btn.click(clear, state, [chat_box, stats_box, insp_box, cycle_no, banner, compare_box, state],

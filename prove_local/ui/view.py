@@ -101,6 +101,7 @@ class SlotRow:
     gate: bool | None       # the rule's test for this slot: True pass, False fail, None not evaluated
     verdict: str            # the gate's verdict in words
     status: str             # "committed", "dropped", "correction" or "bonus"
+    accept: float | None = None   # sampling (lossless, spec): min(1, p/q), the slot's acceptance probability
 
 
 
@@ -149,6 +150,19 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
             else:
                 verdict = (f"{name} ≥ {thr}, but after the first failure" if ok[i]
                            else f"{name} < {thr}, after the first failure")
+        elif cycle.accept_prob is not None:  # lossless, spec, sampled: exact speculative sampling
+            a = cycle.accept_prob[i] if i < len(cycle.accept_prob) else None
+            if committed:
+                gate = True
+                verdict = ("slot 1 is an exact sample of the target: always accepted" if mode == "lossless" and i == 0
+                           else f"accepted (probability min(1, p/q) = {_fmt(a)})")
+            elif i == na and extra:
+                gate = False
+                verdict = f"rejected (acceptance probability {_fmt(a)}): replaced by a draw from the residual"
+            elif not extra and cycle.stop:
+                gate, verdict = None, cut
+            else:
+                gate, verdict = None, "not tested: after the first rejection"
         else:  # lossless, spec: matched against the target's greedy token
             target = "the proposer's" if mode == "lossless" else "the target's"
             if committed:
@@ -162,15 +176,19 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
                 gate, verdict = None, cut
             else:
                 gate, verdict = None, "not checked: after the first mismatch"
+        acc = cycle.accept_prob[i] if cycle.accept_prob is not None and i < len(cycle.accept_prob) else None
         rows.append(SlotRow(i + 1, d[i], token_text(d[i]), p[i], qi, pq, gate, verdict,
-                            "committed" if committed else "dropped"))
+                            "committed" if committed else "dropped", acc))
     for t in extra:
-        bonus = na >= k
+        bonus = (not cycle.residual) if cycle.accept_prob is not None else na >= k
         who = "proposer's" if mode == "lossless" else "target's"
-        rows.append(SlotRow(None, t, token_text(t), None, None, None, None,
-                            f"the {who} own next token after a full match" if bonus
-                            else f"the {who} greedy token at the first mismatch",
-                            "bonus" if bonus else "correction"))
+        if cycle.accept_prob is not None:
+            why = (f"drawn from the {who} distribution after a full match" if bonus
+                   else "drawn from norm(max(0, p − q)) at the first rejection")
+        else:
+            why = (f"the {who} own next token after a full match" if bonus
+                   else f"the {who} greedy token at the first mismatch")
+        rows.append(SlotRow(None, t, token_text(t), None, None, None, None, why, "bonus" if bonus else "correction"))
     return rows
 
 
@@ -248,6 +266,7 @@ def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: 
     pr = ['<th class="rowhead">p̃</th>']
     qr = ['<th class="rowhead">q</th>']
     pqr = ['<th class="rowhead">p̃·q</th>']
+    acr = ['<th class="rowhead" title="acceptance probability of exact speculative sampling">min(1, p/q)</th>']
     gr_ = ['<th class="rowhead">gate</th>']
     st = ['<th class="rowhead">result</th>']
     for r in rows:
@@ -257,10 +276,13 @@ def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: 
         pr.append(f"<td>{_fmt(r.p)}</td>")
         qr.append(f"<td>{_fmt(r.q)}</td>")
         pqr.append(f"<td>{_fmt(r.pq)}</td>")
+        acr.append(f"<td>{_fmt(r.accept)}</td>")
         mark = {True: '<span class="pass">✓</span>', False: '<span class="fail">✗</span>', None: '<span class="na">·</span>'}[r.gate]
         gr_.append(f'<td title="{esc(r.verdict)}">{mark}</td>')
         st.append(f'<td class="status {r.status}">{r.status}</td>')
-    table = "".join(f"<tr>{''.join(row)}</tr>" for row in (head, tok, pr, qr, pqr, gr_, st))
+    sampled = cycle.accept_prob is not None or any(r.accept is not None for r in rows)
+    table = "".join(f"<tr>{''.join(row)}</tr>" for row in
+                    ((head, tok, pr, qr, acr, gr_, st) if sampled else (head, tok, pr, qr, pqr, gr_, st)))
     n_prop = sum(1 for r in rows if r.slot is not None)
     n_comm = sum(1 for r in rows if r.status == "committed")
     extra = [r for r in rows if r.slot is None]
@@ -271,6 +293,9 @@ def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: 
             "lossless": "gate: proposed token = the proposer's greedy token (verify pass)",
             "spec": "gate: drafted token = the target's greedy token",
             "ar": "no gate: one token per cycle"}.get(mode, "")
+    if sampled and mode in ("lossless", "spec"):
+        gate = ("gate: exact speculative sampling, accept the sampled token x with probability min(1, p(x)/q(x)); "
+                "p̃ and q are the processed (sampled-from) probabilities of the proposal and the target")
     passes = ", ".join(f"{r} {n}" for r, n in cycle.passes.items())
     verdicts = "".join(
         f'<li><b>{r.slot if r.slot is not None else "+1"}</b> <span class="tok {"drop" if r.status == "dropped" else ("fix" if r.slot is None else "c" + str(par))}">'
@@ -287,9 +312,12 @@ def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: 
 
 
 def compare_html(mode: str, mode_text: str, mode_spans: list[Span], mode_stats: dict, ar_text: str,
-                 ar_stats: dict, speedup: float | None, turn: int = 0) -> str:
+                 ar_stats: dict, speedup: float | None, turn: int = 0, temperature: float = 0.0) -> str:
     same = mode_text == ar_text
-    if mode in EXACT_MODES:
+    if temperature > 0:
+        verdict = (f'texts {"identical" if same else "differ"} (sampled at temperature {temperature:g}: exact modes match '
+                   'ar sampling in distribution, not token for token)')
+    elif mode in EXACT_MODES:
         verdict = ('<span class="pass">texts identical ✓</span>' if same else
                    '<span class="fail">texts differ ✗ (exact mode: llama.cpp batch rounding on quantized '
                    'weights or an f16 KV cache can do this)</span>')

@@ -1,0 +1,171 @@
+"""The sampler chain and exact speculative sampling, shared by every decoding mode.
+
+Chain, per row of logits (one row = the distribution of one position):
+    repetition penalty over the last `repeat_last_n` tokens of the growing prefix (committed tokens
+    and the drafted tokens before that position: vLLM #6718) -> temperature -> top-k -> top-p -> min-p
+giving the *processed* distribution, in float64. This is the order of vLLM's sampler and HF's
+logits processors (llama.cpp applies temperature after its filters; its defaults are kept:
+top_k 40, top_p 0.95, min_p 0.05, repeat_penalty 1.0 over 64 tokens, and the CTRL penalty rule
+logit/penalty if positive else logit*penalty, once per distinct token in the window).
+
+Why numpy and not llama.cpp's sampler API (llama_sampler_chain_*): exact rejection sampling needs
+the full processed p and q vectors (min(1, p(x)/q(x)) and the residual max(0, p - q)), and the
+tests need them to compare against closed forms. llama.cpp's chain mutates a candidate array in
+place and returns one token; it exposes no per-position distribution for an arbitrary prefix
+(its penalty ring buffer follows `accept` calls, not a hypothetical draft), and drafting with it
+would mean copying and rewinding sampler state per slot. Float64 because the ratio p/q of small
+probabilities must not underflow (a float16 q auto-accepts: lablup/mlxcel PR #992), and q must be
+the processed one the token was drawn from (raw q: HF transformers bug #47932, TV error 0.05).
+
+Random numbers: one `numpy.random.Generator` per request (`Sampler.rng`), consumed only here, one
+uniform per call, in this documented order within a cycle:
+    1. proposal: one uniform per drawn slot or draft token, in slot order (ar: its one token);
+    2. verification: one uniform per accept test, in slot order, stopping at the first rejection;
+    3. one uniform for the residual token (after a rejection) or the bonus token (after a full match).
+So a fixed seed reproduces the output of a mode exactly across runs (different modes consume the
+stream differently, so they reproduce their own outputs, not each other's).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def check(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed) -> str | None:
+    """A one-line complaint about the first out-of-range sampling setting, or None."""
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        return f"temperature must be a finite number >= 0 (0 = greedy), not {temperature!r}"
+    if not (isinstance(top_k, int) and top_k >= 0):
+        return f"top-k must be an integer >= 0 (0 = off), not {top_k!r}"
+    if not (isinstance(top_p, (int, float)) and 0 <= top_p <= 1):
+        return f"top-p must be in [0, 1] (1 = off), not {top_p!r}"
+    if not (isinstance(min_p, (int, float)) and 0 <= min_p <= 1):
+        return f"min-p must be in [0, 1] (0 = off), not {min_p!r}"
+    if not (isinstance(repeat_penalty, (int, float)) and math.isfinite(repeat_penalty) and repeat_penalty > 0):
+        return f"repeat penalty must be a finite number > 0 (1 = off), not {repeat_penalty!r}"
+    if not (isinstance(repeat_last_n, int) and repeat_last_n >= -1):
+        return f"repeat-last-n must be an integer >= -1 (-1 = the whole context, 0 = off), not {repeat_last_n!r}"
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2 ** 64):
+        return f"seed must be an integer in [0, 2^64), not {seed!r}"
+    return None
+
+
+class Sampler:
+    """The sampler chain of one request and its random generator. The rules call:
+    `dist` (processed distributions), `propose` (draw slot/draft tokens), `draw`, `verify`
+    (exact speculative sampling) and `residual`. Temperature 0 with a repetition penalty gives
+    one-hot distributions (greedy on the penalized logits); without a penalty the engine passes
+    no sampler at all and the rules run their greedy code."""
+
+    def __init__(self, rng: np.random.Generator, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
+                 min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64):
+        self.rng = rng
+        self.temperature = float(temperature)
+        self.top_k, self.top_p, self.min_p = int(top_k), float(top_p), float(min_p)
+        self.repeat_penalty, self.repeat_last_n = float(repeat_penalty), int(repeat_last_n)
+
+    @classmethod
+    def for_settings(cls, s, seed: int) -> "Sampler | None":
+        """The request's sampler, or None for plain greedy decoding (today's code path)."""
+        if s.temperature == 0 and s.repeat_penalty == 1.0:
+            return None
+        return cls(np.random.default_rng(seed), s.temperature, s.top_k, s.top_p, s.min_p,
+                   s.repeat_penalty, s.repeat_last_n)
+
+    # ------------------------------------------------------------------ the chain
+    def _window(self, prefix, drafted, i: int) -> list[int]:
+        n = self.repeat_last_n
+        if self.repeat_penalty == 1.0 or n == 0:
+            return []
+        seq = list(prefix[-n:] if n > 0 else prefix) + list(drafted[:i])
+        return seq[-n:] if n > 0 else seq
+
+    def process(self, row: np.ndarray, window) -> tuple[np.ndarray, np.ndarray]:
+        """One row of logits through the chain: (token ids, probabilities), most probable first."""
+        x = row
+        if len(window):
+            x = np.array(row, dtype=np.float64)
+            ids = np.unique(np.asarray(window, dtype=np.int64))
+            ids = ids[(ids >= 0) & (ids < len(x))]
+            v = x[ids]
+            x[ids] = np.where(v > 0, v / self.repeat_penalty, v * self.repeat_penalty)
+        if self.temperature == 0:
+            return np.array([int(np.argmax(x))]), np.ones(1)
+        k, n_vocab = self.top_k, len(x)
+        if 0 < k < n_vocab:
+            cand = np.argpartition(x, n_vocab - k)[n_vocab - k:]
+            z = np.asarray(x[cand], dtype=np.float64) / self.temperature
+            norm = None
+        else:
+            # no top-k: the normaliser is the whole vocabulary's; with min-p, only tokens within
+            # ln(min_p) of the best (and a margin) can survive, so only they are sorted
+            z_all = np.asarray(x, dtype=np.float64) / self.temperature
+            z_max = z_all.max()
+            norm = np.exp(z_all - z_max).sum()
+            if self.min_p > 0.0:
+                cand = np.flatnonzero(z_all >= z_max + math.log(self.min_p) - 1e-6)
+            else:
+                cand = np.arange(n_vocab)
+            z = z_all[cand]
+        order = np.argsort(-z, kind="stable")
+        cand, z = cand[order], z[order]
+        prob = np.exp(z - z[0])
+        prob /= prob.sum() if norm is None else norm
+        n = len(prob)
+        if self.top_p < 1.0:        # smallest head whose mass reaches top_p (llama.cpp: cum_sum >= p)
+            n = min(n, int(np.searchsorted(np.cumsum(prob), self.top_p)) + 1)
+        if self.min_p > 0.0:        # tokens with p >= min_p * p_max (on the top-p-renormalised head)
+            n = min(n, int(np.count_nonzero(prob[:n] >= self.min_p * prob[0])))
+        prob = prob[:max(n, 1)]              # (n is at most len(cand): the min-p candidates suffice)
+        return cand[:len(prob)], prob / prob.sum()
+
+    def dist(self, logits: np.ndarray, prefix, drafted=()) -> np.ndarray:
+        """Processed distributions [rows, vocab] (float64): row i is the distribution of the token
+        after prefix + drafted[:i] (penalties see that growing prefix)."""
+        out = np.zeros(logits.shape, dtype=np.float64)
+        for i in range(len(logits)):
+            ids, prob = self.process(logits[i], self._window(prefix, drafted, i))
+            out[i, ids] = prob
+        return out
+
+    # ------------------------------------------------------------------ drawing
+    def draw(self, probs: np.ndarray) -> int:
+        """One token from a distribution (inverse CDF, one uniform)."""
+        c = np.cumsum(probs)
+        i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
+        return i if i < len(probs) else int(np.flatnonzero(probs)[-1])
+
+    def propose(self, logits: np.ndarray, prefix) -> tuple[list[int], np.ndarray]:
+        """Draw one token per row in order (slot tokens of a MARS block, or one draft token): row
+        i's processed distribution q_i sees the tokens drawn for rows < i. Returns (tokens, q)."""
+        tokens: list[int] = []
+        q = np.zeros(logits.shape, dtype=np.float64)
+        for i in range(len(logits)):
+            ids, prob = self.process(logits[i], self._window(prefix, tokens, i))
+            q[i, ids] = prob
+            tokens.append(self.draw(q[i]))
+        return tokens, q
+
+    def residual(self, p: np.ndarray, q: np.ndarray) -> int:
+        """The token after a rejection: a draw from norm(max(0, p - q)). If that has no mass (p <= q
+        everywhere, i.e. p == q up to rounding, when a rejection has probability ~0), from p."""
+        r = np.maximum(p - q, 0.0)
+        return self.draw(r if r.sum() > 0 else p)
+
+    def verify(self, p: np.ndarray, q: np.ndarray, drafted) -> tuple[int, int, list[float], bool]:
+        """Exact speculative sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023; vLLM
+        vllm/v1/sample/rejection_sampler.py). `drafted[i]` was drawn from q[i]; p[i] is the target
+        after the drafts before it, p has one more row (the bonus position). Accept drafted[i] with
+        probability min(1, p(x)/q(x)); at the first rejection draw from norm(max(0, p - q)); after
+        a full match draw the bonus from the last p row. The committed token at each position is
+        then distributed exactly as p: P(x) = min(p, q)(x) + (1 - sum min(p, q)) * residual(x) = p(x).
+        Returns (n accepted, the next token, min(1, p/q) per draft, whether it came from the residual)."""
+        accept = []
+        for i, x in enumerate(drafted):
+            px, qx = p[i, x], q[i, x]
+            accept.append(float(min(1.0, px / qx)) if qx > 0 else float(px > 0))
+        for i in range(len(drafted)):
+            if self.rng.random() >= accept[i]:
+                return i, self.residual(p[i], q[i]), accept, True
+        return len(drafted), self.draw(p[len(drafted)]), accept, False
