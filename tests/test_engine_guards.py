@@ -71,7 +71,7 @@ def test_a_generation_never_started_can_be_closed():
 
 def _broken_mode():
     """A mode whose cycle evaluates but commits nothing (a broken rule)."""
-    def cycle(contexts, tokens, plan, s, mask):
+    def cycle(contexts, tokens, plan, s, mask, sampler=None):
         rules.ar_cycle(contexts["proposer"], tokens)
         return rules.Cycle([], [], None, [], 0, {"proposer": 1})
     return modes.Mode("broken", ("proposer",), False, True, False, "test", cycle, lambda pend, plan: {})
