@@ -16,16 +16,32 @@ COLORS = ("\x1b[38;5;39m", "\x1b[38;5;214m")
 BONUS, RESET = "\x1b[4m", "\x1b[0m"
 
 
+def block_arg(text: str):
+    """--block / --draft-k: 'auto' or a positive integer."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or >= 1, got {value}")
+    return value
+
+
 def add_run_parser(sub) -> None:
     p = sub.add_parser("run", help="generate with a proposer (and a verifier or draft)",
                        description="Generate text with ProVe decoding. Without -p: an interactive chat.")
     add_model_args(p)
     p.add_argument("--mode", choices=modes.NAMES,
                    help="decoding rule (default: lossless if the model has a mask token, else ar)")
-    p.add_argument("--block", type=int, help="proposal block length (default: the GGUF's prove.block_size, else 16)")
+    p.add_argument("--block", type=block_arg, default="auto",
+                   help="proposal block length: 'auto' (default: a planner picks it per cycle from measured pass "
+                        "costs and acceptance, up to the GGUF's prove.block_size) or a fixed N")
     p.add_argument("--theta", type=float, default=0.05, help="ProVe gate: commit while p*q >= theta (default 0.05)")
     p.add_argument("--tau", type=float, default=0.95, help="MARS rule: commit while p >= tau (default 0.95)")
-    p.add_argument("--draft-k", type=int, default=4, help="drafts per cycle for --mode spec (default 4)")
+    p.add_argument("--draft-k", type=block_arg, default="auto",
+                   help="drafts per cycle for --mode spec: 'auto' (default: chosen per cycle) or a fixed N")
     p.add_argument("-p", "--prompt", help="one prompt; the answer streams to stdout")
     p.add_argument("-n", "--max-new", type=int, default=256, help="max new tokens per answer (default 256)")
     p.add_argument("--raw", action="store_true", help="plain completion of the prompt, no chat template")
@@ -76,15 +92,25 @@ def report(engine, model, settings, cycles, seconds, request, interrupted) -> di
         "seconds": s["seconds"], "tokens_per_second": s["tokens_per_second"],
         "prefill": {"tokens": request.prefill[0], "seconds": request.prefill[1]},
         "stop": "interrupted" if interrupted else s["stop"],
+        "widths": widths_histogram(settings.mode, cycles),
         "settings": {"block": settings.block or engine.block_size, "theta": settings.theta, "tau": settings.tau,
                      "draft_k": settings.draft_k, "max_new": settings.max_new},
     }
+
+
+def widths_histogram(mode: str, cycles) -> dict:
+    """How often each width was chosen (planner.label: 'ar', 'B=4 v=2', 'k=3'), most frequent first."""
+    from collections import Counter
+    from .planner import label
+    return dict(Counter(label(mode, c) for c in cycles).most_common())
 
 
 def summary_line(r: dict) -> str:
     passes = ", ".join(f"{k} {v}" for k, v in r["n_passes"].items())
     return (f"[{r['mode']}] {len(r['token_ids'])} tokens, {r['n_cycles']} cycles, "
             f"{r['tokens_per_cycle']:.2f} tokens/cycle, passes: {passes}, {r['tokens_per_second']:.1f} tokens/s"
+            + (", widths " + ", ".join(f"{k} x{v}" for k, v in list(r["widths"].items())[:4])
+               if r.get("widths") and r["settings"]["block"] == "auto" else "")
             + (" (interrupted)" if r["stop"] == "interrupted" else ""))
 
 
@@ -148,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     add_pull(sub)
     from prove_local.bench import add_parser as add_bench
     add_bench(sub)
+    from prove_local.calibrate import add_parser as add_calibrate
+    add_calibrate(sub)
 
     args = parser.parse_args(argv)
     try:

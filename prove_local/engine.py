@@ -15,6 +15,7 @@ from . import modes, rules
 from .errors import ContextFull, EngineBusy, ModeError
 from .llama import Context, Model
 from .modes import MODES, Plan
+from .planner import Costs, Planner
 
 MODE_NAMES = modes.NAMES
 DEFAULT_BLOCK = 16
@@ -24,10 +25,10 @@ DEFAULT_BLOCK = 16
 class Settings:
     mode: str = "lossless"
     max_new: int = 256
-    block: int | None = None    # None: the proposer GGUF's prove.block_size, else 16
+    block: int | str | None = None  # "auto": the planner's choice per cycle; None: the GGUF's prove.block_size, else 16
     theta: float = 0.05
     tau: float = 0.95
-    draft_k: int = 4
+    draft_k: int | str = 4          # "auto": the planner's choice per cycle
     # sampling (llama.cpp's names and, except temperature, its defaults); temperature 0 is greedy
     temperature: float = 0.0
     top_k: int = 40
@@ -54,6 +55,11 @@ class Engine:
         self.name = name
         self.tokens: list[int] = []        # committed sequence; every context holds a prefix of it
         self.active: Request | None = None  # the open generation's request, if any (one at a time)
+        # acceptance statistics (from every cycle) and the --block auto planner; pass costs are
+        # calibrated at the first auto request (Engine.load sets context_options for that)
+        self.planner = Planner()
+        self.context_options: dict | None = None
+        self._thread_curves: dict[str, dict] = {}
 
     @classmethod
     def load(cls, proposer: Model, verifier: Model | None = None, draft: Model | None = None, *,
@@ -68,8 +74,38 @@ class Engine:
         if mask is not None and not 0 <= mask < proposer.n_vocab:
             raise ModeError(f"mask token id {mask} is outside the vocabulary of {proposer.path} (0..{proposer.n_vocab - 1})")
         contexts = {role: Context(m, **context_options) for role, m in models.items() if m is not None}
-        return cls(contexts, is_eog=proposer.is_eog, mask_token=mask, n_ctx=contexts["proposer"].n_ctx,
-                   block_size=proposer.block_size, name=str(proposer.path))
+        engine = cls(contexts, is_eog=proposer.is_eog, mask_token=mask, n_ctx=contexts["proposer"].n_ctx,
+                     block_size=proposer.block_size, name=str(proposer.path))
+        engine.context_options = dict(context_options)
+        return engine
+
+    def calibrate(self, refresh: bool = False) -> None:
+        """Pass costs of every context's model as configured (calibrate.py: cached on disk, measured
+        within a bounded time when missing); a small model's thread count is chosen by measurement.
+        Engines without models (fakes) get t(n) proportional to n, a CPU's worst case."""
+        if self.context_options is None:
+            self.planner.costs = Costs({r: {1: 1e-3, 64: 64e-3} for r in self.contexts})
+            return
+        from .calibrate import calibrate
+        curves = {}
+        for role, ctx in self.contexts.items():
+            cal = calibrate(ctx.model, self.context_options, refresh=refresh)
+            if cal["threads"] != ctx.n_threads:
+                ctx.set_threads(cal["threads"])
+            curves[role] = cal["curves"][cal["threads"]]
+            self._thread_curves[role] = cal["curves"]
+        self.planner.costs = Costs(curves)
+
+    def _recheck_threads(self) -> None:
+        """Passes cost many times their calibrated t(n): choose the thread count again on the live
+        contexts, among those calibration measured (only where the user did not fix it)."""
+        from .calibrate import recheck_threads
+        self.planner.recheck = False
+        for role, ctx in self.contexts.items():
+            options = sorted(self._thread_curves.get(role, {}))
+            if len(options) > 1:
+                th = recheck_threads(ctx, options)
+                self.planner.costs.set_curve(role, self._thread_curves[role][th])
 
     def default_mode(self) -> str:
         return "lossless" if self.mask_token is not None else "ar"
@@ -84,16 +120,22 @@ class Engine:
             raise ModeError(f"mode {s.mode!r} needs a verifier model (--verifier V.gguf)")
         if "draft" in mode.roles and "draft" not in self.contexts:
             raise ModeError(f"mode {s.mode!r} needs a draft model (--draft D.gguf)")
-        if (s.block or 1) < 1 or s.draft_k < 0 or s.max_new < 0:
-            raise ModeError("block and max new tokens must be >= 1, draft k >= 0")
+        if s.block not in (None, "auto") and (not isinstance(s.block, int) or s.block < 1) \
+                or s.draft_k != "auto" and (not isinstance(s.draft_k, int) or s.draft_k < 0) or s.max_new < 0:
+            raise ModeError("block must be 'auto' or >= 1, draft k 'auto' or >= 0, max new tokens >= 0")
         if s.temperature != 0 or s.repeat_penalty != 1.0:
             raise ModeError("sampling (temperature > 0, repeat penalty) is not available yet: every mode decodes greedily")
 
     def plan(self, req: "Request") -> Plan:
-        """The widths of the next cycle: the request's fixed settings, cut to the room left in the
-        context (a planner replaces this)."""
+        """The widths of the next cycle: the planner's (planner.py) for an auto request, else the
+        request's fixed settings; cut to the room left in the context."""
         room = self.n_ctx - len(self.tokens)
-        return Plan(block=max(1, min(req.block, room)), draft_k=max(0, min(req.settings.draft_k, room)))
+        mode = req.settings.mode
+        if req.auto and (mode == "spec" or MODES[mode].uses_block):
+            pending = {r: len(self.tokens) - c.n_past for r, c in self.contexts.items()}
+            return self.planner.plan(mode, pending, req.block, room)
+        k = req.settings.draft_k if req.settings.draft_k != "auto" else 4
+        return Plan(block=max(1, min(req.block, room)), draft_k=max(0, min(k, room)))
 
     def _sync(self) -> None:
         """Drop from every cache whatever is not a committed prefix (after a cut or an interrupt)."""
@@ -120,7 +162,10 @@ class Engine:
         self.tokens = self.tokens[:keep]
         self._sync()
         self.tokens = list(prompt)
-        self.active = Request(list(prompt), s, s.block or self.block_size)
+        auto = s.draft_k == "auto" if s.mode == "spec" else s.block == "auto"
+        self.active = Request(list(prompt), s, s.block if isinstance(s.block, int) else self.block_size, auto=auto)
+        if auto and self.planner.costs is None:
+            self.calibrate()
         return Generation(self, self.active)
 
     def _release(self, req: "Request") -> None:
@@ -148,10 +193,11 @@ class Engine:
         index = 0
         while s.max_new > 0:
             n_gen = len(self.tokens) - req.n_prompt
-            plan = self.plan(req)
             before = {r: (c.n_decode, c.decode_seconds) for r, c in self.contexts.items()}
-            t0 = time.perf_counter()
-            cycle = mode.cycle(self.contexts, self.tokens, plan, s, self.mask_token)
+            t0 = time.perf_counter()        # the planner's time counts as the cycle's
+            plan = self.plan(req)
+            run_mode = MODES[plan.mode] if plan.mode else mode
+            cycle = run_mode.cycle(self.contexts, self.tokens, plan, s, self.mask_token)
             cycle.seconds = time.perf_counter() - t0
             # passes are counted, not declared: llama_decode calls made during this cycle
             cycle.passes = {r: c.n_decode - before[r][0] for r, c in self.contexts.items() if c.n_decode > before[r][0]}
@@ -159,6 +205,9 @@ class Engine:
                                     if c.n_decode > before[r][0]}
             if not cycle.committed:
                 raise RuntimeError(f"mode {s.mode}: a cycle committed no token (a decoding rule is broken)")
+            self.planner.observe(s.mode, cycle)      # acceptance statistics and costs, every cycle
+            if self.planner.recheck:
+                self._recheck_threads()
             run, stop = cycle.committed, None
             for i, tok in enumerate(run):
                 if self.is_eog(tok):
@@ -187,7 +236,8 @@ class Request:
     """Everything about one generation: prompt, settings, and what it has done so far."""
     prompt: list[int]
     settings: Settings
-    block: int
+    block: int                                  # fixed width, or the widest an auto request may use
+    auto: bool = False                          # the planner picks widths (--block auto)
     prefill: tuple[int, float] = (0, 0.0)      # (prompt tokens evaluated, seconds)
     n_tokens: int = 0
     n_cycles: int = 0

@@ -1,0 +1,332 @@
+"""The cost-aware planner behind `--block auto`: per cycle, how wide to decode.
+
+Objective: expected committed tokens per second. Per cycle the planner
+  * before the proposal pass picks the proposal width B (1 .. the GGUF's block size) of
+    lossless/prove/mars, or the draft length k of spec, or a plain `ar` cycle when no width is
+    expected to beat one token per one-token pass;
+  * after a lossless proposal pass, seeing p̃ of every slot, picks how many proposed tokens to verify
+    (the p-min idea of llama.cpp's --spec-draft-p-min, driven by cost instead of a fixed threshold:
+    ggerganov in llama.cpp #22673 notes varying the batch is cheap on a CPU; see
+    ../shared/notes/anchors-sampling-server-planner.md).
+
+What it knows:
+  * pass costs t(n) per role from calibrate.py, rescaled online by what the passes really cost
+    (a log-space moving average of measured / predicted seconds), plus the Python overhead of each
+    cycle kind measured from the cycles themselves (the planner's own time counts there);
+  * acceptance statistics per mode, updated from every Cycle: per slot (accepted given every earlier
+    slot was) and a calibration of p̃ (how often a slot with a given p̃ is accepted), both with
+    exponential forgetting so that they follow the text.
+Like vLLM PR #44336's goodput(K) = E[accepted](K) / cost(K), but with the measured curve of this
+machine, per-slot rates, an ε-greedy exploration that keeps the statistics of unused widths fresh and
+hysteresis so that the choice does not flap. On this 2-core CPU t(16)/t(1) is 4-10
+(../shared/notes/llama-cpp-build.md), so B = 2-3 is the sweet spot; on a GPU the curve is flat and the
+full block wins.
+
+The verify choice is a marginal one: the proposal pass is paid, so verify width v maximises
+E[tokens committed | p̃, v] - R * t(v), with R the planned rate in tokens per second (the opportunity
+cost of time, a renewal-reward argument). Exactness is untouched: the rules commit only tokens the
+model itself would commit greedily, whatever the widths (tests/test_planner.py).
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from .modes import Plan
+
+N_SLOTS = 64
+
+
+class Costs:
+    """t(n) in seconds per role: the calibrated curve (linear between measured widths, extended past
+    the last one along its last segment), times an online scale per role."""
+
+    def __init__(self, curves: dict[str, dict[int, float]], n_max: int = 160):
+        self.n_max = n_max
+        self.base: dict[str, np.ndarray] = {}
+        self.scale: dict[str, float] = {}
+        for role, curve in curves.items():
+            self.set_curve(role, curve)
+
+    def set_curve(self, role: str, curve: dict[int, float]) -> None:
+        ns = sorted(int(n) for n in curve)
+        ts = [float(curve[n]) for n in ns]
+        grid = np.arange(self.n_max + 1, dtype=float)
+        t = np.interp(grid, ns, ts)
+        if len(ns) >= 2:
+            slope = max(0.0, (ts[-1] - ts[-2]) / (ns[-1] - ns[-2]))
+            past = grid > ns[-1]
+            t[past] = ts[-1] + slope * (grid[past] - ns[-1])
+        t[0] = 0.0
+        self.base[role] = t
+        self.scale[role] = 1.0
+
+    def t(self, role: str, n: int) -> float:
+        b = self.base[role]
+        n = int(n)
+        if n >= len(b):
+            return float(b[-1] * n / (len(b) - 1)) * self.scale[role]
+        return float(b[n]) * self.scale[role]
+
+    def table(self, role: str) -> np.ndarray:
+        return self.base[role] * self.scale[role]
+
+    def observe(self, role: str, widths: list[int], seconds: float, alpha: float = 0.1) -> float | None:
+        """Fold one cycle's measured decode seconds of `role` into its scale; returns measured /
+        predicted (before the update), or None when nothing was predicted."""
+        if role not in self.base or seconds <= 0:
+            return None
+        predicted = sum(self.t(role, w) for w in widths)
+        if predicted <= 0:
+            return None
+        ratio = seconds / predicted
+        # log space, clipped: one stalled pass must not swing the scale by orders of magnitude
+        step = max(-1.0, min(1.0, math.log(ratio)))
+        self.scale[role] *= math.exp(alpha * step)
+        return ratio
+
+
+class SlotStats:
+    """Acceptance of proposal slots for one mode: per slot (accepted given every earlier slot was)
+    and per p̃ bin, with forgetting factor `decay` per recorded cycle. Priors: `prior` acceptance
+    per slot, and the bin's own p̃ for the calibration, each worth `weight` observations."""
+
+    def __init__(self, n_slots: int = N_SLOTS, bins: int = 10, prior: float = 0.5, weight: float = 2.0,
+                 decay: float = 0.998):
+        self.tested = np.zeros(n_slots)
+        self.accepted = np.zeros(n_slots)
+        self.bins = bins
+        self.bin_tested = np.zeros(bins)
+        self.bin_accepted = np.zeros(bins)
+        self.prior, self.weight, self.decay = prior, weight, decay
+        self.centers = (np.arange(bins) + 0.5) / bins
+        self.n_cycles = 0
+
+    def record(self, p, lo: int, hi: int, run: int) -> None:
+        """Slots lo..hi-1 were up for acceptance; slots < run were accepted, slot `run` (if < hi)
+        was rejected, later slots were not tested."""
+        self.n_cycles += 1
+        self.tested *= self.decay
+        self.accepted *= self.decay
+        self.bin_tested *= self.decay
+        self.bin_accepted *= self.decay
+        end = min(hi, run + 1, len(self.tested))
+        if end <= lo:
+            return
+        self.tested[lo:end] += 1
+        acc_end = min(run, end)
+        if acc_end > lo:
+            self.accepted[lo:acc_end] += 1
+        pb = self._bin(np.asarray(p[lo:end], dtype=float))
+        ok = np.arange(lo, end) < run
+        np.add.at(self.bin_tested, pb, 1)
+        np.add.at(self.bin_accepted, pb[ok], 1)
+
+    def _bin(self, p: np.ndarray) -> np.ndarray:
+        return np.clip((p * self.bins).astype(int), 0, self.bins - 1)
+
+    def slot_rates(self, n: int) -> np.ndarray:
+        """Acceptance of slots 0..n-1 (smoothed towards the prior)."""
+        return (self.accepted[:n] + self.prior * self.weight) / (self.tested[:n] + self.weight)
+
+    def p_rates(self, p) -> np.ndarray:
+        """Acceptance of slots with confidences p (smoothed towards p̃ itself)."""
+        b = self._bin(np.asarray(p, dtype=float))
+        return (self.bin_accepted[b] + self.centers[b] * self.weight) / (self.bin_tested[b] + self.weight)
+
+    def summary(self, n: int = 16) -> dict:
+        return {"slot_rate": [round(float(x), 3) for x in self.slot_rates(n)],
+                "slot_tested": [round(float(x), 1) for x in self.tested[:n]],
+                "p_calibration": [round(float(x), 3) for x in self.p_rates(self.centers)],
+                "p_tested": [round(float(x), 1) for x in self.bin_tested]}
+
+
+def chosen(mode: str, cycle) -> tuple[str, int, int]:
+    """What a cycle ran, from its widths: ("ar", 1, 1), (mode, B, verified) or ("spec", k, k).
+    (A mars cycle of one slot is an ar cycle: same pass, same token.)"""
+    w = cycle.widths or {}
+    if mode == "spec":
+        k = len(w.get("draft", []))
+        return ("spec", k, k) if k else ("ar", 1, 1)
+    if mode == "lossless":
+        prop = w.get("proposer", [])
+        return ("lossless", len(cycle.proposed), prop[1]) if len(prop) > 1 else ("ar", 1, 1)
+    if mode == "prove":
+        return ("prove", len(cycle.proposed), len(cycle.proposed)) if "verifier" in w else ("ar", 1, 1)
+    if mode == "mars":
+        return ("mars", len(cycle.proposed), len(cycle.proposed)) if len(cycle.proposed) > 1 else ("ar", 1, 1)
+    return (mode, 1, 1)
+
+
+def label(mode: str, cycle) -> str:
+    kind, b, v = chosen(mode, cycle)
+    if kind == "ar":
+        return "ar"
+    if kind == "spec":
+        return f"k={b}"
+    return f"B={b} v={v}" if kind == "lossless" else f"B={b}"
+
+
+@dataclass
+class Choice:
+    kind: str          # "ar" or the mode
+    width: int         # B, or k for spec
+    rate: float        # expected tokens per second
+
+
+class Planner:
+    """Per-engine planner: statistics from every cycle (`observe`), a plan per cycle (`plan`).
+    `costs` is None until calibrated (the engine calibrates at the first `--block auto` request).
+    explore: probability of an exploratory cycle (a random width, to keep statistics fresh);
+    hysteresis: a new width must beat the current one's expected rate by this share;
+    replan_every: the best width is recomputed every so many cycles (the planner's own time)."""
+
+    def __init__(self, costs: Costs | None = None, *, explore: float = 0.03, hysteresis: float = 0.03,
+                 replan_every: int = 8, k_max: int = 8, seed: int = 0):
+        self.costs = costs
+        self.explore, self.hysteresis, self.replan_every, self.k_max = explore, hysteresis, replan_every, k_max
+        self.rng = random.Random(seed)
+        self.stats: dict[str, SlotStats] = {}
+        self.overhead: dict[str, float] = {}          # seconds outside llama_decode per cycle kind
+        self.current: dict[str, Choice] = {}
+        self.age: dict[str, int] = {}
+        self.slow_streak = 0                          # consecutive cycles far slower than predicted
+        self.recheck = False                          # the engine re-checks threads when set
+
+    # ---------------------------------------------------------------------- statistics
+    def stats_for(self, mode: str) -> SlotStats:
+        if mode not in self.stats:
+            self.stats[mode] = SlotStats()
+        return self.stats[mode]
+
+    def observe(self, mode: str, cycle) -> None:
+        """Update the statistics from one cycle (any mode, fixed or planned widths)."""
+        kind, b, v = chosen(mode, cycle)
+        if kind == "lossless":
+            self.stats_for("lossless").record(cycle.p, 1, v, cycle.n_accepted)
+        elif kind == "spec":
+            self.stats_for("spec").record(cycle.p, 0, b, cycle.n_accepted)
+        elif kind in ("prove", "mars"):
+            self.stats_for(kind).record(cycle.p, 1, b, cycle.n_accepted)
+        decode = sum(cycle.decode_seconds.values())
+        over = max(0.0, cycle.seconds - decode)
+        old = self.overhead.get(kind)
+        self.overhead[kind] = over if old is None else 0.9 * old + 0.1 * min(over, 4 * old + 1e-4)
+        if self.costs is not None:
+            worst = 0.0
+            for role, secs in cycle.decode_seconds.items():
+                r = self.costs.observe(role, cycle.widths.get(role, []), secs)
+                worst = max(worst, r or 0.0)
+            # a pass that suddenly costs many times its t(n): a loaded machine, re-check the threads
+            self.slow_streak = self.slow_streak + 1 if worst > 4.0 else 0
+            if self.slow_streak >= 8:
+                self.recheck, self.slow_streak = True, 0
+
+    # ---------------------------------------------------------------------- expected rates
+    def _oh(self, kind: str) -> float:
+        return self.overhead.get(kind, 0.0)
+
+    def rates(self, mode: str, pending: dict, block_max: int) -> list[Choice]:
+        """Expected tokens per second of ar and of every width of `mode`."""
+        c = self.costs
+        pp = pending.get("proposer", 1)
+        out = [Choice("ar", 1, 1.0 / max(1e-12, c.t("proposer", pp) + self._oh("ar")))]
+        if mode == "spec":
+            s = self.stats_for("spec").slot_rates(self.k_max)
+            gain = np.cumsum(np.cumprod(s))                          # E[accepted] for k = 1..k_max
+            pd = pending.get("draft", 1)
+            for k in range(1, self.k_max + 1):
+                cost = c.t("draft", pd) + (k - 1) * c.t("draft", 1) + c.t("proposer", pp + k) + self._oh("spec")
+                out.append(Choice("spec", k, (1.0 + gain[k - 1]) / cost))
+            return out
+        s = self.stats_for(mode).slot_rates(block_max)
+        run = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(s[1:]))])   # E[run] verifying v = 1..block_max
+        tp = c.table("proposer")
+        for b in range(1, block_max + 1):
+            prop = tp[min(pp + b - 1, len(tp) - 1)]
+            if mode == "lossless":
+                v = np.arange(1, b + 1)
+                rate = float(np.max((run[:b] + 1.0) / (prop + tp[v] + self._oh("lossless"))))
+            elif mode == "prove":
+                pv = pending.get("verifier", 1)
+                rate = float(run[b - 1] / (prop + c.t("verifier", pv + b - 1) + self._oh("prove")))
+            else:
+                rate = float(run[b - 1] / (prop + self._oh(mode)))
+            out.append(Choice(mode, b, rate))
+        return out
+
+    # ---------------------------------------------------------------------- the plan
+    def plan(self, mode: str, pending: dict, block_max: int, room: int) -> Plan:
+        """The plan of the next cycle of `mode` (pending: committed tokens not yet in each context)."""
+        cap = max(1, min(block_max, room))
+        kcap = max(0, min(self.k_max, room - 1))
+        if self.rng.random() < self.explore:
+            return self._explore(mode, cap, kcap)
+        cur = self.current.get(mode)
+        age = self.age.get(mode, 0)
+        if cur is None or age >= self.replan_every:
+            options = self.rates(mode, pending, block_max)
+            best = max(options, key=lambda ch: ch.rate)
+            if cur is not None:
+                now = next((o for o in options if (o.kind, o.width) == (cur.kind, cur.width)), None)
+                if now is not None and now.rate >= best.rate * (1.0 - self.hysteresis):
+                    best = now                         # hysteresis: keep the current choice
+            self.current[mode] = cur = best
+            self.age[mode] = 0
+        self.age[mode] = self.age.get(mode, 0) + 1
+        if cur.kind == "ar":
+            return Plan(block=1, draft_k=0, mode="ar")
+        if mode == "spec":
+            return Plan(block=1, draft_k=min(cur.width, kcap))
+        b = min(cur.width, cap)
+        if mode == "lossless" and b > 1:
+            rate = cur.rate
+            return Plan(block=b, verify=lambda p: self.verify_width(p, rate))
+        return Plan(block=b, draft_k=0)
+
+    def verify_width(self, p, rate: float) -> int:
+        """After the proposal pass: the verify width v maximising E[committed | p̃, v] - rate * t(v)."""
+        a = self.stats_for("lossless").p_rates(p[1:])
+        gain = np.concatenate([[2.0], 2.0 + np.cumsum(np.cumprod(a))])   # v = 1..B
+        t = self.costs.table("proposer")[1:len(gain) + 1]
+        return int(np.argmax(gain - rate * t)) + 1
+
+    def _explore(self, mode: str, cap: int, kcap: int) -> Plan:
+        """A random plan: any width (and for lossless, any verify width, half of the time the whole
+        block, which refreshes the statistics of every slot)."""
+        if mode == "spec":
+            k = self.rng.randint(0, kcap)
+            return Plan(block=1, draft_k=0, mode="ar") if k == 0 else Plan(block=1, draft_k=k)
+        b = self.rng.randint(1, cap)
+        if mode == "lossless" and self.rng.random() < 0.5:
+            return Plan(block=b, verify=self.rng.randint(1, b))
+        if self.rng.random() < 1.0 / (cap + 1):
+            return Plan(block=1, draft_k=0, mode="ar")
+        return Plan(block=b, draft_k=0)
+
+    def summary(self) -> dict:
+        return {"current": {m: {"kind": c.kind, "width": c.width, "tokens_per_second": round(c.rate, 1)}
+                            for m, c in self.current.items()},
+                "scale": dict(self.costs.scale) if self.costs else {},
+                "overhead_us": {k: round(v * 1e6, 1) for k, v in self.overhead.items()},
+                "stats": {m: s.summary() for m, s in self.stats.items()}}
+
+
+def projection(curve: dict[int, float], slot_rates, block_max: int = 16, overhead: float = 0.0) -> list[dict]:
+    """Expected lossless tokens per one-token pass cost for every block width B (verify = B) and
+    the planner's prior choice, from a pass-cost curve and per-slot acceptance rates: the projection
+    table of the bench (a flat curve, as on a GPU, must make the planner pick the full block)."""
+    planner = Planner(Costs({"proposer": curve}), explore=0.0)
+    st = planner.stats_for("lossless")
+    rates = np.asarray(list(slot_rates) + [0.0] * N_SLOTS, dtype=float)[:N_SLOTS]
+    st.tested[:] = 1e12                               # the given rates, as if from endless data
+    st.accepted[:] = rates * 1e12
+    planner.overhead = {"ar": overhead, "lossless": overhead}
+    t1 = planner.costs.t("proposer", 1)
+    options = planner.rates("lossless", {"proposer": 1}, block_max)
+    best = max(options, key=lambda ch: ch.rate)
+    return [{"kind": o.kind, "width": o.width, "tokens_per_t1": round(o.rate * t1, 4),
+             "chosen": (o.kind, o.width) == (best.kind, best.width)} for o in options]
