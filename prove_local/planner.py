@@ -109,10 +109,12 @@ class SlotStats:
         """Slots lo..hi-1 were up for acceptance; slots < run were accepted, slot `run` (if < hi)
         was rejected, later slots were not tested."""
         self.n_cycles += 1
-        self.tested *= self.decay
-        self.accepted *= self.decay
-        self.bin_tested *= self.decay
-        self.bin_accepted *= self.decay
+        if self.n_cycles % 16 == 0:             # forgetting, applied every 16 cycles (cheaper)
+            f = self.decay ** 16
+            self.tested *= f
+            self.accepted *= f
+            self.bin_tested *= f
+            self.bin_accepted *= f
         end = min(hi, run + 1, len(self.tested))
         if end <= lo:
             return
@@ -120,10 +122,12 @@ class SlotStats:
         acc_end = min(run, end)
         if acc_end > lo:
             self.accepted[lo:acc_end] += 1
-        pb = self._bin(np.asarray(p[lo:end], dtype=float))
-        ok = np.arange(lo, end) < run
-        np.add.at(self.bin_tested, pb, 1)
-        np.add.at(self.bin_accepted, pb[ok], 1)
+        top = self.bins - 1
+        for i, pi in enumerate(p[lo:end], lo):  # a handful of slots: a loop beats numpy here
+            b = min(int(pi * self.bins), top)
+            self.bin_tested[b] += 1
+            if i < run:
+                self.bin_accepted[b] += 1
 
     def _bin(self, p: np.ndarray) -> np.ndarray:
         return np.clip((p * self.bins).astype(int), 0, self.bins - 1)
@@ -185,7 +189,7 @@ class Planner:
     replan_every: the best width is recomputed every so many cycles (the planner's own time)."""
 
     def __init__(self, costs: Costs | None = None, *, explore: float = 0.03, hysteresis: float = 0.03,
-                 replan_every: int = 8, k_max: int = 8, seed: int = 0):
+                 replan_every: int = 16, k_max: int = 8, seed: int = 0):
         self.costs = costs
         self.explore, self.hysteresis, self.replan_every, self.k_max = explore, hysteresis, replan_every, k_max
         self.rng = random.Random(seed)
@@ -193,6 +197,8 @@ class Planner:
         self.overhead: dict[str, float] = {}          # seconds outside llama_decode per cycle kind
         self.current: dict[str, Choice] = {}
         self.age: dict[str, int] = {}
+        self._bin_rates: list | None = None           # p̃-bin acceptance and t(n), cached between replans
+        self._t_list: list = []
         self.slow_streak = 0                          # consecutive cycles far slower than predicted
         self.recheck = False                          # the engine re-checks threads when set
 
@@ -245,17 +251,21 @@ class Planner:
         s = self.stats_for(mode).slot_rates(block_max)
         run = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(s[1:]))])   # E[run] verifying v = 1..block_max
         tp = c.table("proposer")
-        for b in range(1, block_max + 1):
-            prop = tp[min(pp + b - 1, len(tp) - 1)]
-            if mode == "lossless":
-                v = np.arange(1, b + 1)
-                rate = float(np.max((run[:b] + 1.0) / (prop + tp[v] + self._oh("lossless"))))
-            elif mode == "prove":
-                pv = pending.get("verifier", 1)
-                rate = float(run[b - 1] / (prop + c.t("verifier", pv + b - 1) + self._oh("prove")))
-            else:
-                rate = float(run[b - 1] / (prop + self._oh(mode)))
-            out.append(Choice(mode, b, rate))
+        widths = np.minimum(pp + np.arange(block_max), len(tp) - 1)       # proposal pass of B = 1..block_max
+        prop = tp[widths]
+        if mode == "lossless":
+            # rate[B, v] for v <= B: (E[run](v) + 1 correction token) / (t(pending+B-1) + t(v) + overhead)
+            v = np.arange(1, block_max + 1)
+            r = (run[None, :] + 1.0) / (prop[:, None] + tp[v][None, :] + self._oh("lossless"))
+            r[np.triu_indices(block_max, 1)] = 0.0
+            rates = r.max(axis=1)
+        elif mode == "prove":
+            tv = c.table("verifier")
+            pv = pending.get("verifier", 1)
+            rates = run / (prop + tv[np.minimum(pv + np.arange(block_max), len(tv) - 1)] + self._oh("prove"))
+        else:
+            rates = run / (prop + self._oh(mode))
+        out += [Choice(mode, b + 1, float(x)) for b, x in enumerate(rates)]
         return out
 
     # ---------------------------------------------------------------------- the plan
@@ -268,6 +278,7 @@ class Planner:
         cur = self.current.get(mode)
         age = self.age.get(mode, 0)
         if cur is None or age >= self.replan_every:
+            self._bin_rates = None                 # refreshed by the next verify_width
             options = self.rates(mode, pending, block_max)
             best = max(options, key=lambda ch: ch.rate)
             if cur is not None:
@@ -288,11 +299,23 @@ class Planner:
         return Plan(block=b, draft_k=0)
 
     def verify_width(self, p, rate: float) -> int:
-        """After the proposal pass: the verify width v maximising E[committed | p̃, v] - rate * t(v)."""
-        a = self.stats_for("lossless").p_rates(p[1:])
-        gain = np.concatenate([[2.0], 2.0 + np.cumsum(np.cumprod(a))])   # v = 1..B
-        t = self.costs.table("proposer")[1:len(gain) + 1]
-        return int(np.argmax(gain - rate * t)) + 1
+        """After the proposal pass: the verify width v maximising E[committed | p̃, v] - rate * t(v)
+        (E[committed] = 2 + sum over j < v of the product of the acceptance of slots 1..j given p̃).
+        Plain Python over a few slots: it runs between the two passes of every cycle."""
+        st = self.stats_for("lossless")
+        if self._bin_rates is None:
+            self._bin_rates = st.p_rates(st.centers).tolist()
+            self._t_list = self.costs.table("proposer")[:N_SLOTS + 2].tolist()
+        rates_by_bin, t, top = self._bin_rates, self._t_list, st.bins - 1
+        best_v, best = 1, 2.0 - rate * t[1]
+        gain, prod = 2.0, 1.0
+        for v, pi in enumerate(p.tolist()[1:], 2):
+            prod *= rates_by_bin[min(int(pi * st.bins), top)]
+            gain += prod
+            value = gain - rate * t[min(v, len(t) - 1)]
+            if value > best:
+                best_v, best = v, value
+        return best_v
 
     def _explore(self, mode: str, cap: int, kcap: int) -> Plan:
         """A random plan: any width (and for lossless, any verify width, half of the time the whole
