@@ -120,7 +120,7 @@ def measure_context(ctx, fill: list[int], *, ns=DEFAULT_NS, budget_s: float = 0.
 
 
 def measure(model, options: dict, fill: list[int] | None = None, *, ns=DEFAULT_NS, n_fill: int = 128,
-            budget_s: float = 0.5, threads: int | None = None, seed: int = 0) -> tuple[dict, dict]:
+            budget_s: float = 0.5, threads: int | None = None, reps: int = 3, seed: int = 0) -> tuple[dict, dict]:
     """(fastest, median) t(n) on a fresh context of `model` with the context options of decoding (`Context`'s keyword
     arguments), after a context of `n_fill` tokens."""
     from .llama import Context
@@ -135,7 +135,7 @@ def measure(model, options: dict, fill: list[int] | None = None, *, ns=DEFAULT_N
         fill = list(fill) if fill else [int(t) % max(1, min(model.n_vocab, 256)) for t in range(7, 7 + n_fill)]
         fill = (fill * (n_fill // len(fill) + 1))[:n_fill]
         ctx.eval(fill, rows=[])
-        return measure_context(ctx, fill, ns=ns, budget_s=budget_s, seed=seed)
+        return measure_context(ctx, fill, ns=ns, budget_s=budget_s, reps=reps, seed=seed)
     finally:
         ctx.close()
 

@@ -132,7 +132,8 @@ class Engine:
         room = self.n_ctx - len(self.tokens)
         mode = req.settings.mode
         if req.auto and (mode == "spec" or MODES[mode].uses_block):
-            pending = {r: len(self.tokens) - c.n_past for r, c in self.contexts.items()}
+            # tokens each context will be fed before its new ones (at least the last: rules._pending)
+            pending = {r: max(1, len(self.tokens) - c.n_past) for r, c in self.contexts.items()}
             return self.planner.plan(mode, pending, req.block, room)
         k = req.settings.draft_k if req.settings.draft_k != "auto" else 4
         return Plan(block=max(1, min(req.block, room)), draft_k=max(0, min(k, room)))

@@ -299,8 +299,9 @@ def tiny_models(tmp_path_factory):
             tiny_gguf(d, seed=2, hidden=32, role="verifier", mask=False))
 
 
-def test_bench_end_to_end(tiny_models, tmp_path, capsys):
+def test_bench_end_to_end(tiny_models, tmp_path, capsys, monkeypatch):
     from prove_local.cli import main
+    monkeypatch.setenv("PROVE_LOCAL_CACHE", str(tmp_path / "cache"))
     prop, ver, draft = tiny_models
     data = tmp_path / "gsm.jsonl"
     data.write_text("".join(json.dumps({"question": q, "answer": "x\n#### 3"}) + "\n"
@@ -309,10 +310,12 @@ def test_bench_end_to_end(tiny_models, tmp_path, capsys):
     rc = main(["bench", "--proposer", str(prop), "--verifier", str(ver), "--draft", str(draft),
                "--modes", "ar,lossless,prove,mars,spec", "--data", str(data), "--limit", "2", "--max-new", "32",
                "--theta", "0.01,0.1", "--threads", "1", "--ctx", "512", "--kv-type", "f32", "--warmup", "4",
-               "--pass-cost-reps", "2", "--pass-cost-max", "16", "--out", str(out), "-q"])
+               "--pass-cost-reps", "2", "--pass-cost-max", "16", "--out", str(out), "-q",
+               "--block", "16", "--draft-k", "4"])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert list(res["modes"]) == ["ar", "lossless", "prove@0.01", "prove@0.1", "mars", "spec"]
+    assert res["modes"]["lossless"]["widths"] == {**{"B=16 v=16": res["modes"]["lossless"]["n_cycles"]}}
     for name, m in res["modes"].items():
         assert m["n_prompts"] == 2 and 2 <= m["tokens"] <= 64
         assert m["tokens_per_second"] > 0 and m["tokens_per_cycle"] >= 1
@@ -381,3 +384,54 @@ def test_bench_usage_errors(tiny_models, tmp_path, capsys, argv, message):
         args += ["--data", str(data)]
     assert main(args) == 1
     assert message in capsys.readouterr().err
+
+
+def test_bench_auto_against_fixed_blocks_and_oracle(tiny_models, tmp_path, monkeypatch):
+    """--block auto,N: one run per width, side by side; the report compares them, shows the widths the
+    planner chose, the oracle bound and the planner's projection for a flat curve."""
+    from prove_local.cli import main
+    monkeypatch.setenv("PROVE_LOCAL_CACHE", str(tmp_path / "cache"))
+    prop, ver, draft = tiny_models
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "x\n#### 3"}) + "\n"
+                            for q in ("What is 1 + 2?", "Natalia sold 48 clips.")))
+    out = tmp_path / "out"
+    rc = main(["bench", "--proposer", str(prop), "--draft", str(draft), "--modes", "ar,lossless,spec",
+               "--data", str(data), "--max-new", "24", "--threads", "1", "--ctx", "512", "--kv-type", "f32",
+               "--warmup", "0", "--pass-cost-reps", "1", "--pass-cost-max", "16", "--out", str(out), "-q",
+               "--block", "auto,2,16", "--draft-k", "auto,3", "--oracle", "--no-plots"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert list(res["modes"]) == ["ar", "lossless@auto", "lossless@B2", "lossless@B16", "spec@auto", "spec@k3"]
+    for name in ("lossless@auto", "lossless@B2", "lossless@B16", "spec@auto", "spec@k3"):
+        assert res["modes"][name]["exact_match_vs_ar"] == 1.0, name
+    assert res["modes"]["lossless@B2"]["block"] == 2 and res["modes"]["lossless@auto"]["block"] == "auto"
+    assert set(res["modes"]["lossless@B2"]["widths"]) == {"B=2 v=2"}
+    a = res["auto_vs_fixed"]["lossless@auto"]
+    assert set(a["fixed"]) == {"lossless@B2", "lossless@B16"} and a["best_fixed"] in a["fixed"]
+    assert sum(a["widths"].values()) == res["modes"]["lossless@auto"]["n_cycles"]
+    assert set(res["auto_vs_fixed"]["spec@auto"]["fixed"]) == {"spec@k3"}
+    orc = res["oracle"]
+    assert orc["n_positions"] == res["modes"]["ar"]["tokens"] and orc["slot_match_rate"][0] == 1.0
+    assert orc["tokens_per_t1"]["oracle_median"] >= 1.0
+    assert orc["tokens_per_t1"]["oracle_median"] >= max(v for v in orc["tokens_per_t1"]["fixed_blocks"].values()) - 1e-9
+    flat = res["projection"]["flat"]
+    assert [r["width"] for r in flat if r["chosen"]] == [16]
+    md = (out / "summary.md").read_text()
+    assert "## `--block auto` against fixed widths" in md and "## Lossless: oracle bound" in md
+    # the report rebuilds from its own files
+    assert main(["bench", "--report-only", "--out", str(out), "--no-plots"]) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert again["auto_vs_fixed"] == res["auto_vs_fixed"] and again["oracle"]["match_runs"] == orc["match_runs"]
+    for b, v in orc["tokens_per_t1"]["fixed_blocks"].items():      # (the stored curve is rounded)
+        assert again["oracle"]["tokens_per_t1"]["fixed_blocks"][b] == pytest.approx(v, rel=1e-2)
+
+
+def test_oracle_lossless_shortest_path():
+    from prove_local.bench.stats import oracle_lossless
+    flat = {1: 1.0, 64: 1.0}
+    assert oracle_lossless([1, 1, 1, 1], flat) == pytest.approx(1.0)        # nothing matches: ar's rate
+    # 6 slots match at position 0: one cycle verifying 6 commits 7 tokens for two flat passes
+    assert oracle_lossless([6, 1, 1, 1, 1, 1, 1], flat) == pytest.approx(7 / 2)
+    steep = {1: 1.0, 2: 2.0, 64: 64.0}                                      # width costs linearly: ar ties
+    assert oracle_lossless([6, 1, 1, 1, 1, 1, 1], steep) == pytest.approx(1.0)

@@ -17,6 +17,24 @@ from pathlib import Path
 DEFAULT_MODES = "ar,lossless,prove,mars"
 
 
+def _widths(text: str, option: str) -> list:
+    """--block / --draft-k: a comma-separated list of 'auto' and positive whole numbers."""
+    out = []
+    for part in str(text).split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        if part == "auto":
+            out.append("auto")
+        elif part.isdigit() and int(part) >= 1:
+            out.append(int(part))
+        else:
+            raise SystemExit(f"prove-local bench: error: {option}: expected 'auto' or whole numbers >= 1, got {part!r}")
+    if not out:
+        raise SystemExit(f"prove-local bench: error: {option} needs a value")
+    return list(dict.fromkeys(out))
+
+
 def _floats(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
@@ -35,7 +53,7 @@ def canonical_command(args) -> str:
             parts += ["--" + opt.replace("_", "-"), str(v)]
     for d in args.data:
         parts += ["--data", str(d)]
-    for flag in ("raw", "flash_attn", "no_pass_cost", "no_plots"):
+    for flag in ("raw", "flash_attn", "no_pass_cost", "no_plots", "oracle"):
         if getattr(args, flag, False):
             parts.append("--" + flag.replace("_", "-"))
     return " ".join(shlex.quote(p) for p in parts)
@@ -57,8 +75,14 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new", type=int, default=256, help="max new tokens per answer (default 256)")
     p.add_argument("--theta", default="0.01,0.05,0.1", help="ProVe θ values to sweep (default 0.01,0.05,0.1)")
     p.add_argument("--tau", type=float, default=0.95, help="MARS rule τ (default 0.95)")
-    p.add_argument("--block", type=int, help="block length (default: the GGUF's prove.block_size, else 16)")
-    p.add_argument("--draft-k", type=int, default=4, help="drafts per cycle for spec (default 4)")
+    p.add_argument("--block", default="auto",
+                   help="block length(s): 'auto' (default: the planner's choice per cycle) or N; a comma-separated "
+                        "list (e.g. auto,2,4,16) makes one run per value, side by side")
+    p.add_argument("--draft-k", default="auto",
+                   help="drafts per cycle for spec: 'auto' (default) or N; a comma-separated list makes one run per value")
+    p.add_argument("--oracle", action="store_true",
+                   help="also log a full proposal at every position of ar's answers and report lossless's oracle "
+                        "bound and fixed-width projections (one extra pass per generated token)")
     p.add_argument("--mask-token", type=int, help="placeholder token id (overrides the GGUF's mask token)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--raw", action="store_true", help="plain prompts, no chat template")
@@ -157,7 +181,8 @@ def cmd_bench(args) -> int:
     context_options = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
     engine = Engine.load(models["proposer"], models.get("verifier"), models.get("draft"), mask_token=args.mask_token,
                          **context_options)
-    runs = make_runs(modes, max_new=args.max_new, block=args.block, thetas=thetas, tau=args.tau, draft_k=args.draft_k)
+    blocks, draft_ks = _widths(args.block, "--block"), _widths(args.draft_k, "--draft-k")
+    runs = make_runs(modes, max_new=args.max_new, block=blocks, thetas=thetas, tau=args.tau, draft_k=draft_ks)
     for r in runs:
         engine.check(r.settings)
 
@@ -175,8 +200,9 @@ def cmd_bench(args) -> int:
 
     data = run_bench(engine, models, kept, prompt_tokens, runs, context_options=context_options, warmup=args.warmup,
                      pass_cost=not args.no_pass_cost, pass_cost_reps=args.pass_cost_reps,
-                     pass_cost_max=args.pass_cost_max, progress=not args.quiet)
-    block = args.block or engine.block_size
+                     pass_cost_max=args.pass_cost_max, progress=not args.quiet,
+                     oracle=args.oracle and "ar" in modes)
+    block = ",".join(map(str, blocks))
     try:
         from ..llama import default_threads
         threads = args.threads or default_threads(models["proposer"])
@@ -190,7 +216,7 @@ def cmd_bench(args) -> int:
                           "mask_token": (engine.mask_token if role == "proposer" else m.mask_token),
                           "block_size": m.block_size} for role, m in models.items()},
         "settings": {"modes": modes, "max_new": args.max_new, "block": block, "theta": thetas, "tau": args.tau,
-                     "draft_k": args.draft_k, "ctx": args.ctx, "kv_type": kv, "threads": threads,
+                     "draft_k": ",".join(map(str, draft_ks)), "ctx": args.ctx, "kv_type": kv, "threads": threads,
                      "n_gpu_layers": ngl, "warmup": args.warmup, "chat_template": not args.raw},
         "data": {"paths": [str(p) for p in args.data], "limit": args.limit},
         "bins": args.bins,

@@ -73,6 +73,7 @@ def summary_markdown(res: dict) -> str:
         rows = [[f"`{n}`"] + [_pct(m["accuracy_by_family"].get(f)) for f in acc_fams] for n, m in res["modes"].items()]
         L += ["Answer accuracy by family (final answer checked against the reference):", "", _table(["run"] + acc_fams, rows), ""]
 
+    L += planner_sections(res)
     if res["position_match_rate"]:
         n = max(len(v["rate"]) for v in res["position_match_rate"].values())
         header = ["run"] + [str(i + 1) for i in range(n)]
@@ -123,3 +124,46 @@ def summary_markdown(res: dict) -> str:
     return "\n".join(L)
 
 
+
+
+def planner_sections(res: dict) -> list[str]:
+    """--block auto against fixed widths, the widths the planner chose, the oracle bound and the
+    projection for this machine's curve and a flat one."""
+    L = []
+    avf = res.get("auto_vs_fixed") or {}
+    if avf:
+        rows = []
+        for name, a in avf.items():
+            rows.append([f"`{name}`", stats.fmt(a["tokens_per_second"], 1), stats.fmt(a["speedup_vs_ar"], 2, "×"),
+                         f"`{a['best_fixed']}`" if a["best_fixed"] else "–",
+                         stats.fmt(a["fixed"][a["best_fixed"]]["tokens_per_second"], 1) if a["best_fixed"] else "–",
+                         stats.fmt(a["auto_over_best_fixed"], 2, "×"),
+                         ", ".join(f"{k} {v}" for k, v in list(a["widths"].items())[:6])])
+        L += ["## `--block auto` against fixed widths", "",
+              "Same prompts, interleaved. Widths: cycles per choice (`ar`: a plain ar cycle; `B=4 v=2`: a 4-slot "
+              "proposal of which 2 were verified; `k=3`: 3 drafts).", "",
+              _table(["auto run", "tokens/s", "speedup vs ar (median)", "best fixed", "its tokens/s", "auto ÷ best fixed",
+                      "widths chosen (cycles)"], rows, "lrrlrrl"), ""]
+    orc = res.get("oracle")
+    if orc:
+        t = orc["tokens_per_t1"]
+        rows = [["ar", "1.00"]] + [[f"fixed B={b}", stats.fmt(v, 2)] for b, v in t["fixed_blocks"].items()] \
+            + [["oracle (per cycle, knowing the outcome)", stats.fmt(t["oracle_median"], 2)]]
+        L += ["## Lossless: oracle bound", "",
+              f"A full proposal logged at each of {orc['n_positions']} positions of `ar`'s answers; tokens per "
+              "one-token pass cost of the proposer from this run's curve (Python overhead ignored). The oracle "
+              "picks ar or a verify width per cycle knowing how many slots match (median over prompts).", "",
+              _table(["policy", "tokens per t(1)"], rows), ""]
+    proj = res.get("projection")
+    if proj:
+        def best(rows):
+            b = next(r for r in rows if r["chosen"])
+            return "ar" if b["kind"] == "ar" else f"B={b['width']}"
+        rows = [[r["kind"] if r["kind"] == "ar" else f"B={r['width']}", stats.fmt(c["tokens_per_t1"], 2),
+                 stats.fmt(f["tokens_per_t1"], 2)] for r, c, f in zip(proj["curve"], proj["curve"], proj["flat"])]
+        L += ["## Planner projection: this machine's curve and a flat curve (GPU)", "",
+              "Expected lossless tokens per one-token pass cost per block width from the planner's acceptance "
+              f"statistics after the run (slot rates {', '.join(stats.fmt(x, 2) for x in proj['slot_rate'][:8])} …). "
+              f"The planner's choice: **{best(proj['curve'])}** on this curve, **{best(proj['flat'])}** on a flat one.", "",
+              _table(["width", "this curve", "flat curve"], rows), ""]
+    return L

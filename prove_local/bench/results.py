@@ -95,6 +95,7 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
             "loop_share_by_family": fam_loop,
             "tokens_per_cycle_outside_loops_by_family": fam_tpc_nl,
             "overhead_share": _r(stats.overhead_share(cycles)),
+            "widths": stats.width_histogram(s.mode, cycles),
             "loop_share": _r(stats.loop_share([g.tokens for g in gens_ok])),
             "tokens_per_cycle_outside_loops": _r(stats.tokens_per_cycle_outside_loops(
                 [(g.tokens, g.cycles) for g in gens_ok])),
@@ -141,6 +142,54 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
         per_prompt.append({"id": p.id, "family": p.family, "source": p.source, "answer": p.answer,
                            "n_prompt_tokens": len(data.prompt_tokens[i]), "runs": rr})
 
+    # auto against the fixed widths of the same mode (and θ), side by side in this run
+    auto_vs_fixed = {}
+    for name, m in modes.items():
+        if m["block" if m["mode"] != "spec" else "draft_k"] != "auto":
+            continue
+        same = {n: e for n, e in modes.items() if e["mode"] == m["mode"] and e["theta"] == m["theta"] and n != name}
+        fixed = {n: e for n, e in same.items() if e["block" if m["mode"] != "spec" else "draft_k"] != "auto"}
+        best = max(fixed, key=lambda n: fixed[n]["tokens_per_second"] or 0.0, default=None)
+        auto_vs_fixed[name] = {
+            "tokens_per_second": m["tokens_per_second"], "speedup_vs_ar": m["speedup_vs_ar"]["median"],
+            "fixed": {n: {"tokens_per_second": e["tokens_per_second"], "speedup_vs_ar": e["speedup_vs_ar"]["median"]}
+                      for n, e in fixed.items()},
+            "best_fixed": best,
+            "auto_over_best_fixed": _r(m["tokens_per_second"] / fixed[best]["tokens_per_second"])
+            if best and m["tokens_per_second"] and fixed[best]["tokens_per_second"] else None,
+            "widths": m["widths"]}
+    # the oracle bound of lossless (full proposals logged at every position of ar's answers)
+    oracle = None
+    if data.oracle_match:
+        curve = (data.pass_cost or {}).get("proposer")
+        runs_all = [m for i in sorted(data.oracle_match) for m in data.oracle_match[i]]
+        per = [stats.oracle_lossless(data.oracle_match[i], curve) for i in sorted(data.oracle_match)]
+        fixed_proj = {}
+        for b in (1, 2, 3, 4, 8, 16):
+            # fixed block b verified whole at every cycle, walking the logged positions
+            toks = cst = 0.0
+            for i in sorted(data.oracle_match):
+                mr, s_ = data.oracle_match[i], 0
+                while s_ < len(mr):
+                    s_ += min(mr[s_], b) + 1
+                    cst += 2 * (stats.curve_ratio(curve, b) if curve else 1.0)
+                toks += len(mr)
+            fixed_proj[b] = _r(toks / cst) if cst else None
+        oracle = {"tokens_per_t1": {"oracle_median": _r(sorted(per)[len(per) // 2]) if per else None,
+                                    "fixed_blocks": fixed_proj, "ar": 1.0},
+                  "n_positions": len(runs_all),
+                  "slot_match_rate": [_r(sum(m > j for m in runs_all) / len(runs_all)) for j in range(16)] if runs_all else [],
+                  "match_runs": {prompts[i].id: data.oracle_match[i] for i in sorted(data.oracle_match)}}
+    # projection from the planner's acceptance statistics: this machine's curve and a flat one
+    projection = None
+    lossless_stats = (data.planner or {}).get("stats", {}).get("lossless")
+    if lossless_stats and data.pass_cost and "proposer" in data.pass_cost:
+        from ..planner import projection as project
+        rates = lossless_stats["slot_rate"]
+        projection = {"slot_rate": rates,
+                      "curve": project(data.pass_cost["proposer"], rates, len(rates)),
+                      "flat": project({1: 1.0, 64: 1.0}, rates, len(rates))}
+
     pass_cost = {}
     for role, curve in (data.pass_cost or {}).items():
         ns = sorted(curve)
@@ -161,6 +210,10 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
         "auc": aucs,
         "theta_sweep": sorted(sweep, key=lambda r: r["theta"]),
         "pass_cost": pass_cost,
+        "auto_vs_fixed": auto_vs_fixed,
+        "planner": data.planner,
+        "oracle": oracle,
+        "projection": projection,
         "paper": {"position_match_rate_gsm8k": stats.PAPER_SLOT_MATCH_GSM8K, "auc": stats.PAPER_AUC},
         "prompts": per_prompt,
     }
@@ -175,7 +228,8 @@ def generations_jsonl(data: BenchData) -> str:
             "cycles": [{"start": c.start, "proposed": c.proposed, "p": [round(x, 5) for x in c.p],
                         "q": None if c.q is None else [round(x, 5) for x in c.q], "n_committed": len(c.committed),
                         "n_accepted": c.n_accepted, "passes": c.passes, "seconds": round(c.seconds, 6),
-                        "decode_seconds": {k: round(v, 6) for k, v in c.decode_seconds.items()}} for c in g.cycles],
+                        "decode_seconds": {k: round(v, 6) for k, v in c.decode_seconds.items()},
+                        "widths": c.widths} for c in g.cycles],
         }, ensure_ascii=False))
     return "\n".join(lines) + "\n"
 
@@ -213,7 +267,8 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
         toks = g["tokens"]
         cycles = [Cycle(proposed=c["proposed"], p=c["p"], q=c["q"], committed=toks[c["start"]:c["start"] + c["n_committed"]],
                         n_accepted=c["n_accepted"], passes=c["passes"], decode_seconds=c["decode_seconds"],
-                        seconds=c["seconds"], index=k, start=c["start"]) for k, c in enumerate(g["cycles"])]
+                        seconds=c["seconds"], index=k, start=c["start"], widths=c.get("widths") or {})
+                  for k, c in enumerate(g["cycles"])]
         if cycles:
             cycles[-1].stop = stops.get((g["prompt"], g["run"]))
         gens.append(Generation(index[g["prompt"]], g["run"], toks, cycles, g["seconds"],
@@ -221,6 +276,8 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
     data = BenchData(prompts, [[0] * p["n_prompt_tokens"] for p in res["prompts"]], runs, gens,
                      {role: dict(zip(v["n"], v["seconds"])) for role, v in res.get("pass_cost", {}).items()},
                      res.get("warmup_seconds") or 0.0)
+    data.planner = res.get("planner") or {}
+    data.oracle_match = {index[k]: v for k, v in ((res.get("oracle") or {}).get("match_runs") or {}).items() if k in index}
     meta = {k: res[k] for k in ("command", "created", "machine", "models", "settings") if k in res}
     meta["data"] = {k: v for k, v in res.get("data", {}).items() if k in ("paths", "limit")}
     meta["bins"] = max(len(next(iter(res["matched_tokens_by_position"].values()))["edges"]) - 1, 1) \

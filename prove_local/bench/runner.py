@@ -44,54 +44,70 @@ class BenchData:
     generations: list[Generation] = field(default_factory=list)
     pass_cost: dict = field(default_factory=dict)     # role -> {n: seconds}
     warmup_seconds: float = 0.0
+    planner: dict = field(default_factory=dict)       # the engine's planner state after the runs
+    oracle_match: dict = field(default_factory=dict)  # prompt index -> matched slots at every position
 
 
-def make_runs(modes: list[str], *, max_new: int, block: int | None, thetas: list[float], tau: float,
-              draft_k: int) -> list[Run]:
+def make_runs(modes: list[str], *, max_new: int, block, thetas: list[float], tau: float, draft_k) -> list[Run]:
+    """One run per mode and width: `block` and `draft_k` are a value or a list of values ("auto" or
+    N); with several, each gets its own run named mode@auto, mode@B4 (spec: spec@k4), so that auto
+    and fixed widths are measured side by side, interleaved per prompt."""
+    blocks = block if isinstance(block, list) else [block]
+    ks = draft_k if isinstance(draft_k, list) else [draft_k]
     runs = []
+
+    def tag(mode, b, k):
+        if mode == "spec":
+            return "" if len(ks) == 1 else ("@auto" if k == "auto" else f"@k{k}")
+        if mode == "ar" or len(blocks) == 1:
+            return ""
+        return "@auto" if b == "auto" else f"@B{b}"
+
     for mode in modes:
-        if mode == "prove":
-            for th in thetas:
-                name = "prove" if len(thetas) == 1 else f"prove@{th:g}"
-                runs.append(Run(name, Settings(mode="prove", max_new=max_new, block=block, theta=th, tau=tau, draft_k=draft_k)))
-        else:
-            runs.append(Run(mode, Settings(mode=mode, max_new=max_new, block=block, theta=thetas[0] if thetas else 0.05,
-                                           tau=tau, draft_k=draft_k)))
+        widths = [(blocks[0], k) for k in ks] if mode == "spec" else \
+            ([(blocks[0], ks[0])] if mode == "ar" else [(b, ks[0]) for b in blocks])
+        for b, k in widths:
+            if mode == "prove":
+                for th in thetas:
+                    name = ("prove" if len(thetas) == 1 else f"prove@{th:g}") + tag(mode, b, k)
+                    runs.append(Run(name, Settings(mode="prove", max_new=max_new, block=b, theta=th, tau=tau, draft_k=k)))
+            else:
+                runs.append(Run(mode + tag(mode, b, k), Settings(mode=mode, max_new=max_new, block=b,
+                                                                 theta=thetas[0] if thetas else 0.05, tau=tau, draft_k=k)))
     return runs
 
 
 def measure_pass_cost(model: Model, context_options: dict, fill: list[int], *, ns=PASS_COST_NS, reps: int = 3,
-                      n_fill: int = 256, settle: int = 3, timed: int = 2, seed: int = 0) -> dict[int, float]:
+                      n_fill: int = 256, seed: int = 0) -> dict[int, float]:
     """Median seconds inside llama_decode of one pass of n tokens (logits on every row) after a
-    context of `n_fill` tokens, for each n, in the steady state: per repetition `settle` untimed
-    passes of that width, then `timed` timed ones. The n are shuffled within each repetition so
-    that drift spreads over all of them."""
-    opts = dict(context_options)
-    opts["n_ctx"] = n_fill + max(ns) + 8
-    ctx = Context(model, **opts)
+    context of `n_fill` tokens: calibrate.measure (the planner's method) with `reps` repetitions
+    and no time budget."""
+    from ..calibrate import measure
+    return measure(model, context_options, fill, ns=ns, n_fill=n_fill, budget_s=float("inf"), reps=reps, seed=seed)[1]
+
+
+def oracle_runs(engine: Engine, tokens: list[int], reference: list[int], block: int) -> list[int]:
+    """For the oracle bound: at every generated position s of the greedy `reference`, a full
+    `block`-slot proposal of the proposer, and how many of its leading slots equal reference[s:]."""
+    from ..rules import propose
+    ctx = engine.contexts["proposer"]
+    engine.tokens = []
+    ctx.truncate(0)
+    seq = list(tokens)
+    ctx.eval(seq[:-1], rows=[])
+    runs = []
     try:
-        tokens = (fill * (n_fill // max(1, len(fill)) + 2))[:n_fill + max(ns)]
-        ctx.eval(tokens[:n_fill], rows=[])
-        ctx.eval(tokens[n_fill:n_fill + 8], rows=list(range(8)))   # warm-up pass
-        ctx.truncate(n_fill)
-        times: dict[int, list[float]] = {n: [] for n in ns}
-        rng = random.Random(seed)
-        for _ in range(reps):
-            order = list(ns)
-            rng.shuffle(order)
-            for n in order:
-                # untimed passes of the same width first: right after a pass of another width, a
-                # pass costs up to 2x more (caches, graph re-planning) and settles over a few
-                # passes. Decoding repeats the same shapes, so the steady state is what it pays.
-                for k in range(settle + timed):
-                    before = ctx.decode_seconds
-                    ctx.eval(tokens[n_fill:n_fill + n], rows=list(range(n)))
-                    if k >= settle:
-                        times[n].append(ctx.decode_seconds - before)
-                    ctx.truncate(n_fill)
-        return {n: median(t) for n, t in times.items()}
+        for s in range(len(reference)):
+            d, _ = propose(ctx, seq, block, engine.mask_token)
+            want = reference[s:s + block]
+            m = 0
+            while m < len(want) and int(d[m]) == want[m]:
+                m += 1
+            runs.append(m)
+            seq.append(reference[s])
     finally:
-        ctx.close()
+        ctx.truncate(0)
+    return runs
 
 
 def generate_once(engine: Engine, tokens: list[int], settings: Settings) -> tuple[list[Cycle], float, tuple]:
@@ -105,13 +121,15 @@ def generate_once(engine: Engine, tokens: list[int], settings: Settings) -> tupl
 
 def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], prompt_tokens: list[list[int]],
               runs: list[Run], *, context_options: dict, warmup: int = 16, pass_cost: bool = True,
-              pass_cost_reps: int = 3, pass_cost_max: int = 64, progress: bool = True) -> BenchData:
+              pass_cost_reps: int = 3, pass_cost_max: int = 64, progress: bool = True, oracle: bool = False) -> BenchData:
     """Warm-up, pass-cost curves, then for each prompt every run once, the run order rotated from
     one prompt to the next (A B C, B C A, ...) so that drift hits all runs alike."""
     from tqdm import tqdm
 
     data = BenchData(prompts, prompt_tokens, runs)
     proposer = models["proposer"]
+    if any(r.settings.block == "auto" or r.settings.draft_k == "auto" for r in runs):
+        engine.calibrate()            # measured (or read from the cache) before any timing
     if warmup > 0 and prompt_tokens:
         t0 = time.perf_counter()
         for run in runs:
@@ -143,6 +161,12 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
                 bar.update(1)
     finally:
         bar.close()
+    data.planner = engine.planner.summary()
+    if oracle and engine.mask_token is not None:
+        ref = {g.prompt: g.tokens for g in data.generations if g.run == "ar"}
+        for i, tokens in enumerate(prompt_tokens):
+            if i in ref:
+                data.oracle_match[i] = oracle_runs(engine, tokens, ref[i], engine.block_size)
     return data
 
 

@@ -282,16 +282,73 @@ def cycle_cost_units(mode: str, n_proposed: int, curves: dict | None, flat: bool
     raise ValueError(f"unknown mode {mode!r}")
 
 
+def cycle_cost_widths(widths: dict, curves: dict | None, flat: bool = False) -> float:
+    """Cost of one cycle in units of the proposer's 1-token pass from the widths actually fed
+    (`Cycle.widths`: {role: [tokens per pass]}; a prove/mars proposal pass is pending + B - 1 wide,
+    spec's first draft pass catches up on the pending tokens). Other roles' passes are scaled by
+    their t(1) relative to the proposer's (the paper's rho); flat=True: every pass costs its model's
+    one-token pass."""
+    def rho(role):
+        if not curves or role not in curves or "proposer" not in curves or role == "proposer":
+            return 1.0
+        return curves[role][min(curves[role])] / curves["proposer"][min(curves["proposer"])]
+
+    total = 0.0
+    for role, ws in widths.items():
+        for w in ws:
+            total += rho(role) * (1.0 if flat or not curves or role not in curves else curve_ratio(curves[role], w))
+    return total
+
+
+def _cycle_cost(mode: str, c, curves, flat: bool = False) -> float:
+    if getattr(c, "widths", None):
+        return cycle_cost_widths(c.widths, curves, flat)
+    return cycle_cost_units(mode, len(c.proposed), curves, flat)    # an old report without widths
+
+
 def projected(mode: str, cycles, curves: dict | None) -> dict:
     """Projected cycle cost (proposer-pass units) and speedup = tokens per cycle ÷ cycle cost:
-    from the measured curves, and for a flat curve (`_flat`)."""
+    from the measured curves, and for a flat curve (`_flat`); from each cycle's own widths."""
     if not cycles:
         return {"cycle_cost": None, "speedup": None, "cycle_cost_flat": None, "speedup_flat": None}
     tokens = sum(len(c.committed) for c in cycles)
-    cost = sum(cycle_cost_units(mode, len(c.proposed), curves) for c in cycles)
-    flat = sum(cycle_cost_units(mode, len(c.proposed), curves, flat=True) for c in cycles)
+    cost = sum(_cycle_cost(mode, c, curves) for c in cycles)
+    flat = sum(_cycle_cost(mode, c, curves, flat=True) for c in cycles)
     n = len(cycles)
     return {"cycle_cost": cost / n, "speedup": tokens / cost, "cycle_cost_flat": flat / n, "speedup_flat": tokens / flat}
+
+
+def width_histogram(mode: str, cycles) -> dict:
+    """How often each width was run (planner.label: 'ar', 'B=4 v=2', 'k=3'), most frequent first."""
+    from collections import Counter
+    from ..planner import label
+    return dict(Counter(label(mode, c) for c in cycles).most_common())
+
+
+def oracle_lossless(match_runs: list[int], curve: dict | None) -> float | None:
+    """The oracle bound of lossless decoding along one greedy answer, in tokens per proposer one-token
+    pass cost: `match_runs[s]` is how many leading slots of a full proposal at generated position s
+    equal the greedy continuation (>= 1: slot 1 is the AR token). Knowing them, the best cycle at s
+    is ar (1 token for t(1)) or a block verified to v <= match_runs[s] (v + 1 tokens for
+    t(v) + t(v)); a shortest-path over positions gives the least total cost."""
+    n = len(match_runs)
+    if not n:
+        return None
+    r = (lambda w: curve_ratio(curve, w)) if curve else (lambda w: 1.0)
+    inf = float("inf")
+    best = [inf] * (n + 1)
+    best[0] = 0.0
+    for s in range(n):
+        if best[s] == inf:
+            continue
+        if best[s] + 1.0 < best[s + 1]:
+            best[s + 1] = best[s] + 1.0
+        for v in range(1, max(1, match_runs[s]) + 1):
+            e = min(n, s + v + 1)
+            c = best[s] + 2 * r(v)
+            if c < best[e]:
+                best[e] = c
+    return n / best[n]
 
 
 # ---------------------------------------------------------------------------- exactness
