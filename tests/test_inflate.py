@@ -76,3 +76,22 @@ def test_inflate_command_errors(tmp_path):
     r = run(str(q2), "--shape", "gpt-9", "-o", str(tmp_path / "x.gguf"))
     assert r.returncode == 1 and "unknown --shape" in r.stderr
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("PROVE_LOCAL_SLOW_TESTS"),
+                    reason="set PROVE_LOCAL_SLOW_TESTS=1: inflates the embedded proposer to 0.5B in F32 (1.4 GB)")
+def test_embedded_proposer_inflated_to_qwen25_05b(tmp_path):
+    from prove_local.chat import Conversation
+    from prove_local.loading import EMBEDDED_PROPOSER
+    out = tmp_path / "prop-0.5b.gguf"
+    info = inflate.inflate(EMBEDDED_PROPOSER, "qwen2.5-0.5b", out, log=lambda *a: None)
+    assert info["shape"]["hidden"] == 896 and info["shape"]["layers"] == 24 and info["n_params"] > 300e6
+    small, big = Model(EMBEDDED_PROPOSER), Model(out)
+    toks = Conversation(small).prompt_tokens("Natalia sold clips to 48 of her friends in April. How many?")
+    runs = {}
+    for name, m in (("small", small), ("big", big)):
+        eng = Engine.load(m, **dict(F32, n_ctx=512))
+        runs[name] = [t for c in eng.generate(toks, Settings(mode="ar", max_new=24)) for t in c.committed]
+        if name == "big":
+            lossless = [t for c in eng.generate(toks, Settings(mode="lossless", block=3, max_new=24)) for t in c.committed]
+    assert runs["big"] == runs["small"] and lossless == runs["small"]
