@@ -9,24 +9,11 @@ import time
 
 from . import modes
 from .errors import ProveError
-from .loading import add_model_args, load_engine
+from .loading import add_model_args, add_width_args, load_engine
 
 # alternating colors per cycle; the lossless correction / bonus token is underlined
 COLORS = ("\x1b[38;5;39m", "\x1b[38;5;214m")
 BONUS, RESET = "\x1b[4m", "\x1b[0m"
-
-
-def block_arg(text: str):
-    """--block / --draft-k: 'auto' or a positive integer."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or >= 1, got {value}")
-    return value
 
 
 def add_run_parser(sub) -> None:
@@ -35,13 +22,9 @@ def add_run_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--mode", choices=modes.NAMES,
                    help="decoding rule (default: lossless if the model has a mask token, else ar)")
-    p.add_argument("--block", type=block_arg, default="auto",
-                   help="proposal block length: 'auto' (default: a planner picks it per cycle from measured pass "
-                        "costs and acceptance, up to the GGUF's prove.block_size) or a fixed N")
     p.add_argument("--theta", type=float, default=0.05, help="ProVe gate: commit while p*q >= theta (default 0.05)")
     p.add_argument("--tau", type=float, default=0.95, help="MARS rule: commit while p >= tau (default 0.95)")
-    p.add_argument("--draft-k", type=block_arg, default="auto",
-                   help="drafts per cycle for --mode spec: 'auto' (default: chosen per cycle) or a fixed N")
+    add_width_args(p)
     p.add_argument("-p", "--prompt", help="one prompt; the answer streams to stdout")
     p.add_argument("-n", "--max-new", type=int, default=256, help="max new tokens per answer (default 256)")
     p.add_argument("--raw", action="store_true", help="plain completion of the prompt, no chat template")

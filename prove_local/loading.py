@@ -34,6 +34,29 @@ def add_model_args(p: argparse.ArgumentParser, *, positional: bool = True) -> No
                         "evaluation agree exactly; f16 otherwise)")
 
 
+def width_arg(text: str):
+    """--block / --draft-k: 'auto' (the planner's choice per cycle) or a positive integer."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or >= 1, got {value}")
+    return value
+
+
+def add_width_args(p: argparse.ArgumentParser) -> None:
+    """--block and --draft-k, 'auto' by default (planner.py); every front end (run, ui, serve) shares them
+    and passes them on as Settings(block=..., draft_k=...)."""
+    p.add_argument("--block", type=width_arg, default="auto",
+                   help="proposal block length: 'auto' (default: a planner picks it per cycle from measured pass "
+                        "costs and acceptance, up to the GGUF's prove.block_size) or a fixed N")
+    p.add_argument("--draft-k", type=width_arg, default="auto",
+                   help="drafts per cycle for --mode spec: 'auto' (default: chosen per cycle) or a fixed N")
+
+
 @dataclass
 class Loaded:
     """Models loaded once (a model given twice is loaded once) and the options of their contexts."""

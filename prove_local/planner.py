@@ -152,6 +152,10 @@ def chosen(mode: str, cycle) -> tuple[str, int, int]:
     """What a cycle ran, from its widths: ("ar", 1, 1), (mode, B, verified) or ("spec", k, k).
     (A mars cycle of one slot is an ar cycle: same pass, same token.)"""
     w = cycle.widths or {}
+    if not w:                                   # a cycle from before widths were recorded
+        n = len(cycle.proposed)
+        v = len(cycle.q) if mode == "lossless" and cycle.q else n
+        return (mode, n, v) if mode != "ar" else ("ar", 1, 1)
     if mode == "spec":
         k = len(w.get("draft", []))
         return ("spec", k, k) if k else ("ar", 1, 1)

@@ -389,3 +389,18 @@ def test_errors_show_in_the_page(browser, models, paths, tmp_path):
     finally:
         for demo, _ in apps:
             demo.close()
+
+
+def test_inspector_shows_the_planners_widths():
+    """--block auto: a lossless cycle that verified a prefix, and a plain ar cycle inside a lossless answer."""
+    c = Cycle([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8], [1, 2, 9], 2, {"proposer": 2},
+              widths={"proposer": [4, 2]})
+    rows = view.inspect_cycle(c, "lossless", token_text=name)
+    assert [r.status for r in rows] == ["committed", "committed", "dropped", "dropped", "bonus"]
+    assert "not verified" in rows[2].verdict and rows[2].q is None
+    html = view.inspector_html(c, rows, "lossless", theta=0.05, tau=0.95)
+    assert "widths: proposer 4+2 (B=4 v=2)" in html
+    ar = Cycle([5], [.7], None, [5], 1, {"proposer": 1}, widths={"proposer": [1]})
+    rows = view.inspect_cycle(ar, "lossless", token_text=name)
+    assert [r.status for r in rows] == ["committed"] and "AR token" in rows[0].verdict
+    assert "(ar)" in view.inspector_html(ar, rows, "lossless", theta=0.05, tau=0.95)

@@ -249,8 +249,9 @@ def build_app(runtime, *, max_new: int = 256):
             yield chat(sess), stats(sess), inspector(sess), cycle_number(sess), view.banner_html(
                 "type a message first", "warn"), compare_panel(sess), gr.update(), sess
             return
-        settings = Settings(mode=mode, max_new=int(max_new_), block=int(block), theta=float(theta),
-                            tau=float(tau), draft_k=int(draft_k))
+        # slider value 0 is "auto": the planner picks the widths per cycle (planner.py)
+        settings = Settings(mode=mode, max_new=int(max_new_), block=int(block) or "auto", theta=float(theta),
+                            tau=float(tau), draft_k=int(draft_k) or "auto")
         banner = ""
         last = 0.0
         try:
@@ -355,9 +356,9 @@ def build_app(runtime, *, max_new: int = 256):
                                   visible=default_mode == "prove", elem_id="theta")
                 tau = gr.Slider(0.0, 1.0, value=0.95, step=0.01, label="τ (MARS rule: commit while p̃ ≥ τ)",
                                 visible=default_mode == "mars", elem_id="tau")
-                block = gr.Slider(1, 64, value=runtime.block_size, step=1, label="block length",
+                block = gr.Slider(0, 64, value=0, step=1, label="block length (0 = auto: chosen per cycle)",
                                   visible=default_mode in ("lossless", "prove", "mars"), elem_id="block")
-                draft_k = gr.Slider(1, 16, value=4, step=1, label="draft tokens per cycle (spec)",
+                draft_k = gr.Slider(0, 16, value=0, step=1, label="draft tokens per cycle (spec; 0 = auto)",
                                     visible=default_mode == "spec", elem_id="draft_k")
                 max_new = gr.Slider(1, 2048, value=max_new, step=1, label="max new tokens", elem_id="max_new")
                 compare_btn = gr.Button("Compare with AR", elem_id="compare")

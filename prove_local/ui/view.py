@@ -159,19 +159,19 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
                 gate = True
                 verdict = ("slot 1 is the AR token: always matches" if mode == "lossless" and i == 0
                            else f"= {target} greedy token")
+            elif i >= n_checked:
+                gate, verdict = None, f"not verified: the planner verified the first {n_checked} of {k} slots"
             elif i == na and extra:
                 gate = False
                 verdict = f"≠ {target} greedy token {token_text(extra[0])}: replaced"
             elif not extra and cycle.stop:
                 gate, verdict = None, cut
-            elif i >= n_checked:
-                gate, verdict = None, f"not verified: the planner verified the first {n_checked} of {k} slots"
             else:
                 gate, verdict = None, "not checked: after the first mismatch"
         rows.append(SlotRow(i + 1, d[i], token_text(d[i]), p[i], qi, pq, gate, verdict,
                             "committed" if committed else "dropped"))
     for t in extra:
-        bonus = na >= k
+        bonus = na >= (n_checked if mode == "lossless" else k)
         who = "proposer's" if mode == "lossless" else "target's"
         rows.append(SlotRow(None, t, token_text(t), None, None, None, None,
                             f"the {who} own next token after a full match" if bonus
