@@ -146,7 +146,7 @@ def _score(curve: dict[int, float]) -> float:
     return curve.get(1, float("inf")) + curve.get(4, curve.get(max(curve), 0.0))
 
 
-def calibrate(model, options: dict, *, refresh: bool = False, budget_s: float = 0.5, ns=DEFAULT_NS,
+def calibrate(model, options: dict, *, refresh: bool = False, budget_s: float = 0.8, ns=DEFAULT_NS,
               verbose: bool = False) -> dict:
     """The cached calibration of `model` with `options`, measuring it when missing (or `refresh`).
     Returns {"threads": chosen, "curves": {threads: {n: seconds}}, "measured": bool}.
@@ -212,7 +212,8 @@ def add_parser(sub) -> None:
                                    "reads it). Cached curves are shown unless --refresh.")
     p.add_argument("models", nargs="*", metavar="MODEL.gguf", help="GGUF files (default: the embedded pair)")
     p.add_argument("--refresh", action="store_true", help="measure again even when a cached curve exists")
-    p.add_argument("--budget", type=float, default=0.5, help="seconds per model and thread count (default 0.5)")
+    p.add_argument("--budget", type=float, default=0.8,
+                   help="seconds per model, shared by the thread counts tried (default 0.8)")
     p.add_argument("--threads", type=int, help="CPU threads (default: chosen by measurement for small models)")
     p.add_argument("--n-gpu-layers", type=int, help="layers to offload (default: all when llama.cpp has a GPU backend)")
     p.add_argument("--flash-attn", action="store_true")

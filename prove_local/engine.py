@@ -131,7 +131,7 @@ class Engine:
         request's fixed settings; cut to the room left in the context."""
         room = self.n_ctx - len(self.tokens)
         mode = req.settings.mode
-        if req.auto and (mode == "spec" or MODES[mode].uses_block):
+        if req.auto:
             # tokens each context will be fed before its new ones (at least the last: rules._pending)
             pending = {r: max(1, len(self.tokens) - c.n_past) for r, c in self.contexts.items()}
             return self.planner.plan(mode, pending, req.block, room)
@@ -163,7 +163,8 @@ class Engine:
         self.tokens = self.tokens[:keep]
         self._sync()
         self.tokens = list(prompt)
-        auto = s.draft_k == "auto" if s.mode == "spec" else s.block == "auto"
+        # the planner decides only what the mode has: spec's draft length, the others' block width
+        auto = s.draft_k == "auto" if s.mode == "spec" else (s.block == "auto" and MODES[s.mode].uses_block)
         self.active = Request(list(prompt), s, s.block if isinstance(s.block, int) else self.block_size, auto=auto)
         if auto and self.planner.costs is None:
             self.calibrate()

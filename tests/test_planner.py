@@ -246,3 +246,28 @@ def test_block_argument():
         main(["run", "--block", "0", "-p", "x"])
     with pytest.raises(SystemExit):
         main(["run", "--block", "wide", "-p", "x"])
+
+
+def test_engine_rechecks_threads_when_passes_stall(models):
+    """A small model whose threads the user did not fix: calibration measured 1 thread and all cores;
+    when passes cost many times their t(n) the engine times both on the live context and keeps the
+    faster, with its curve."""
+    prop, _ = models
+    engine = Engine.load(prop, **dict(F32, n_threads=None))
+    engine.calibrate()
+    assert set(engine._thread_curves["proposer"]) == {1, calibrate.cores()}
+    run(engine, prop.tokenize(PROMPTS[0]), mode="lossless", block="auto")
+    engine.planner.recheck = True
+    cycles, _ = run(engine, prop.tokenize(PROMPTS[1]), mode="lossless", block="auto")
+    assert not engine.planner.recheck
+    th = engine.contexts["proposer"].n_threads
+    assert th in engine._thread_curves["proposer"]
+    assert list(engine.planner.costs.base["proposer"][1:3]) == pytest.approx(
+        [engine._thread_curves["proposer"][th][n] for n in (1, 2)])
+
+
+def test_ar_mode_needs_no_calibration(models):
+    prop, _ = models
+    engine = Engine.load(prop, **F32)
+    run(engine, prop.tokenize(PROMPTS[0]), mode="ar", block="auto")
+    assert engine.planner.costs is None
