@@ -437,3 +437,14 @@ def test_oracle_lossless_shortest_path():
     assert oracle_lossless([6, 1, 1, 1, 1, 1, 1], flat) == pytest.approx(7 / 2)
     steep = {1: 1.0, 2: 2.0, 64: 64.0}                                      # width costs linearly: ar ties
     assert oracle_lossless([6, 1, 1, 1, 1, 1, 1], steep) == pytest.approx(1.0)
+
+
+def test_cycle_cost_from_the_widths_actually_fed():
+    """A prove cycle after one that committed 3 tokens feeds its proposer 3 + B - 1 tokens, not B."""
+    from prove_local.bench.stats import cycle_cost_widths
+    curves = {"proposer": {1: 1.0, 2: 1.5, 4: 2.0, 8: 4.0}, "verifier": {1: 0.5, 8: 4.0}}
+    assert cycle_cost_widths({"proposer": [3 + 4 - 1]}, curves) == pytest.approx(3.0)      # t(6)/t(1)
+    assert cycle_cost_widths({"proposer": [4, 2]}, curves) == pytest.approx(3.5)           # lossless B=4, v=2
+    # the verifier's pass in proposer units: its t(4)/t(1) = 4 times rho = t_v(1)/t_p(1) = 0.5
+    assert cycle_cost_widths({"proposer": [4], "verifier": [4]}, curves) == pytest.approx(2.0 + 0.5 * 4.0)
+    assert cycle_cost_widths({"proposer": [4, 4]}, curves, flat=True) == 2.0
