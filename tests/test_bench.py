@@ -3,6 +3,7 @@ the report on synthetic data, and one small end-to-end run on tiny random-weight
 import itertools
 import json
 import random
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -448,3 +449,38 @@ def test_cycle_cost_from_the_widths_actually_fed():
     # the verifier's pass in proposer units: its t(4)/t(1) = 4 times rho = t_v(1)/t_p(1) = 0.5
     assert cycle_cost_widths({"proposer": [4], "verifier": [4]}, curves) == pytest.approx(2.0 + 0.5 * 4.0)
     assert cycle_cost_widths({"proposer": [4, 4]}, curves, flat=True) == 2.0
+
+
+def test_bench_external_llama_speculative_baseline(tiny_models, tmp_path, monkeypatch):
+    """--llama-spec BIN: run once per prompt with the proposer as target and --draft as draft; its
+    'decoded N tokens in S seconds' line is compared with every run. A missing BIN is skipped with a note.
+    (A stand-in executable checks the arguments; the real binary is llama.cpp's.)"""
+    from prove_local.cli import main
+    monkeypatch.setenv("PROVE_LOCAL_CACHE", str(tmp_path / "cache"))
+    prop, ver, draft = tiny_models
+    fake = tmp_path / "llama-speculative-simple"
+    fake.write_text("#!" + sys.executable + "\n"
+                    "import sys\n"
+                    "a = sys.argv[1:]\n"
+                    f"assert a[a.index('-m') + 1] == {str(prop)!r} and a[a.index('-md') + 1] == {str(draft)!r}\n"
+                    "assert '--spec-draft-n-max' in a and a[a.index('--temp') + 1] == '0'\n"
+                    "text = open(a[a.index('-f') + 1], encoding='utf-8').read()\n"
+                    "if 'FAIL' in text: sys.exit(3)\n"
+                    "n = int(a[a.index('-n') + 1])\n"
+                    "print(f'decoded {n:4d} tokens in    0.010 seconds, speed: {n / 0.01:8.3f} t/s', file=sys.stderr)\n"
+                    "print('accept    = 42.000%', file=sys.stderr)\n")
+    fake.chmod(0o755)
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "x\n#### 3"}) + "\n" for q in ("What is 1 + 2?", "FAIL here")))
+    out = tmp_path / "out"
+    base = ["bench", "--proposer", str(prop), "--draft", str(draft), "--modes", "ar,spec", "--data", str(data),
+            "--max-new", "8", "--threads", "1", "--ctx", "512", "--kv-type", "f32", "--warmup", "0", "--no-pass-cost",
+            "--no-plots", "-q", "--draft-k", "3", "--out", str(out)]
+    assert main(base + ["--llama-spec", str(fake)]) == 0
+    ext = json.loads((out / "results.json").read_text())["external"]
+    assert ext["n_ok"] == 1 and ext["n_failed"] == 1 and ext["tokens_per_second"] == pytest.approx(800.0)
+    assert ext["runs"]["gsm/0"] == {"tokens": 8, "seconds": 0.01, "accept_percent": 42.0}
+    assert set(ext["run_over_external_median"]) == {"ar", "spec"} and ext["run_over_external_median"]["ar"] > 0
+    assert "llama-speculative-simple" in (out / "summary.md").read_text()
+    assert main(base + ["--llama-spec", str(tmp_path / "absent")]) == 0
+    assert json.loads((out / "results.json").read_text())["external"] is None

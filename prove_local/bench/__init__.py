@@ -9,6 +9,7 @@ pass-cost curve). This module only defines the command line; the work is importe
 """
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from datetime import datetime, timezone
@@ -47,10 +48,13 @@ def canonical_command(args) -> str:
     parts = ["prove-local", "bench"]
     for opt in ("proposer", "verifier", "draft", "modes", "limit", "max_new", "theta", "tau", "block", "draft_k",
                 "mask_token", "threads", "ctx", "n_gpu_layers", "kv_type", "warmup", "pass_cost_reps", "pass_cost_max",
+                "llama_spec",
                 "bins", "system", "out"):
         v = getattr(args, opt, None)
         if v is not None:
             parts += ["--" + opt.replace("_", "-"), str(v)]
+    if getattr(args, "llama_spec", None):
+        parts += ["--llama-spec-args", args.llama_spec_args]
     for d in args.data:
         parts += ["--data", str(d)]
     for flag in ("raw", "flash_attn", "no_pass_cost", "no_plots", "oracle"):
@@ -80,6 +84,11 @@ def add_parser(sub) -> None:
                         "list (e.g. auto,2,4,16) makes one run per value, side by side")
     p.add_argument("--draft-k", default="auto",
                    help="drafts per cycle for spec: 'auto' (default) or N; a comma-separated list makes one run per value")
+    p.add_argument("--llama-spec", metavar="BIN",
+                   help="also run llama.cpp's llama-speculative-simple at BIN on every prompt (proposer as target, "
+                        "--draft as draft, greedy) as an external baseline; skipped with a note when BIN is absent")
+    p.add_argument("--llama-spec-args", default="--spec-type draft-simple --spec-draft-n-max 4",
+                   help="its speculative options (default: '--spec-type draft-simple --spec-draft-n-max 4')")
     p.add_argument("--oracle", action="store_true",
                    help="also log a full proposal at every position of ar's answers and report lossless's oracle "
                         "bound and fixed-width projections (one extra pass per generated token)")
@@ -198,10 +207,22 @@ def cmd_bench(args) -> int:
     if not kept:
         raise UsageError("no prompt fits the context")
 
+    external = None
+    if args.llama_spec:
+        if not args.draft:
+            raise UsageError("--llama-spec needs --draft D.gguf (its draft model)")
+        if not (Path(args.llama_spec).is_file() and os.access(args.llama_spec, os.X_OK)):
+            print(f"prove-local bench: note: {args.llama_spec} is not an executable file; the llama-speculative-simple "
+                  "baseline is skipped", file=sys.stderr)
+        else:
+            from .runner import LlamaSpec
+            external = LlamaSpec(str(Path(args.llama_spec).resolve()), str(proposer_path), str(args.draft), args.max_new,
+                                 threads=args.threads, ctx=args.ctx, n_gpu_layers=max(ngl, 0) if ngl >= 0 else 999,
+                                 extra=tuple(shlex.split(args.llama_spec_args)))
     data = run_bench(engine, models, kept, prompt_tokens, runs, context_options=context_options, warmup=args.warmup,
                      pass_cost=not args.no_pass_cost, pass_cost_reps=args.pass_cost_reps,
                      pass_cost_max=args.pass_cost_max, progress=not args.quiet,
-                     oracle=args.oracle and "ar" in modes)
+                     oracle=args.oracle and "ar" in modes, external=external)
     block = ",".join(map(str, blocks))
     try:
         from ..llama import default_threads

@@ -154,6 +154,14 @@ def planner_sections(res: dict) -> list[str]:
               "one-token pass cost of the proposer from this run's curve (Python overhead ignored). The oracle "
               "picks ar or a verify width per cycle knowing how many slots match (median over prompts).", "",
               _table(["policy", "tokens per t(1)"], rows), ""]
+    ext = res.get("external")
+    if ext:
+        rows = [[f"`{n}`", stats.fmt(v, 2, "×")] for n, v in ext["run_over_external_median"].items()]
+        L += [f"## Against llama.cpp's `{ext.get('name')}`", "",
+              f"`{ext.get('binary')}` {' '.join(ext.get('args', []))}, target = the proposer, draft = `--draft`, greedy, "
+              f"on the same prompts: {stats.fmt(ext['tokens_per_second'], 1)} tokens/s over {ext['n_ok']} prompts"
+              + (f" ({ext['n_failed']} failed: {'; '.join(ext['errors'])})" if ext["n_failed"] else "")
+              + ". Median over prompts of each run's throughput ÷ its:", "", _table(["run", "÷ llama-speculative-simple"], rows), ""]
     proj = res.get("projection")
     if proj:
         def best(rows):

@@ -190,6 +190,23 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
                       "curve": project(data.pass_cost["proposer"], rates, len(rates)),
                       "flat": project({1: 1.0, 64: 1.0}, rates, len(rates))}
 
+    # the external baseline (llama-speculative-simple), per prompt and against every run
+    external = None
+    if data.external:
+        ext_runs = {int(i): r for i, r in (data.external.get("runs") or {}).items()}
+        ok = {i: r for i, r in ext_runs.items() if "error" not in r and r.get("seconds")}
+        tps = sum(r["tokens"] for r in ok.values()) / sum(r["seconds"] for r in ok.values()) if ok else None
+        vs = {}
+        for name in runs:
+            pairs = [(by[(i, name)], r) for i, r in ok.items() if (i, name) in by and by[(i, name)].seconds > 0]
+            ratios = sorted((len(g.tokens) / g.seconds) / (r["tokens"] / r["seconds"]) for g, r in pairs if r["tokens"])
+            vs[name] = _r(ratios[len(ratios) // 2]) if ratios else None
+        external = {**{k: v for k, v in data.external.items() if k != "runs"},
+                    "tokens_per_second": _r(tps, 3), "n_ok": len(ok), "n_failed": len(ext_runs) - len(ok),
+                    "errors": sorted({r["error"] for r in ext_runs.values() if "error" in r})[:3],
+                    "run_over_external_median": vs,
+                    "runs": {prompts[i].id: r for i, r in sorted(ext_runs.items()) if i < len(prompts)}}
+
     pass_cost = {}
     for role, curve in (data.pass_cost or {}).items():
         ns = sorted(curve)
@@ -214,6 +231,7 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
         "planner": data.planner,
         "oracle": oracle,
         "projection": projection,
+        "external": external,
         "paper": {"position_match_rate_gsm8k": stats.PAPER_SLOT_MATCH_GSM8K, "auc": stats.PAPER_AUC},
         "prompts": per_prompt,
     }
@@ -277,6 +295,10 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
                      {role: dict(zip(v["n"], v["seconds"])) for role, v in res.get("pass_cost", {}).items()},
                      res.get("warmup_seconds") or 0.0)
     data.planner = res.get("planner") or {}
+    ext = res.get("external")
+    if ext:
+        data.external = {**{k: v for k, v in ext.items() if k in ("name", "binary", "target", "draft", "args", "threads")},
+                         "runs": {index[k]: v for k, v in (ext.get("runs") or {}).items() if k in index}}
     data.oracle_match = {index[k]: v for k, v in ((res.get("oracle") or {}).get("match_runs") or {}).items() if k in index}
     meta = {k: res[k] for k in ("command", "created", "machine", "models", "settings") if k in res}
     meta["data"] = {k: v for k, v in res.get("data", {}).items() if k in ("paths", "limit")}

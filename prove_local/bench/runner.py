@@ -46,6 +46,7 @@ class BenchData:
     warmup_seconds: float = 0.0
     planner: dict = field(default_factory=dict)       # the engine's planner state after the runs
     oracle_match: dict = field(default_factory=dict)  # prompt index -> matched slots at every position
+    external: dict = field(default_factory=dict)      # llama-speculative-simple: {"runs": {prompt: {...}}, ...}
 
 
 def make_runs(modes: list[str], *, max_new: int, block, thetas: list[float], tau: float, draft_k) -> list[Run]:
@@ -121,7 +122,8 @@ def generate_once(engine: Engine, tokens: list[int], settings: Settings) -> tupl
 
 def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], prompt_tokens: list[list[int]],
               runs: list[Run], *, context_options: dict, warmup: int = 16, pass_cost: bool = True,
-              pass_cost_reps: int = 3, pass_cost_max: int = 64, progress: bool = True, oracle: bool = False) -> BenchData:
+              pass_cost_reps: int = 3, pass_cost_max: int = 64, progress: bool = True, oracle: bool = False,
+              external: "LlamaSpec | None" = None) -> BenchData:
     """Warm-up, pass-cost curves, then for each prompt every run once, the run order rotated from
     one prompt to the next (A B C, B C A, ...) so that drift hits all runs alike."""
     from tqdm import tqdm
@@ -159,15 +161,70 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
                 data.generations.append(Generation(i, run.name, out, cycles, seconds, n_pre, t_pre,
                                                    proposer.detokenize([t for t in out if not proposer.is_eog(t)])))
                 bar.update(1)
+            if external is not None:          # the external baseline, on the same prompt
+                data.external.setdefault("runs", {})[i] = external.run(proposer.detokenize(tokens, special=True))
     finally:
         bar.close()
     data.planner = engine.planner.summary()
+    if external is not None:
+        data.external.update(external.describe())
     if oracle and engine.mask_token is not None:
         ref = {g.prompt: g.tokens for g in data.generations if g.run == "ar"}
         for i, tokens in enumerate(prompt_tokens):
             if i in ref:
                 data.oracle_match[i] = oracle_runs(engine, tokens, ref[i], engine.block_size)
     return data
+
+
+@dataclass
+class LlamaSpec:
+    """llama.cpp's own `llama-speculative-simple` as an external baseline (target = the proposer, draft
+    = the draft model), run once per prompt on the same rendered prompt text, greedy. Its "decoded N
+    tokens in S seconds" line (decoding only, without the prompt) gives the figures."""
+    binary: str
+    target: str
+    draft: str
+    max_new: int
+    threads: int | None = None
+    ctx: int = 4096
+    n_gpu_layers: int = 0
+    extra: tuple = ("--spec-type", "draft-simple", "--spec-draft-n-max", "4")
+    timeout: float = 600.0
+
+    def command(self, prompt_file: str) -> list[str]:
+        cmd = [self.binary, "-m", self.target, "-md", self.draft, "-f", prompt_file, "-n", str(self.max_new),
+               "-c", str(self.ctx), "--temp", "0", "-ngl", str(self.n_gpu_layers), "-ngld", str(self.n_gpu_layers)]
+        if self.threads:
+            cmd += ["-t", str(self.threads), "-td", str(self.threads)]
+        return cmd + list(self.extra)
+
+    def run(self, prompt_text: str) -> dict:
+        import re
+        import subprocess
+        import tempfile
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as f:
+            f.write(prompt_text)
+            path = f.name
+        try:
+            r = subprocess.run(self.command(path), capture_output=True, text=True, timeout=self.timeout)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            os.unlink(path)
+        log = r.stdout + "\n" + r.stderr
+        m = re.search(r"decoded\s+(\d+)\s+tokens in\s+([0-9.]+)\s+seconds", log)
+        if r.returncode != 0 or not m:
+            tail = " | ".join(log.strip().splitlines()[-3:])
+            return {"error": f"exit {r.returncode}, no 'decoded N tokens in S seconds' line ({tail[-300:]})"}
+        out = {"tokens": int(m.group(1)), "seconds": float(m.group(2))}
+        acc = re.search(r"accept\s*=\s*([0-9.]+)%", log)
+        if acc:
+            out["accept_percent"] = float(acc.group(1))
+        return out
+
+    def describe(self) -> dict:
+        return {"name": "llama-speculative-simple", "binary": self.binary, "target": self.target, "draft": self.draft,
+                "args": list(self.extra), "threads": self.threads}
 
 
 def machine_info(threads: int | None) -> dict:
