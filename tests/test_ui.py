@@ -263,7 +263,7 @@ def server(paths, tmp_path_factory):
     port = free_port()
     cmd = [sys.executable, "-m", "prove_local.cli", "ui", str(paths[0]), "--verifier", str(paths[1]),
            "--port", str(port), "--ctx", "512", "--kv-type", "f32", "--threads", "1", "--parallel", "2",
-           "-n", str(MAX_NEW)]
+           "-n", str(MAX_NEW), "--block", "16"]     # a fixed block: the inspector shows 16 slots
     env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
     log = tmp_path_factory.mktemp("ui-server") / "stderr.log"
     with open(log, "w") as err:
@@ -332,6 +332,7 @@ def test_page_end_to_end(browser, server, models, tmp_path):
     page.wait_for_selector(f'#inspector .inspector[data-cycle="{target["pick"]}"]')
     heads = page.eval_on_selector_all("#inspector .insp-table tr:first-child th", "els => els.map(e => e.textContent)")
     assert heads[0] == "slot" and heads[1] == "1" and len(heads) >= 3
+    assert "widths: proposer 16+16" in page.inner_text("#inspector .insp-head")
     assert page.locator("#inspector .insp-table .tok").count() == len(heads) - 1
     statuses = page.eval_on_selector_all("#inspector td.status", "els => els.map(e => e.textContent)")
     assert statuses[0] == "committed" and set(statuses) <= {"committed", "dropped", "correction", "bonus"}
