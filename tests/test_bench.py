@@ -484,3 +484,14 @@ def test_bench_external_llama_speculative_baseline(tiny_models, tmp_path, monkey
     assert "llama-speculative-simple" in (out / "summary.md").read_text()
     assert main(base + ["--llama-spec", str(tmp_path / "absent")]) == 0
     assert json.loads((out / "results.json").read_text())["external"] is None
+
+
+def test_slot_labels_with_a_verified_prefix():
+    """--block auto: a lossless cycle may verify only v of its B slots; q exists for those alone."""
+    from prove_local.bench.stats import detector_aucs, slot_labels
+    from prove_local.rules import Cycle
+    c = Cycle([5, 6, 7, 8], [.9, .8, .3, .2], [.9, .7], [5, 6, 9], 2, {"proposer": 2}, widths={"proposer": [4, 2]})
+    labels = slot_labels([c], [5, 6, 9], [5, 6, 9, 1])
+    assert [r["q"] for r in labels] == [.9, .7, None, None] and [r["match"] for r in labels] == [True, True, False, False]
+    a = detector_aucs(labels)
+    assert a["p"] == 1.0 and a["q"] is None          # the verified slots all match: no negative class for q

@@ -111,7 +111,8 @@ def slot_labels(cycles, generated: list[int], reference: list[int]) -> list[dict
             pos = c.start + i
             if pos >= len(reference):
                 break
-            out.append({"slot": i, "p": float(c.p[i]), "q": None if c.q is None else float(c.q[i]),
+            # q exists only for the verified slots (the planner may verify a prefix of the proposal)
+            out.append({"slot": i, "p": float(c.p[i]), "q": float(c.q[i]) if c.q is not None and i < len(c.q) else None,
                         "match": tok == reference[pos], "start": c.start, "cycle": ci})
     return out
 
@@ -175,12 +176,14 @@ def matched_by_position(runs: list[dict], n_bins: int = 5) -> dict:
 
 def detector_aucs(labels: list[dict]) -> dict:
     """AUC of p̃, q and p̃·q as detectors of "slot i is on the greedy path", over all labelled
-    slots (q and p̃·q only where every slot has a q)."""
+    slots (q and p̃·q over the slots that have a q: a planner may verify only a prefix)."""
     y = [r["match"] for r in labels]
     out = {"p": auc([r["p"] for r in labels], y), "n_pos": sum(map(bool, y)), "n_neg": len(y) - sum(map(bool, y))}
-    if labels and all(r["q"] is not None for r in labels):
-        out["q"] = auc([r["q"] for r in labels], y)
-        out["pq"] = auc([r["p"] * r["q"] for r in labels], y)
+    with_q = [r for r in labels if r["q"] is not None]
+    if with_q:                                # over the slots that have a q (verified ones)
+        yq = [r["match"] for r in with_q]
+        out["q"] = auc([r["q"] for r in with_q], yq)
+        out["pq"] = auc([r["p"] * r["q"] for r in with_q], yq)
     else:
         out["q"] = out["pq"] = None
     return out
