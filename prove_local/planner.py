@@ -188,14 +188,15 @@ class Choice:
 class Planner:
     """Per-engine planner: statistics from every cycle (`observe`), a plan per cycle (`plan`).
     `costs` is None until calibrated (the engine calibrates at the first `--block auto` request).
-    explore: probability of an exploratory cycle (a random width, to keep statistics fresh);
+    explore: probability of an exploratory cycle (to keep statistics fresh; see _explore);
     hysteresis: a new width must beat the current one's expected rate by this share;
     replan_every: the best width is recomputed every so many cycles (the planner's own time)."""
 
-    def __init__(self, costs: Costs | None = None, *, explore: float = 0.03, hysteresis: float = 0.03,
-                 replan_every: int = 16, k_max: int = 8, seed: int = 0):
+    def __init__(self, costs: Costs | None = None, *, explore: float = 0.02, explore_wide: float = 0.1,
+                 hysteresis: float = 0.03, replan_every: int = 16, k_max: int = 8, seed: int = 0):
         self.costs = costs
-        self.explore, self.hysteresis, self.replan_every, self.k_max = explore, hysteresis, replan_every, k_max
+        self.explore, self.explore_wide = explore, explore_wide
+        self.hysteresis, self.replan_every, self.k_max = hysteresis, replan_every, k_max
         self.rng = random.Random(seed)
         self.stats: dict[str, SlotStats] = {}
         self.overhead: dict[str, float] = {}          # seconds outside llama_decode per cycle kind
@@ -223,8 +224,9 @@ class Planner:
             self.stats_for(kind).record(cycle.p, 1, b, cycle.n_accepted)
         decode = sum(cycle.decode_seconds.values())
         over = max(0.0, cycle.seconds - decode)
-        old = self.overhead.get(kind)
-        self.overhead[kind] = over if old is None else 0.9 * old + 0.1 * min(over, 4 * old + 1e-4)
+        for key in (kind, (kind, b)):      # per kind, and per kind and width (wider blocks cost more Python)
+            old = self.overhead.get(key)
+            self.overhead[key] = over if old is None else 0.9 * old + 0.1 * min(over, 4 * old + 1e-4)
         if self.costs is not None:
             worst = 0.0
             for role, secs in cycle.decode_seconds.items():
@@ -236,7 +238,9 @@ class Planner:
                 self.recheck, self.slow_streak = True, 0
 
     # ---------------------------------------------------------------------- expected rates
-    def _oh(self, kind: str) -> float:
+    def _oh(self, kind: str, width: int | None = None) -> float:
+        if width is not None and (kind, width) in self.overhead:
+            return self.overhead[(kind, width)]
         return self.overhead.get(kind, 0.0)
 
     def rates(self, mode: str, pending: dict, block_max: int) -> list[Choice]:
@@ -249,7 +253,7 @@ class Planner:
             gain = np.cumsum(np.cumprod(s))                          # E[accepted] for k = 1..k_max
             pd = pending.get("draft", 1)
             for k in range(1, self.k_max + 1):
-                cost = c.t("draft", pd) + (k - 1) * c.t("draft", 1) + c.t("proposer", pp + k) + self._oh("spec")
+                cost = c.t("draft", pd) + (k - 1) * c.t("draft", 1) + c.t("proposer", pp + k) + self._oh("spec", k)
                 out.append(Choice("spec", k, (1.0 + gain[k - 1]) / cost))
             return out
         s = self.stats_for(mode).slot_rates(block_max)
@@ -257,18 +261,19 @@ class Planner:
         tp = c.table("proposer")
         widths = np.minimum(pp + np.arange(block_max), len(tp) - 1)       # proposal pass of B = 1..block_max
         prop = tp[widths]
+        oh = np.array([self._oh(mode, b) for b in range(1, block_max + 1)])
         if mode == "lossless":
             # rate[B, v] for v <= B: (E[run](v) + 1 correction token) / (t(pending+B-1) + t(v) + overhead)
             v = np.arange(1, block_max + 1)
-            r = (run[None, :] + 1.0) / (prop[:, None] + tp[v][None, :] + self._oh("lossless"))
+            r = (run[None, :] + 1.0) / (prop[:, None] + tp[v][None, :] + oh[:, None])
             r[np.triu_indices(block_max, 1)] = 0.0
             rates = r.max(axis=1)
         elif mode == "prove":
             tv = c.table("verifier")
             pv = pending.get("verifier", 1)
-            rates = run / (prop + tv[np.minimum(pv + np.arange(block_max), len(tv) - 1)] + self._oh("prove"))
+            rates = run / (prop + tv[np.minimum(pv + np.arange(block_max), len(tv) - 1)] + oh)
         else:
-            rates = run / (prop + self._oh(mode))
+            rates = run / (prop + oh)
         out += [Choice(mode, b + 1, float(x)) for b, x in enumerate(rates)]
         return out
 
@@ -285,6 +290,8 @@ class Planner:
             self._bin_rates = None                 # refreshed by the next verify_width
             options = self.rates(mode, pending, block_max)
             best = max(options, key=lambda ch: ch.rate)
+            if best.rate < options[0].rate * (1.0 + self.hysteresis):
+                best = options[0]                      # plain ar unless a width clearly beats it
             if cur is not None:
                 now = next((o for o in options if (o.kind, o.width) == (cur.kind, cur.width)), None)
                 if now is not None and now.rate >= best.rate * (1.0 - self.hysteresis):
@@ -322,23 +329,29 @@ class Planner:
         return best_v
 
     def _explore(self, mode: str, cap: int, kcap: int) -> Plan:
-        """A random plan: any width (and for lossless, any verify width, half of the time the whole
-        block, which refreshes the statistics of every slot)."""
+        """An exploratory plan. Mostly local and cheap: one or two slots (drafts) wider than the current
+        choice, so that the statistics just past it stay fresh where a steep curve makes wide passes
+        dear; a share `explore_wide` of explorations picks any width (or ar) uniformly. For lossless,
+        half of the time a random verify width (else the whole block, which refreshes every slot)."""
+        cur = self.current.get(mode)
+        base = cur.width if cur is not None and cur.kind != "ar" else (0 if mode == "spec" else 1)
+        wide = self.rng.random() < self.explore_wide
         if mode == "spec":
-            k = self.rng.randint(0, kcap)
+            k = self.rng.randint(0, kcap) if wide else min(kcap, base + self.rng.randint(1, 2))
             return Plan(block=1, draft_k=0, mode="ar") if k == 0 else Plan(block=1, draft_k=k)
-        b = self.rng.randint(1, cap)
+        if wide and self.rng.random() < 1.0 / (cap + 1):
+            return Plan(block=1, draft_k=0, mode="ar")
+        b = self.rng.randint(1, cap) if wide else min(cap, base + self.rng.randint(1, 2))
         if mode == "lossless" and self.rng.random() < 0.5:
             return Plan(block=b, verify=self.rng.randint(1, b))
-        if self.rng.random() < 1.0 / (cap + 1):
-            return Plan(block=1, draft_k=0, mode="ar")
         return Plan(block=b, draft_k=0)
 
     def summary(self) -> dict:
         return {"current": {m: {"kind": c.kind, "width": c.width, "tokens_per_second": round(c.rate, 1)}
                             for m, c in self.current.items()},
                 "scale": dict(self.costs.scale) if self.costs else {},
-                "overhead_us": {k: round(v * 1e6, 1) for k, v in self.overhead.items()},
+                "overhead_us": {k if isinstance(k, str) else f"{k[0]}@{k[1]}": round(v * 1e6, 1)
+                                for k, v in sorted(self.overhead.items(), key=str)},
                 "stats": {m: s.summary() for m, s in self.stats.items()}}
 
 

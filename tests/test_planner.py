@@ -60,7 +60,7 @@ def run(engine, prompt, **kw):
 def test_every_planner_branch_is_exact_on_real_contexts(models, ar_outputs, cache_dir):
     prop, draft = models
     engine = Engine.load(prop, None, draft, **F32)
-    engine.planner = Planner(explore=1.0, seed=1)      # every cycle a random plan
+    engine.planner = Planner(explore=1.0, explore_wide=1.0, seed=1)      # every cycle a random plan
     seen = {"lossless": set(), "spec": set()}
     for p in PROMPTS:
         for mode, kw in (("lossless", {"block": "auto"}), ("spec", {"draft_k": "auto"})):
@@ -271,3 +271,14 @@ def test_ar_mode_needs_no_calibration(models):
     engine = Engine.load(prop, **F32)
     run(engine, prop.tokenize(PROMPTS[0]), mode="ar", block="auto")
     assert engine.planner.costs is None
+
+
+def test_exploration_is_mostly_local():
+    """On a steep curve the planner settles on ar; its explorations then stay narrow (1-3 slots)
+    except a small share, so that exploring costs little where wide passes are dear."""
+    pl = planner_with({1: 1.0, 2: 3.0, 64: 200.0}, [1.0] + [0.5] * 15, seed=3)
+    pl.explore, pl.explore_wide = 1.0, 0.1
+    pl.current["lossless"] = pl.rates("lossless", {"proposer": 1}, 16)[0]     # the ar choice
+    blocks = [pl.plan("lossless", {"proposer": 1}, 16, 100).block for _ in range(400)]
+    narrow = sum(b <= 3 for b in blocks) / len(blocks)
+    assert 0.85 <= narrow < 1.0 and max(blocks) > 3
