@@ -57,7 +57,8 @@ class Costs:
         grid = np.arange(self.n_max + 1, dtype=float)
         t = np.interp(grid, ns, ts)
         if len(ns) >= 2:
-            slope = max(0.0, (ts[-1] - ts[-2]) / (ns[-1] - ns[-2]))
+            # past the last measured width: the curve's mean slope (a noisy last segment can fall)
+            slope = max(0.0, (ts[-1] - ts[0]) / (ns[-1] - ns[0]))
             past = grid > ns[-1]
             t[past] = ts[-1] + slope * (grid[past] - ns[-1])
         t[0] = 0.0
@@ -68,7 +69,8 @@ class Costs:
         b = self.base[role]
         n = int(n)
         if n >= len(b):
-            return float(b[-1] * n / (len(b) - 1)) * self.scale[role]
+            slope = max(0.0, (b[-1] - b[1]) / (len(b) - 2))
+            return float(b[-1] + slope * (n - len(b) + 1)) * self.scale[role]
         return float(b[n]) * self.scale[role]
 
     def table(self, role: str) -> np.ndarray:
@@ -251,7 +253,9 @@ class Planner:
         if mode == "spec":
             s = self.stats_for("spec").slot_rates(self.k_max)
             gain = np.cumsum(np.cumprod(s))                          # E[accepted] for k = 1..k_max
-            pd = pending.get("draft", 1)
+            # a draft that fell behind during ar cycles catches up once, in its next pass: a one-off,
+            # not the steady cost of drafting (1-2 pending tokens), or ar would never be left again
+            pd = min(pending.get("draft", 1), 2)
             for k in range(1, self.k_max + 1):
                 cost = c.t("draft", pd) + (k - 1) * c.t("draft", 1) + c.t("proposer", pp + k) + self._oh("spec", k)
                 out.append(Choice("spec", k, (1.0 + gain[k - 1]) / cost))
@@ -270,7 +274,7 @@ class Planner:
             rates = r.max(axis=1)
         elif mode == "prove":
             tv = c.table("verifier")
-            pv = pending.get("verifier", 1)
+            pv = min(pending.get("verifier", 1), block_max)   # (the same one-off catch-up as spec's draft)
             rates = run / (prop + tv[np.minimum(pv + np.arange(block_max), len(tv) - 1)] + oh)
         else:
             rates = run / (prop + oh)

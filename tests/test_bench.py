@@ -144,7 +144,9 @@ def test_pass_cost_curve_projection():
     curve = {1: 1.0, 2: 1.5, 4: 2.0, 8: 4.0, 16: 8.0}
     assert stats.curve_ratio(curve, 4) == 2.0
     assert stats.curve_ratio(curve, 3) == 1.75                      # interpolated
-    assert stats.curve_ratio(curve, 32) == pytest.approx(16.0)     # extrapolated along the last slope
+    assert stats.curve_ratio(curve, 32) == pytest.approx(8 + 16 * 7 / 15)   # extrapolated along the mean slope
+    noisy = {1: 1.0, 8: 6.0, 16: 3.0}                                 # a falling last segment: never below t(16)
+    assert stats.curve_ratio(noisy, 84) == pytest.approx(3 + 68 * 2 / 15) and stats.curve_ratio(noisy, 84) > 3
     curves = {"proposer": curve, "verifier": {n: t / 4 for n, t in curve.items()}, "draft": {1: 0.5, 8: 1.0}}
     cu = stats.cycle_cost_units
     assert cu("ar", 1, curves) == 1.0

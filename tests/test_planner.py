@@ -282,3 +282,12 @@ def test_exploration_is_mostly_local():
     blocks = [pl.plan("lossless", {"proposer": 1}, 16, 100).block for _ in range(400)]
     narrow = sum(b <= 3 for b in blocks) / len(blocks)
     assert 0.85 <= narrow < 1.0 and max(blocks) > 3
+
+
+def test_a_draft_left_behind_by_ar_cycles_does_not_lock_in_ar():
+    """After ar cycles the draft must catch up once (a wide pass); the planner charges spec its steady
+    cost, so it returns to drafting when drafting pays."""
+    pl = planner_with({1: 1.0, 64: 1.0}, [0.9] * 16)
+    pl.costs.set_curve("draft", {1: 0.01, 2: 0.02, 64: 0.64})
+    opts = pl.rates("spec", {"proposer": 1, "draft": 80}, 16)
+    assert max(opts, key=lambda o: o.rate).kind == "spec"

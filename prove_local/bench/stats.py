@@ -242,14 +242,16 @@ def overhead_share(cycles) -> float | None:
 # ------------------------------------------------------------------- pass cost and projection
 def curve_ratio(curve: dict, n: float) -> float:
     """t(n)/t(1) from a measured curve {n: seconds}, linear interpolation (and extrapolation past
-    the last point along the last segment's slope per token)."""
+    the last point along the curve's mean slope per token)."""
     ns = sorted(curve)
     t1 = curve[1] if 1 in curve else np.interp(1, ns, [curve[k] for k in ns])
     if n in curve:
         return curve[n] / t1
     if n > ns[-1]:
-        a, b = ns[-2], ns[-1]
-        slope = (curve[b] - curve[a]) / (b - a) if b > a else curve[b] / b
+        # past the last measured width: the curve's mean slope, never negative (a noisy last
+        # segment can fall; a catch-up pass after ar cycles can be far wider than the curve)
+        a, b = ns[0], ns[-1]
+        slope = max(0.0, (curve[b] - curve[a]) / (b - a)) if b > a else curve[b] / b
         return (curve[b] + slope * (n - b)) / t1
     return float(np.interp(n, ns, [curve[k] for k in ns])) / t1
 
