@@ -109,6 +109,7 @@ def cmd_run(args) -> int:
     settings = Settings(mode=mode, max_new=args.max_new, block=args.block, theta=args.theta, tau=args.tau,
                         draft_k=args.draft_k)
     engine.check(settings)
+    engine.prepare(settings)            # --block auto: pass costs calibrated (or read from the cache) now
     color = sys.stdout.isatty() and not args.no_color and not args.json
     conv = None if args.raw else Conversation(model, system=args.system)
 

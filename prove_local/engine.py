@@ -163,12 +163,18 @@ class Engine:
         self.tokens = self.tokens[:keep]
         self._sync()
         self.tokens = list(prompt)
-        # the planner decides only what the mode has: spec's draft length, the others' block width
-        auto = s.draft_k == "auto" if s.mode == "spec" else (s.block == "auto" and MODES[s.mode].uses_block)
+        auto = self.prepare(s)
         self.active = Request(list(prompt), s, s.block if isinstance(s.block, int) else self.block_size, auto=auto)
+        return Generation(self, self.active)
+
+    def prepare(self, s: Settings) -> bool:
+        """Whether the planner decides this request's widths (it decides only what the mode has: spec's
+        draft length, the others' block); calibrates the pass costs first if so and not yet done.
+        Front ends call it before timing anything (the first request would otherwise pay for it)."""
+        auto = s.draft_k == "auto" if s.mode == "spec" else (s.block == "auto" and MODES[s.mode].uses_block)
         if auto and self.planner.costs is None:
             self.calibrate()
-        return Generation(self, self.active)
+        return auto
 
     def _release(self, req: "Request") -> None:
         if self.active is req:

@@ -130,8 +130,8 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
 
     data = BenchData(prompts, prompt_tokens, runs)
     proposer = models["proposer"]
-    if any(r.settings.block == "auto" or r.settings.draft_k == "auto" for r in runs):
-        engine.calibrate()            # measured (or read from the cache) before any timing
+    for r in runs:
+        engine.prepare(r.settings)    # pass costs measured (or read from the cache) before any timing
     if warmup > 0 and prompt_tokens:
         t0 = time.perf_counter()
         for run in runs:
