@@ -108,7 +108,6 @@ def _tensor(t) -> np.ndarray:
 def inflate(src: Path, shape_name: str, out: Path, outtype: str = "f32", log=print) -> dict:
     import gguf
     from prove_local.shapes import SHAPES, Shape
-    from prove_local.files import write_atomic  # noqa: F401  (the same rename-at-the-end rule)
 
     if shape_name not in SHAPES and not isinstance(shape_name, Shape):
         raise InflateError(f"unknown --shape {shape_name!r}; choose from qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b")

@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import gc
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field
-from statistics import median
 
 from ..engine import Engine, Settings
-from ..llama import Context, Model
+from ..llama import Model
 from ..rules import Cycle
 from .data import Prompt
 
