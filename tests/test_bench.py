@@ -416,16 +416,19 @@ def test_bench_auto_against_fixed_blocks_and_oracle(tiny_models, tmp_path, monke
     assert set(res["auto_vs_fixed"]["spec@auto"]["fixed"]) == {"spec@k3"}
     orc = res["oracle"]
     assert orc["n_positions"] == res["modes"]["ar"]["tokens"] and orc["slot_match_rate"][0] == 1.0
-    assert orc["tokens_per_t1"]["oracle_median"] >= 1.0
-    assert orc["tokens_per_t1"]["oracle_median"] >= max(v for v in orc["tokens_per_t1"]["fixed_blocks"].values()) - 1e-9
+    for key in ("tokens_per_t1", "tokens_per_t1_flat"):
+        pol = orc[key]
+        assert pol["oracle"] >= 1.0 and pol["oracle"] >= max(pol["fixed_blocks"].values()) - 1e-9
+    assert orc["conditional_slot_rate"][0] == 1.0 and orc["planner_choice"]["flat"] in ("ar", *range(1, 17))
     flat = res["projection"]["flat"]
     assert [r["width"] for r in flat if r["chosen"]] == [16]
     md = (out / "summary.md").read_text()
-    assert "## `--block auto` against fixed widths" in md and "## Lossless: oracle bound" in md
+    assert "## `--block auto` against fixed widths" in md and "## Lossless: fixed blocks, the oracle bound" in md
     # the report rebuilds from its own files
     assert main(["bench", "--report-only", "--out", str(out), "--no-plots"]) == 0
     again = json.loads((out / "results.json").read_text())
     assert again["oracle"]["match_runs"] == orc["match_runs"]
+    assert again["oracle"]["tokens_per_t1_flat"] == orc["tokens_per_t1_flat"]      # no timing in it
     for name, a in res["auto_vs_fixed"].items():                       # (stored seconds are rounded)
         assert again["auto_vs_fixed"][name]["widths"] == a["widths"] and again["auto_vs_fixed"][name]["fixed"].keys() == a["fixed"].keys()
     for b, v in orc["tokens_per_t1"]["fixed_blocks"].items():      # (the stored curve is rounded)
@@ -497,3 +500,14 @@ def test_slot_labels_with_a_verified_prefix():
     assert [r["q"] for r in labels] == [.9, .7, None, None] and [r["match"] for r in labels] == [True, True, False, False]
     a = detector_aucs(labels)
     assert a["p"] == 1.0 and a["q"] is None          # the verified slots all match: no negative class for q
+
+
+def test_lossless_policies_and_conditional_rates():
+    from prove_local.bench.stats import conditional_slot_rates, fixed_block_cost, lossless_policies
+    match = {0: [3, 1, 1, 1, 2, 1], 1: [1, 1]}
+    flat = lossless_policies(match, None, blocks=(1, 2, 4))
+    # B=1: every cycle 2 tokens for 2 passes; B=4 on answer 0: cycles at 0 (4 tokens), 4 (3 tokens)
+    assert flat["fixed_blocks"][1] == pytest.approx(1.0)
+    assert fixed_block_cost(match[0], 4, None) == 4 and flat["fixed_blocks"][4] == pytest.approx(8 / (4 + 2))
+    assert flat["oracle"] >= max(flat["fixed_blocks"].values())
+    assert conditional_slot_rates([3, 1, 2, 1], 3) == [1.0, 0.5, 0.5]

@@ -146,14 +146,23 @@ def planner_sections(res: dict) -> list[str]:
                       "widths chosen (cycles)"], rows, "lrrlrrl"), ""]
     orc = res.get("oracle")
     if orc:
-        t = orc["tokens_per_t1"]
-        rows = [["ar", "1.00"]] + [[f"fixed B={b}", stats.fmt(v, 2)] for b, v in t["fixed_blocks"].items()] \
-            + [["oracle (per cycle, knowing the outcome)", stats.fmt(t["oracle_median"], 2)]]
-        L += ["## Lossless: oracle bound", "",
+        cur, flat = orc.get("tokens_per_t1"), orc["tokens_per_t1_flat"]
+        rows = [["ar", "1.00", "1.00"]]
+        for b, v in flat["fixed_blocks"].items():
+            rows.append([f"fixed B={b}", stats.fmt(cur["fixed_blocks"][b], 2) if cur else "–", stats.fmt(v, 2)])
+        rows.append(["oracle (per cycle, knowing the outcome)", stats.fmt(cur["oracle"], 2) if cur else "–",
+                     stats.fmt(flat["oracle"], 2)])
+        ch = orc.get("planner_choice", {})
+        fmt_ch = lambda c: "–" if c is None else ("ar" if c == "ar" else f"B={c}")
+        L += ["## Lossless: fixed blocks, the oracle bound and the planner's choice", "",
               f"A full proposal logged at each of {orc['n_positions']} positions of `ar`'s answers; tokens per "
-              "one-token pass cost of the proposer from this run's curve (Python overhead ignored). The oracle "
-              "picks ar or a verify width per cycle knowing how many slots match (median over prompts).", "",
-              _table(["policy", "tokens per t(1)"], rows), ""]
+              "one-token pass cost of the proposer (pooled over answers; Python overhead ignored), on this run's "
+              "measured curve and on a flat one (a GPU). The oracle picks ar or a verify width per cycle knowing "
+              "how many slots match. Slot match given the earlier slots matched: "
+              + ", ".join(stats.fmt(x, 2) for x in orc["conditional_slot_rate"][:8]) + " … "
+              f"The planner's choice from these rates: **{fmt_ch(ch.get('curve'))}** on this curve, "
+              f"**{fmt_ch(ch.get('flat'))}** on a flat one.", "",
+              _table(["policy", "this curve", "flat curve"], rows), ""]
     ext = res.get("external")
     if ext:
         rows = [[f"`{n}`", stats.fmt(v, 2, "×")] for n, v in ext["run_over_external_median"].items()]

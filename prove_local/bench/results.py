@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..files import write_atomic
 from . import stats
+from .stats import conditional_slot_rates
 from .data import check_answer
 from .markdown import summary_markdown
 from .plots import make_plots, roc_data
@@ -161,25 +162,29 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
     # the oracle bound of lossless (full proposals logged at every position of ar's answers)
     oracle = None
     if data.oracle_match:
+        from ..planner import projection as project
         curve = (data.pass_cost or {}).get("proposer")
-        runs_all = [m for i in sorted(data.oracle_match) for m in data.oracle_match[i]]
-        per = [stats.oracle_lossless(data.oracle_match[i], curve) for i in sorted(data.oracle_match)]
-        fixed_proj = {}
-        for b in (1, 2, 3, 4, 8, 16):
-            # fixed block b verified whole at every cycle, walking the logged positions
-            toks = cst = 0.0
-            for i in sorted(data.oracle_match):
-                mr, s_ = data.oracle_match[i], 0
-                while s_ < len(mr):
-                    s_ += min(mr[s_], b) + 1
-                    cst += 2 * (stats.curve_ratio(curve, b) if curve else 1.0)
-                toks += len(mr)
-            fixed_proj[b] = _r(toks / cst) if cst else None
-        oracle = {"tokens_per_t1": {"oracle_median": _r(sorted(per)[len(per) // 2]) if per else None,
-                                    "fixed_blocks": fixed_proj, "ar": 1.0},
+        match = {i: data.oracle_match[i] for i in sorted(data.oracle_match)}
+        runs_all = [m for ms in match.values() for m in ms]
+        cond = conditional_slot_rates(runs_all) if runs_all else []
+
+        def rounded(pol):
+            return {"ar": 1.0, "fixed_blocks": {b: _r(v) for b, v in pol["fixed_blocks"].items()},
+                    "oracle": _r(pol["oracle"])} if pol else None
+
+        def planner_choice(c):
+            rows = project(c, [x if x is not None else 0.0 for x in cond], len(cond))
+            best = next(r for r in rows if r["chosen"])
+            return "ar" if best["kind"] == "ar" else best["width"]
+
+        oracle = {"tokens_per_t1": rounded(stats.lossless_policies(match, curve)) if curve else None,
+                  "tokens_per_t1_flat": rounded(stats.lossless_policies(match, None)),
+                  "planner_choice": {"curve": planner_choice(curve) if curve and cond else None,
+                                     "flat": planner_choice({1: 1.0, 64: 1.0}) if cond else None},
                   "n_positions": len(runs_all),
                   "slot_match_rate": [_r(sum(m > j for m in runs_all) / len(runs_all)) for j in range(16)] if runs_all else [],
-                  "match_runs": {prompts[i].id: data.oracle_match[i] for i in sorted(data.oracle_match)}}
+                  "conditional_slot_rate": [_r(x) for x in cond],
+                  "match_runs": {prompts[i].id: m for i, m in match.items()}}
     # projection from the planner's acceptance statistics: this machine's curve and a flat one
     projection = None
     lossless_stats = (data.planner or {}).get("stats", {}).get("lossless")

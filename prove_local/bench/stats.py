@@ -330,22 +330,18 @@ def width_histogram(mode: str, cycles) -> dict:
     return dict(Counter(label(mode, c) for c in cycles).most_common())
 
 
-def oracle_lossless(match_runs: list[int], curve: dict | None) -> float | None:
-    """The oracle bound of lossless decoding along one greedy answer, in tokens per proposer one-token
-    pass cost: `match_runs[s]` is how many leading slots of a full proposal at generated position s
-    equal the greedy continuation (>= 1: slot 1 is the AR token). Knowing them, the best cycle at s
-    is ar (1 token for t(1)) or a block verified to v <= match_runs[s] (v + 1 tokens for
-    t(v) + t(v)); a shortest-path over positions gives the least total cost."""
+def oracle_cost(match_runs: list[int], curve: dict | None) -> float:
+    """The least total cost (proposer one-token passes) of lossless decoding along one greedy answer
+    knowing the outcome: `match_runs[s]` is how many leading slots of a full proposal at generated
+    position s equal the greedy continuation (>= 1: slot 1 is the AR token). At s the best cycle is
+    ar (1 token for t(1)) or a block verified to v <= match_runs[s] (v + 1 tokens for t(v) + t(v));
+    a shortest path over positions. curve None: flat (every pass costs t(1))."""
     n = len(match_runs)
-    if not n:
-        return None
     r = (lambda w: curve_ratio(curve, w)) if curve else (lambda w: 1.0)
     inf = float("inf")
     best = [inf] * (n + 1)
     best[0] = 0.0
     for s in range(n):
-        if best[s] == inf:
-            continue
         if best[s] + 1.0 < best[s + 1]:
             best[s + 1] = best[s] + 1.0
         for v in range(1, max(1, match_runs[s]) + 1):
@@ -353,7 +349,41 @@ def oracle_lossless(match_runs: list[int], curve: dict | None) -> float | None:
             c = best[s] + 2 * r(v)
             if c < best[e]:
                 best[e] = c
-    return n / best[n]
+    return best[n]
+
+
+def oracle_lossless(match_runs: list[int], curve: dict | None) -> float | None:
+    """Tokens per one-token pass cost of the oracle along one answer (see oracle_cost)."""
+    return len(match_runs) / oracle_cost(match_runs, curve) if match_runs else None
+
+
+def fixed_block_cost(match_runs: list[int], block: int, curve: dict | None) -> float:
+    """Total cost of lossless with a fixed block verified whole at every cycle along one answer."""
+    per = 2 * (curve_ratio(curve, block) if curve else 1.0)
+    s = cost = 0
+    while s < len(match_runs):
+        s += min(match_runs[s], block) + 1
+        cost += per
+    return cost
+
+
+def lossless_policies(match: dict, curve: dict | None, blocks=(1, 2, 3, 4, 8, 16)) -> dict:
+    """Tokens per one-token pass cost, pooled over answers (`match`: answer -> match runs), of ar,
+    fixed blocks and the oracle, on `curve` (None: flat)."""
+    n = sum(len(m) for m in match.values())
+    if not n:
+        return {}
+    fixed = {b: n / sum(fixed_block_cost(m, b, curve) for m in match.values()) for b in blocks}
+    return {"ar": 1.0, "fixed_blocks": fixed, "oracle": n / sum(oracle_cost(m, curve) for m in match.values())}
+
+
+def conditional_slot_rates(runs: list[int], n_slots: int = 16) -> list[float | None]:
+    """P(slot i matches | slots before it matched), from match runs of full proposals."""
+    out = []
+    for i in range(n_slots):
+        reach = sum(m >= i for m in runs)
+        out.append(sum(m >= i + 1 for m in runs) / reach if reach else None)
+    return out
 
 
 # ---------------------------------------------------------------------------- exactness
