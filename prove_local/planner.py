@@ -201,7 +201,7 @@ class Planner:
         self.hysteresis, self.replan_every, self.k_max = hysteresis, replan_every, k_max
         self.rng = random.Random(seed)
         self.stats: dict[str, SlotStats] = {}
-        self.overhead: dict[str, float] = {}          # seconds outside llama_decode per cycle kind
+        self.overhead: dict = {}                      # seconds outside llama_decode: per kind, per (kind, width)
         self.current: dict[str, Choice] = {}
         self.age: dict[str, int] = {}
         self._bin_rates: list | None = None           # p̃-bin acceptance and t(n), cached between replans
@@ -284,6 +284,7 @@ class Planner:
     # ---------------------------------------------------------------------- the plan
     def plan(self, mode: str, pending: dict, block_max: int, room: int) -> Plan:
         """The plan of the next cycle of `mode` (pending: committed tokens not yet in each context)."""
+        block_max = min(block_max, N_SLOTS)
         cap = max(1, min(block_max, room))
         kcap = max(0, min(self.k_max, room - 1))
         if self.rng.random() < self.explore:
