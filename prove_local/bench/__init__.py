@@ -104,7 +104,7 @@ def add_parser(sub) -> None:
                    help="KV cache type (default: f32 for an F32 proposer, so the exact modes can match ar exactly; f16 otherwise)")
     p.add_argument("--warmup", type=int, default=16, help="tokens per run generated before measuring (default 16; 0: none)")
     p.add_argument("--pass-cost-reps", type=int, default=3,
-                   help="repetitions per n of the pass-cost curve, each 3 settling + 2 timed passes (default 3)")
+                   help="repetitions per n of the pass-cost curve, each 2 settling + 2 timed passes (calibrate.measure; default 3)")
     p.add_argument("--pass-cost-max", type=int, default=64, help="largest n of the pass-cost curve (default 64)")
     p.add_argument("--no-pass-cost", action="store_true", help="skip the pass-cost curve (no projected speedups)")
     p.add_argument("--bins", type=int, default=5, help="position bins for matched tokens along a response (default 5)")
