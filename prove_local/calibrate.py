@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 DEFAULT_NS = tuple(range(1, 17)) + (20, 24, 32)
 
 
@@ -84,11 +84,12 @@ def _save_cache(path: Path, data: dict) -> None:
 
 # ------------------------------------------------------------------------------- measuring
 def measure_context(ctx, fill: list[int], *, ns=DEFAULT_NS, budget_s: float = 0.5, reps: int = 3,
-                    settle: int = 2, timed: int = 2, seed: int = 0) -> tuple[dict[int, float], dict[int, float]]:
-    """(fastest, median) seconds inside llama_decode of one pass of n tokens (logits on every row) on `ctx`,
-    which must hold `fill` already (ctx.n_past == len(fill) is not required: passes are appended at
-    ctx.n_past and cut back). Stops after `budget_s` once every n has one timed sample; the
-    context is returned as it was."""
+                    settle: int = 2, timed: int = 2, seed: int = 0) -> tuple[dict, dict, dict]:
+    """(fastest, median, mean) seconds inside llama_decode of one pass of n tokens (logits on every row) on
+    `ctx` (passes are appended at ctx.n_past and cut back; the context is returned as it was). The
+    first repetition goes through the widths in increasing order (the narrow ones matter most on a
+    CPU), later ones shuffled; it stops after `budget_s` once every n has a timed sample, and at twice
+    the budget in any case (a stalling machine: the widths measured so far are kept)."""
     base = ctx.n_past
     tokens = (list(fill) * (max(ns) // max(1, len(fill)) + 2))[:max(ns)] if fill else [0] * max(ns)
     times: dict[int, list[float]] = {n: [] for n in ns}
@@ -98,10 +99,12 @@ def measure_context(ctx, fill: list[int], *, ns=DEFAULT_NS, budget_s: float = 0.
         ctx.eval(tokens[:8], rows=list(range(8)))      # warm-up
         ctx.truncate(base)
         for rep in range(reps):
-            order = list(ns)
-            rng.shuffle(order)
+            order = sorted(ns)
+            if rep:
+                rng.shuffle(order)
             for n in order:
-                if rep and time.perf_counter() > t_end:
+                now = time.perf_counter()
+                if (rep and now > t_end) or (times[min(ns)] and now > t_end + budget_s):
                     break
                 for k in range(settle + timed):
                     before = ctx.decode_seconds
@@ -109,19 +112,19 @@ def measure_context(ctx, fill: list[int], *, ns=DEFAULT_NS, budget_s: float = 0.
                     if k >= settle:
                         times[n].append(ctx.decode_seconds - before)
                     ctx.truncate(base)
-                    if rep == 0 and k >= settle and time.perf_counter() > t_end + 4 * budget_s:
-                        break                           # a far too slow model: keep what we have
     finally:
         if ctx.n_past > base:
             ctx.truncate(base)
     # the fastest sample gives the curve's shape with the least noise from other processes; the
-    # median keeps what stalls cost (it judges the thread count)
-    return ({n: min(t) for n, t in times.items() if t}, {n: median(t) for n, t in times.items() if t})
+    # mean keeps what stalls cost (it judges the thread count)
+    kept = {n: t for n, t in times.items() if t}
+    return ({n: min(t) for n, t in kept.items()}, {n: median(t) for n, t in kept.items()},
+            {n: sum(t) / len(t) for n, t in kept.items()})
 
 
 def measure(model, options: dict, fill: list[int] | None = None, *, ns=DEFAULT_NS, n_fill: int = 128,
-            budget_s: float = 0.5, threads: int | None = None, reps: int = 3, seed: int = 0) -> tuple[dict, dict]:
-    """(fastest, median) t(n) on a fresh context of `model` with the context options of decoding (`Context`'s keyword
+            budget_s: float = 0.5, threads: int | None = None, reps: int = 3, seed: int = 0) -> tuple[dict, dict, dict]:
+    """(fastest, median, mean) t(n) on a fresh context of `model` with the context options of decoding (`Context`'s keyword
     arguments), after a context of `n_fill` tokens."""
     from .llama import Context
 
@@ -140,10 +143,10 @@ def measure(model, options: dict, fill: list[int] | None = None, *, ns=DEFAULT_N
         ctx.close()
 
 
-def _score(curve: dict[int, float]) -> float:
-    """What a thread count is judged by: a one-token pass plus a 4-token pass (ar and the narrow
-    widths the planner picks on a CPU)."""
-    return curve.get(1, float("inf")) + curve.get(4, curve.get(max(curve), 0.0))
+def _score(mean: dict[int, float]) -> float:
+    """What a thread count is judged by: the mean cost, stalls included, of the narrow passes that
+    ar and the planner's CPU choices make (1, 2 and 4 tokens)."""
+    return sum(mean.get(n, float("inf")) for n in (1, 2, 4))
 
 
 def calibrate(model, options: dict, *, refresh: bool = False, budget_s: float = 0.8, ns=DEFAULT_NS,
@@ -167,15 +170,15 @@ def calibrate(model, options: dict, *, refresh: bool = False, budget_s: float = 
         entry = cache["entries"].get(key)
         if entry is None or refresh:
             t0 = time.perf_counter()
-            curve, med = measure(model, options, ns=ns, budget_s=budget_s / len(candidates), threads=th)
-            entry = {"curve": {str(n): t for n, t in curve.items()}, "median": {str(n): t for n, t in med.items()}, "seconds": round(time.perf_counter() - t0, 3),
+            curve, _, med = measure(model, options, ns=ns, budget_s=budget_s / len(candidates), threads=th)
+            entry = {"curve": {str(n): t for n, t in curve.items()}, "mean": {str(n): t for n, t in med.items()}, "seconds": round(time.perf_counter() - t0, 3),
                      "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": str(model.path), "threads": th}
             cache["entries"][key] = entry
             measured = True
             if verbose:
                 print(f"calibrated {Path(model.path).name} with {th} thread(s) in {entry['seconds']} s", file=sys.stderr)
         curves[th] = {int(n): float(t) for n, t in entry["curve"].items()}
-        medians[th] = {int(n): float(t) for n, t in entry.get("median", entry["curve"]).items()}
+        medians[th] = {int(n): float(t) for n, t in entry.get("mean", entry["curve"]).items()}
     if measured:
         _save_cache(path, cache)
     best = min(curves, key=lambda th: _score(medians[th]))

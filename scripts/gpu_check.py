@@ -180,7 +180,7 @@ def pass_costs(model, n_max: int, reps: int, n_prefix: int, threads: int | None,
 
     opts = dict(n_threads=threads, flash_attn=flash_attn, type_k="f16", type_v="f16")
     budget = max(1.0, deadline - time.monotonic())
-    _, times = measure(model, opts, ns=tuple(range(1, n_max + 1)), n_fill=n_prefix, budget_s=budget, reps=reps)
+    _, times, _ = measure(model, opts, ns=tuple(range(1, n_max + 1)), n_fill=n_prefix, budget_s=budget, reps=reps)
     t1 = times.get(1)
     return {"n_prefix": n_prefix, "reps": reps, "flash_attn": flash_attn,
             "t_ms": {n: round(t * 1e3, 4) for n, t in times.items()},
