@@ -213,9 +213,10 @@ class Engine:
                                     if c.n_decode > before[r][0]}
             if not cycle.committed:
                 raise RuntimeError(f"mode {s.mode}: a cycle committed no token (a decoding rule is broken)")
-            self.planner.observe(s.mode, cycle)      # acceptance statistics and costs, every cycle
-            if self.planner.recheck:
-                self._recheck_threads()
+            if s.mode != "ar":                       # acceptance statistics and costs, every cycle
+                self.planner.observe(s.mode, cycle)   # (plain ar has nothing to learn: it stays as fast)
+                if self.planner.recheck:
+                    self._recheck_threads()
             run, stop = cycle.committed, None
             for i, tok in enumerate(run):
                 if self.is_eog(tok):

@@ -40,6 +40,16 @@ from .modes import Plan
 N_SLOTS = 64
 
 
+_UPPER: dict[int, np.ndarray] = {}
+
+
+def _upper(n: int) -> np.ndarray:
+    """Mask of the entries above the diagonal of an n x n matrix (v > B), cached."""
+    if n not in _UPPER:
+        _UPPER[n] = np.triu(np.ones((n, n), dtype=bool), 1)
+    return _UPPER[n]
+
+
 class Costs:
     """t(n) in seconds per role: the calibrated curve (linear between measured widths, extended past
     the last one along its last segment), times an online scale per role."""
@@ -94,15 +104,16 @@ class Costs:
 class SlotStats:
     """Acceptance of proposal slots for one mode: per slot (accepted given every earlier slot was)
     and per p̃ bin, with forgetting factor `decay` per recorded cycle. Priors: `prior` acceptance
-    per slot, and the bin's own p̃ for the calibration, each worth `weight` observations."""
+    per slot, and the bin's own p̃ for the calibration, each worth `weight` observations.
+    Counts are plain lists (a cycle touches a few entries; numpy pays off only when planning)."""
 
     def __init__(self, n_slots: int = N_SLOTS, bins: int = 10, prior: float = 0.5, weight: float = 2.0,
                  decay: float = 0.998):
-        self.tested = np.zeros(n_slots)
-        self.accepted = np.zeros(n_slots)
+        self.tested = [0.0] * n_slots
+        self.accepted = [0.0] * n_slots
         self.bins = bins
-        self.bin_tested = np.zeros(bins)
-        self.bin_accepted = np.zeros(bins)
+        self.bin_tested = [0.0] * bins
+        self.bin_accepted = [0.0] * bins
         self.prior, self.weight, self.decay = prior, weight, decay
         self.centers = (np.arange(bins) + 0.5) / bins
         self.n_cycles = 0
@@ -113,35 +124,30 @@ class SlotStats:
         self.n_cycles += 1
         if self.n_cycles % 16 == 0:             # forgetting, applied every 16 cycles (cheaper)
             f = self.decay ** 16
-            self.tested *= f
-            self.accepted *= f
-            self.bin_tested *= f
-            self.bin_accepted *= f
+            for a in (self.tested, self.accepted, self.bin_tested, self.bin_accepted):
+                a[:] = [x * f for x in a]
         end = min(hi, run + 1, len(self.tested))
-        if end <= lo:
-            return
-        self.tested[lo:end] += 1
-        acc_end = min(run, end)
-        if acc_end > lo:
-            self.accepted[lo:acc_end] += 1
-        top = self.bins - 1
-        for i, pi in enumerate(p[lo:end], lo):  # a handful of slots: a loop beats numpy here
-            b = min(int(pi * self.bins), top)
-            self.bin_tested[b] += 1
+        top, nb = self.bins - 1, self.bins
+        tested, accepted, bt, ba = self.tested, self.accepted, self.bin_tested, self.bin_accepted
+        for i in range(lo, end):
+            b = min(int(p[i] * nb), top)
+            tested[i] += 1.0
+            bt[b] += 1.0
             if i < run:
-                self.bin_accepted[b] += 1
+                accepted[i] += 1.0
+                ba[b] += 1.0
 
     def _bin(self, p: np.ndarray) -> np.ndarray:
         return np.clip((p * self.bins).astype(int), 0, self.bins - 1)
 
     def slot_rates(self, n: int) -> np.ndarray:
         """Acceptance of slots 0..n-1 (smoothed towards the prior)."""
-        return (self.accepted[:n] + self.prior * self.weight) / (self.tested[:n] + self.weight)
+        return (np.asarray(self.accepted[:n]) + self.prior * self.weight) / (np.asarray(self.tested[:n]) + self.weight)
 
     def p_rates(self, p) -> np.ndarray:
         """Acceptance of slots with confidences p (smoothed towards p̃ itself)."""
         b = self._bin(np.asarray(p, dtype=float))
-        return (self.bin_accepted[b] + self.centers[b] * self.weight) / (self.bin_tested[b] + self.weight)
+        return (np.asarray(self.bin_accepted)[b] + self.centers[b] * self.weight) / (np.asarray(self.bin_tested)[b] + self.weight)
 
     def summary(self, n: int = 16) -> dict:
         return {"slot_rate": [round(float(x), 3) for x in self.slot_rates(n)],
@@ -270,7 +276,7 @@ class Planner:
             # rate[B, v] for v <= B: (E[run](v) + 1 correction token) / (t(pending+B-1) + t(v) + overhead)
             v = np.arange(1, block_max + 1)
             r = (run[None, :] + 1.0) / (prop[:, None] + tp[v][None, :] + oh[:, None])
-            r[np.triu_indices(block_max, 1)] = 0.0
+            r[_upper(block_max)] = 0.0
             rates = r.max(axis=1)
         elif mode == "prove":
             tv = c.table("verifier")
@@ -367,8 +373,8 @@ def projection(curve: dict[int, float], slot_rates, block_max: int = 16, overhea
     planner = Planner(Costs({"proposer": curve}), explore=0.0)
     st = planner.stats_for("lossless")
     rates = np.asarray(list(slot_rates) + [0.0] * N_SLOTS, dtype=float)[:N_SLOTS]
-    st.tested[:] = 1e12                               # the given rates, as if from endless data
-    st.accepted[:] = rates * 1e12
+    st.tested[:] = [1e12] * N_SLOTS                   # the given rates, as if from endless data
+    st.accepted[:] = (rates * 1e12).tolist()
     planner.overhead = {"ar": overhead, "lossless": overhead}
     t1 = planner.costs.t("proposer", 1)
     options = planner.rates("lossless", {"proposer": 1}, block_max)

@@ -102,7 +102,7 @@ def test_fixed_block_is_still_fixed_and_statistics_update(models):
     cycles, _ = run(engine, prop.tokenize(PROMPTS[0]), mode="lossless", block=4)
     assert all(len(c.proposed) == 4 and c.widths["proposer"][1] == 4 for c in cycles[:-1])
     st = engine.planner.stats["lossless"]
-    assert st.n_cycles == len(cycles) and st.tested[1] > 0 and st.tested[4:].sum() == 0
+    assert st.n_cycles == len(cycles) and st.tested[1] > 0 and sum(st.tested[4:]) == 0
     assert engine.planner.costs is None              # no calibration for fixed widths
 
 
@@ -111,8 +111,8 @@ def planner_with(curve, rates, **kw):
     pl = Planner(Costs({"proposer": curve, "verifier": curve, "draft": curve}), explore=0.0, **kw)
     for mode in ("lossless", "prove", "mars", "spec"):
         st = pl.stats_for(mode)
-        st.tested[:len(rates)] = 1e6
-        st.accepted[:len(rates)] = np.asarray(rates) * 1e6
+        st.tested[:len(rates)] = [1e6] * len(rates)
+        st.accepted[:len(rates)] = [r * 1e6 for r in rates]
     return pl
 
 
@@ -141,8 +141,8 @@ def test_rates_pick_full_block_on_flat_curve_and_ar_on_steep():
 def test_verify_width_cuts_at_unlikely_slots():
     pl = planner_with({1: 1.0, 2: 1.5, 3: 2.0, 64: 32.5}, [1.0] + [0.5] * 15)
     st = pl.stats_for("lossless")
-    st.bin_tested[:] = 1e6
-    st.bin_accepted[:] = np.linspace(0.0, 1.0, st.bins) * 1e6
+    st.bin_tested[:] = [1e6] * st.bins
+    st.bin_accepted[:] = (np.linspace(0.0, 1.0, st.bins) * 1e6).tolist()
     rate = 1.0                                        # tokens per unit of t(1)
     assert pl.verify_width(np.array([0.9, 0.99, 0.99, 0.01, 0.99]), rate) == 3
     assert pl.verify_width(np.array([0.9, 0.01, 0.99, 0.99, 0.99]), rate) == 1
@@ -154,12 +154,12 @@ def test_hysteresis_keeps_a_nearly_as_good_choice():
     pl = planner_with(curve, [1.0, 0.6, 0.5] + [0.1] * 13, replan_every=1, hysteresis=0.5)
     first = pl.plan("lossless", {"proposer": 1}, 16, 100)
     st = pl.stats_for("lossless")
-    st.accepted[1:3] = np.array([0.62, 0.52]) * 1e6    # a slightly different best: no switch
+    st.accepted[1:3] = [0.62e6, 0.52e6]                # a slightly different best: no switch
     for _ in range(5):
         again = pl.plan("lossless", {"proposer": 1}, 16, 100)
         assert again.block == first.block
     pl.hysteresis = 0.0
-    st.accepted[1:16] = 0.99e6                          # a much better width: switch
+    st.accepted[1:16] = [0.99e6] * 15                   # a much better width: switch
     assert pl.plan("lossless", {"proposer": 1}, 16, 100).block > first.block
 
 
