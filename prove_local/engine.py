@@ -134,7 +134,7 @@ class Engine:
         if req.auto:
             # tokens each context will be fed before its new ones (at least the last: rules._pending)
             pending = {r: max(1, len(self.tokens) - c.n_past) for r, c in self.contexts.items()}
-            return self.planner.plan(mode, pending, req.block, room)
+            return self.planner.plan(mode, pending, req.block, room, key=_stats_key(req.settings))
         k = req.settings.draft_k if req.settings.draft_k != "auto" else 4
         return Plan(block=max(1, min(req.block, room)), draft_k=max(0, min(k, room)))
 
@@ -214,7 +214,7 @@ class Engine:
             if not cycle.committed:
                 raise RuntimeError(f"mode {s.mode}: a cycle committed no token (a decoding rule is broken)")
             if s.mode != "ar":                       # acceptance statistics and costs, every cycle
-                self.planner.observe(s.mode, cycle)   # (plain ar has nothing to learn: it stays as fast)
+                self.planner.observe(s.mode, cycle, _stats_key(s))  # (plain ar has nothing to learn)
                 if self.planner.recheck:
                     self._recheck_threads()
             run, stop = cycle.committed, None
@@ -238,6 +238,11 @@ class Engine:
             yield cycle
             if stop:
                 return
+
+
+def _stats_key(s: Settings) -> str:
+    """The planner keeps acceptance per mode, and per gate for the lossy rules (prove@θ, mars@τ)."""
+    return f"prove@{s.theta:g}" if s.mode == "prove" else (f"mars@{s.tau:g}" if s.mode == "mars" else s.mode)
 
 
 @dataclass

@@ -221,15 +221,16 @@ class Planner:
             self.stats[mode] = SlotStats()
         return self.stats[mode]
 
-    def observe(self, mode: str, cycle) -> None:
-        """Update the statistics from one cycle (any mode, fixed or planned widths)."""
+    def observe(self, mode: str, cycle, key: str | None = None) -> None:
+        """Update the statistics from one cycle (any mode, fixed or planned widths). `key` names the
+        statistics and choice when a mode's acceptance depends on a setting (prove@θ, mars@τ)."""
         kind, b, v = chosen(mode, cycle)
         if kind == "lossless":
             self.stats_for("lossless").record(cycle.p, 1, v, cycle.n_accepted)
         elif kind == "spec":
             self.stats_for("spec").record(cycle.p, 0, b, cycle.n_accepted)
         elif kind in ("prove", "mars"):
-            self.stats_for(kind).record(cycle.p, 1, b, cycle.n_accepted)
+            self.stats_for(key or kind).record(cycle.p, 1, b, cycle.n_accepted)
         decode = sum(cycle.decode_seconds.values())
         over = max(0.0, cycle.seconds - decode)
         for key in (kind, (kind, b)):      # per kind, and per kind and width (wider blocks cost more Python)
@@ -251,7 +252,7 @@ class Planner:
             return self.overhead[(kind, width)]
         return self.overhead.get(kind, 0.0)
 
-    def rates(self, mode: str, pending: dict, block_max: int) -> list[Choice]:
+    def rates(self, mode: str, pending: dict, block_max: int, key: str | None = None) -> list[Choice]:
         """Expected tokens per second of ar and of every width of `mode`."""
         c = self.costs
         pp = pending.get("proposer", 1)
@@ -266,7 +267,7 @@ class Planner:
                 cost = c.t("draft", pd) + (k - 1) * c.t("draft", 1) + c.t("proposer", pp + k) + self._oh("spec", k)
                 out.append(Choice("spec", k, (1.0 + gain[k - 1]) / cost))
             return out
-        s = self.stats_for(mode).slot_rates(block_max)
+        s = self.stats_for(key or mode).slot_rates(block_max)
         run = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(s[1:]))])   # E[run] verifying v = 1..block_max
         tp = c.table("proposer")
         widths = np.minimum(pp + np.arange(block_max), len(tp) - 1)       # proposal pass of B = 1..block_max
@@ -288,18 +289,20 @@ class Planner:
         return out
 
     # ---------------------------------------------------------------------- the plan
-    def plan(self, mode: str, pending: dict, block_max: int, room: int) -> Plan:
-        """The plan of the next cycle of `mode` (pending: committed tokens not yet in each context)."""
+    def plan(self, mode: str, pending: dict, block_max: int, room: int, key: str | None = None) -> Plan:
+        """The plan of the next cycle of `mode` (pending: committed tokens not yet in each context;
+        key: as for `observe`)."""
+        key = key or mode
         block_max = min(block_max, N_SLOTS)
         cap = max(1, min(block_max, room))
         kcap = max(0, min(self.k_max, room - 1))
         if self.rng.random() < self.explore:
-            return self._explore(mode, cap, kcap)
-        cur = self.current.get(mode)
-        age = self.age.get(mode, 0)
+            return self._explore(mode, cap, kcap, key)
+        cur = self.current.get(key)
+        age = self.age.get(key, 0)
         if cur is None or age >= self.replan_every:
             self._bin_rates = None                 # refreshed by the next verify_width
-            options = self.rates(mode, pending, block_max)
+            options = self.rates(mode, pending, block_max, key)
             best = max(options, key=lambda ch: ch.rate)
             if best.rate < options[0].rate * (1.0 + self.hysteresis):
                 best = options[0]                      # plain ar unless a width clearly beats it
@@ -307,9 +310,9 @@ class Planner:
                 now = next((o for o in options if (o.kind, o.width) == (cur.kind, cur.width)), None)
                 if now is not None and now.rate >= best.rate * (1.0 - self.hysteresis):
                     best = now                         # hysteresis: keep the current choice
-            self.current[mode] = cur = best
-            self.age[mode] = 0
-        self.age[mode] = self.age.get(mode, 0) + 1
+            self.current[key] = cur = best
+            self.age[key] = 0
+        self.age[key] = self.age.get(key, 0) + 1
         if cur.kind == "ar":
             return Plan(block=1, draft_k=0, mode="ar")
         if mode == "spec":
@@ -339,12 +342,12 @@ class Planner:
                 best_v, best = v, value
         return best_v
 
-    def _explore(self, mode: str, cap: int, kcap: int) -> Plan:
+    def _explore(self, mode: str, cap: int, kcap: int, key: str | None = None) -> Plan:
         """An exploratory plan. Mostly local and cheap: one or two slots (drafts) wider than the current
         choice, so that the statistics just past it stay fresh where a steep curve makes wide passes
         dear; a share `explore_wide` of explorations picks any width (or ar) uniformly. For lossless,
         half of the time a random verify width (else the whole block, which refreshes every slot)."""
-        cur = self.current.get(mode)
+        cur = self.current.get(key or mode)
         base = cur.width if cur is not None and cur.kind != "ar" else (0 if mode == "spec" else 1)
         wide = self.rng.random() < self.explore_wide
         if mode == "spec":

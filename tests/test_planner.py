@@ -291,3 +291,19 @@ def test_a_draft_left_behind_by_ar_cycles_does_not_lock_in_ar():
     pl.costs.set_curve("draft", {1: 0.01, 2: 0.02, 64: 0.64})
     opts = pl.rates("spec", {"proposer": 1, "draft": 80}, 16)
     assert max(opts, key=lambda o: o.rate).kind == "spec"
+
+
+def test_lossy_modes_under_the_planner_keep_their_rule(models, ar_outputs, tmp_path):
+    """prove and mars with a gate that never passes commit one token (slot 1, the AR token) per cycle
+    whatever the planner picks, so they must equal ar; their statistics are kept per gate."""
+    prop, _ = models
+    ver = Model(tiny_gguf(tmp_path, seed=1, hidden=32, role="verifier"))
+    engine = Engine.load(prop, ver, **F32)
+    engine.planner = Planner(explore=0.5, explore_wide=1.0, seed=2)
+    for p in PROMPTS[:4]:
+        for mode, kw in (("prove", {"theta": 1.01}), ("mars", {"tau": 1.01})):
+            cycles, out = run(engine, prop.tokenize(p), mode=mode, block="auto", **kw)
+            assert out == ar_outputs[p], (mode, p)
+            assert all(len(c.committed) == 1 for c in cycles)
+    assert {"prove@1.01", "mars@1.01"} <= set(engine.planner.stats)
+    assert engine.planner.stats["prove@1.01"].accepted[1:16] == [0.0] * 15
