@@ -1,5 +1,8 @@
 """GPU check (scripts/gpu_check.sh runs this): pass cost t(n)/t(1) on random-weight models shaped like
-Qwen2.5-7B and Qwen2.5-32B at Q4_K_M, and the embedded pair in ar / lossless / prove; writes JSON.
+Qwen2.5-7B and Qwen2.5-32B at Q4_K_M, the embedded pair in ar / lossless / prove, and a stand-in: the
+embedded proposer inflated to the 7B shape (scripts/inflate.py: same logits, a 7B's pass cost) with the
+embedded verifier as verifier and draft, in ar / lossless auto / lossless B=16 / prove / spec auto, so
+that wall-clock is measured with real acceptance; writes JSON.
 
     python scripts/gpu_check.py --out gpu_check.json            # GPU: full offload, real shapes
     python scripts/gpu_check.py --cpu --out cpu_check.json      # CPU: small shapes, about a minute
