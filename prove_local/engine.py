@@ -169,11 +169,13 @@ class Engine:
 
     def prepare(self, s: Settings) -> bool:
         """Whether the planner decides this request's widths (it decides only what the mode has: spec's
-        draft length, the others' block); calibrates the pass costs first if so and not yet done.
+        draft length, the others' block); calibrates the pass costs first if so, or if the thread count
+        is left to measurement, and not yet done.
         Front ends call it before timing anything (the first request would otherwise pay for it)."""
         auto = s.draft_k == "auto" if s.mode == "spec" else (s.block == "auto" and MODES[s.mode].uses_block)
-        if auto and self.planner.costs is None:
-            self.calibrate()
+        threads_open = self.context_options is not None and self.context_options.get("n_threads") is None
+        if (auto or threads_open) and self.planner.costs is None:
+            self.calibrate()        # (also picks the thread count of small models when --threads is not set)
         return auto
 
     def _release(self, req: "Request") -> None:

@@ -307,3 +307,11 @@ def test_lossy_modes_under_the_planner_keep_their_rule(models, ar_outputs, tmp_p
             assert all(len(c.committed) == 1 for c in cycles)
     assert {"prove@1.01", "mars@1.01"} <= set(engine.planner.stats)
     assert engine.planner.stats["prove@1.01"].accepted[1:16] == [0.0] * 15
+
+
+def test_threads_left_open_are_chosen_by_measurement_for_any_mode(models):
+    prop, _ = models
+    engine = Engine.load(prop, **dict(F32, n_threads=None))
+    run(engine, prop.tokenize(PROMPTS[0]), mode="ar")
+    assert engine.planner.costs is not None
+    assert engine.contexts["proposer"].n_threads in engine._thread_curves["proposer"]
