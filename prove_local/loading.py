@@ -24,7 +24,7 @@ def add_model_args(p: argparse.ArgumentParser, *, positional: bool = True) -> No
     p.add_argument("--draft", metavar="D.gguf", help="draft GGUF for --mode spec")
     p.add_argument("--mask-token", type=int, help="placeholder token id (overrides the GGUF's mask token)")
     p.add_argument("--threads", type=int,
-                   help="CPU threads (default: 1 for models under 30M parameters, else all cores)")
+                   help="CPU threads (default: for models under 30M parameters 1 or all cores, whichever `prove-local calibrate` measures faster; else all cores)")
     p.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("--n-gpu-layers", type=int,
                    help="layers to offload (default: all when llama.cpp has a GPU backend, else 0)")

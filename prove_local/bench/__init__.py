@@ -96,7 +96,8 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--raw", action="store_true", help="plain prompts, no chat template")
     p.add_argument("--system", help="system message for the chat template")
-    p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    p.add_argument("--threads", type=int,
+                   help="CPU threads (default: for small models 1 or all cores, whichever calibration measures faster; else all cores)")
     p.add_argument("--ctx", type=int, default=4096, help="context size (default 4096)")
     p.add_argument("--n-gpu-layers", type=int, help="layers to offload (default: all when llama.cpp has a GPU backend)")
     p.add_argument("--flash-attn", action="store_true")
@@ -224,11 +225,8 @@ def cmd_bench(args) -> int:
                      pass_cost_max=args.pass_cost_max, progress=not args.quiet,
                      oracle=args.oracle and "ar" in modes, external=external)
     block = ",".join(map(str, blocks))
-    try:
-        from ..llama import default_threads
-        threads = args.threads or default_threads(models["proposer"])
-    except ImportError:   # older llama layer: all cores
-        threads = args.threads
+    # the proposer's threads as decoded (without --threads, calibration may have chosen them)
+    threads = getattr(engine.contexts["proposer"], "n_threads", None) or args.threads
     meta = {
         "command": canonical_command(args),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
