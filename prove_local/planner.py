@@ -198,12 +198,14 @@ class Planner:
     `costs` is None until calibrated (the engine calibrates at the first `--block auto` request).
     explore: probability of an exploratory cycle (to keep statistics fresh; see _explore);
     hysteresis: a new width must beat the current one's expected rate by this share;
+    ar_margin: a width must beat plain ar by this share (estimates are noisy; ar is the safe side);
     replan_every: the best width is recomputed every so many cycles (the planner's own time)."""
 
     def __init__(self, costs: Costs | None = None, *, explore: float = 0.02, explore_wide: float = 0.1,
-                 hysteresis: float = 0.03, replan_every: int = 16, k_max: int = 8, seed: int = 0):
+                 hysteresis: float = 0.03, ar_margin: float = 0.05, replan_every: int = 16, k_max: int = 8,
+                 seed: int = 0):
         self.costs = costs
-        self.explore, self.explore_wide = explore, explore_wide
+        self.explore, self.explore_wide, self.ar_margin = explore, explore_wide, ar_margin
         self.hysteresis, self.replan_every, self.k_max = hysteresis, replan_every, k_max
         self.rng = random.Random(seed)
         self.stats: dict[str, SlotStats] = {}
@@ -303,8 +305,10 @@ class Planner:
         if cur is None or age >= self.replan_every:
             self._bin_rates = None                 # refreshed by the next verify_width
             options = self.rates(mode, pending, block_max, key)
-            best = max(options, key=lambda ch: ch.rate)
-            if best.rate < options[0].rate * (1.0 + self.hysteresis):
+            # a one-slot block is ar with more work (lossless: two one-token passes for two tokens;
+            # prove: an extra verifier pass), so it is never chosen, only explored
+            best = max((o for o in options if o.kind in ("ar", "spec") or o.width > 1), key=lambda ch: ch.rate)
+            if best.rate < options[0].rate * (1.0 + self.ar_margin):
                 best = options[0]                      # plain ar unless a width clearly beats it
             if cur is not None:
                 now = next((o for o in options if (o.kind, o.width) == (cur.kind, cur.width)), None)
