@@ -307,11 +307,14 @@ class Planner:
             options = self.rates(mode, pending, block_max, key)
             # a one-slot block is ar with more work (lossless: two one-token passes for two tokens;
             # prove: an extra verifier pass), so it is never chosen, only explored
-            best = max((o for o in options if o.kind in ("ar", "spec") or o.width > 1), key=lambda ch: ch.rate)
-            if best.rate < options[0].rate * (1.0 + self.ar_margin):
-                best = options[0]                      # plain ar unless a width clearly beats it
+            ar = options[0]
+            # a width must beat plain ar clearly; a one-slot block is ar with more work (lossless: two
+            # one-token passes for two tokens; prove: an extra verifier pass): explored, never chosen
+            eligible = [ar] + [o for o in options[1:] if (o.kind == "spec" or o.width > 1)
+                               and o.rate >= ar.rate * (1.0 + self.ar_margin)]
+            best = max(eligible, key=lambda ch: ch.rate)
             if cur is not None:
-                now = next((o for o in options if (o.kind, o.width) == (cur.kind, cur.width)), None)
+                now = next((o for o in eligible if (o.kind, o.width) == (cur.kind, cur.width)), None)
                 if now is not None and now.rate >= best.rate * (1.0 - self.hysteresis):
                     best = now                         # hysteresis: keep the current choice
             self.current[key] = cur = best

@@ -315,3 +315,14 @@ def test_threads_left_open_are_chosen_by_measurement_for_any_mode(models):
     run(engine, prop.tokenize(PROMPTS[0]), mode="ar")
     assert engine.planner.costs is not None
     assert engine.contexts["proposer"].n_threads in engine._thread_curves["proposer"]
+
+
+def test_a_kept_choice_must_still_beat_ar_clearly():
+    """Hysteresis keeps a width only while it beats plain ar by the margin."""
+    curve = {1: 1.0, 2: 1.1, 3: 1.2, 64: 8.0}
+    pl = planner_with(curve, [1.0, 0.9, 0.9] + [0.1] * 13, replan_every=1, hysteresis=0.5)
+    first = pl.plan("lossless", {"proposer": 1}, 16, 100)
+    assert first.mode is None and first.block > 1
+    st = pl.stats_for("lossless")
+    st.accepted[1:16] = [0.0] * 15                      # nothing is accepted any more
+    assert pl.plan("lossless", {"proposer": 1}, 16, 100).mode == "ar"
