@@ -12,7 +12,7 @@ import time
 
 from . import modes
 from .errors import ProveError
-from .loading import BLOCK, DRAFT_K, MAX_NEW, TAU, THETA, add_model_args, load_engine
+from .loading import MAX_NEW, TAU, THETA, add_model_args, add_width_args, load_engine
 
 # alternating colors per cycle; the lossless correction / bonus token is underlined
 COLORS = ("\x1b[38;5;39m", "\x1b[38;5;214m")
@@ -25,13 +25,11 @@ def add_run_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--mode", choices=modes.NAMES,
                    help="decoding rule (default: lossless if the model has a mask token, else ar)")
-    p.add_argument("--block", type=BLOCK,
-                   help="proposal block length, 1..512 (default: the GGUF's prove.block_size, else 16)")
     p.add_argument("--theta", type=THETA, default=0.05,
                    help="ProVe gate: commit while p*q >= theta, a finite number >= 0 (default 0.05)")
     p.add_argument("--tau", type=TAU, default=0.95,
                    help="MARS rule: commit while p >= tau, a finite number >= 0 (default 0.95)")
-    p.add_argument("--draft-k", type=DRAFT_K, default=4, help="drafts per cycle for --mode spec (default 4)")
+    add_width_args(p)
     add_sampling_args(p)
     p.add_argument("-p", "--prompt", help="one prompt; the answer streams to stdout")
     p.add_argument("-n", "--max-new", type=MAX_NEW, default=256, help="max new tokens per answer, >= 1 (default 256)")
@@ -103,6 +101,7 @@ def report(engine, model, settings, cycles, seconds, request, interrupted) -> di
         "seconds": s["seconds"], "tokens_per_second": s["tokens_per_second"],
         "prefill": {"tokens": request.prefill[0], "seconds": request.prefill[1]},
         "stop": "interrupted" if interrupted else s["stop"],
+        "widths": widths_histogram(settings.mode, cycles),
         "settings": {"block": settings.block or engine.block_size, "theta": settings.theta, "tau": settings.tau,
                      "draft_k": settings.draft_k, "max_new": settings.max_new, "temperature": settings.temperature,
                      "top_k": settings.top_k, "top_p": settings.top_p, "min_p": settings.min_p,
@@ -124,10 +123,19 @@ def json_line(obj) -> str:
     return json.dumps(finite(obj), ensure_ascii=False, allow_nan=False)
 
 
+def widths_histogram(mode: str, cycles) -> dict:
+    """How often each width was chosen (planner.label: 'ar', 'B=4 v=2', 'k=3'), most frequent first."""
+    from collections import Counter
+    from .planner import label
+    return dict(Counter(label(mode, c) for c in cycles).most_common())
+
+
 def summary_line(r: dict) -> str:
     passes = ", ".join(f"{k} {v}" for k, v in r["n_passes"].items())
     return (f"[{r['mode']}] {len(r['token_ids'])} tokens, {r['n_cycles']} cycles, "
             f"{r['tokens_per_cycle']:.2f} tokens/cycle, passes: {passes}, {r['tokens_per_second']:.1f} tokens/s"
+            + (", widths " + ", ".join(f"{k} x{v}" for k, v in list(r["widths"].items())[:4])
+               if r.get("widths") and r["settings"]["block"] == "auto" else "")
             + (" (interrupted)" if r["stop"] == "interrupted" else ""))
 
 
@@ -136,7 +144,7 @@ def cmd_run(args) -> int:
     from .engine import Settings
     from .errors import ContextFull, UsageError
 
-    if args.block is not None and args.block >= args.ctx:     # before loading anything
+    if isinstance(args.block, int) and args.block >= args.ctx:     # before loading anything
         raise UsageError(f"--block {args.block} does not fit the {args.ctx}-token context (--ctx)")
     engine, model = load_engine(args)
     mode = args.mode or engine.default_mode()
@@ -146,6 +154,7 @@ def cmd_run(args) -> int:
     settings = Settings(mode=mode, max_new=args.max_new, block=args.block, theta=args.theta, tau=args.tau,
                         draft_k=args.draft_k, **sampling_settings(args))
     engine.check(settings)
+    engine.prepare(settings)            # --block auto: pass costs calibrated (or read from the cache) now
     color = sys.stdout.isatty() and not args.no_color and not args.json
     system = clean_text(args.system) if args.system is not None else None
     conv = None if args.raw else Conversation(model, system=system)
@@ -244,6 +253,8 @@ def _main(argv: list[str] | None = None) -> int:
     add_serve(sub)
     from prove_local.rpc import add_parser as add_rpc_server
     add_rpc_server(sub)
+    from prove_local.calibrate import add_parser as add_calibrate
+    add_calibrate(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -16,6 +16,7 @@ from . import modes, rules, sampling
 from .errors import ContextFull, EngineBusy, ModeError
 from .llama import Context, Model
 from .modes import MODES, Plan
+from .planner import Costs, Planner
 
 MODE_NAMES = modes.NAMES
 DEFAULT_BLOCK = 16
@@ -25,10 +26,10 @@ DEFAULT_BLOCK = 16
 class Settings:
     mode: str = "lossless"
     max_new: int = 256
-    block: int | None = None    # None: the proposer GGUF's prove.block_size, else 16
+    block: int | str | None = None  # "auto": the planner's choice per cycle; None: the GGUF's prove.block_size, else 16
     theta: float = 0.05
     tau: float = 0.95
-    draft_k: int = 4
+    draft_k: int | str = 4          # "auto": the planner's choice per cycle
     # sampling (llama.cpp's names and, except temperature, its defaults); temperature 0 is greedy.
     # The chain and its order: sampling.py. repeat_last_n -1 = the whole context, 0 = no penalty.
     temperature: float = 0.0
@@ -56,6 +57,11 @@ class Engine:
         self.name = name
         self.tokens: list[int] = []        # committed sequence; every context holds a prefix of it
         self.active: Request | None = None  # the open generation's request, if any (one at a time)
+        # acceptance statistics (from every cycle) and the --block auto planner; pass costs are
+        # calibrated at the first auto request (Engine.load sets context_options for that)
+        self.planner = Planner()
+        self.context_options: dict | None = None
+        self._thread_curves: dict[str, dict] = {}
 
     @classmethod
     def load(cls, proposer: Model, verifier: Model | None = None, draft: Model | None = None, *,
@@ -70,8 +76,38 @@ class Engine:
         if mask is not None and not 0 <= mask < proposer.n_vocab:
             raise ModeError(f"mask token id {mask} is outside the vocabulary of {proposer.path} (0..{proposer.n_vocab - 1})")
         contexts = {role: Context(m, **context_options) for role, m in models.items() if m is not None}
-        return cls(contexts, is_eog=proposer.is_eog, mask_token=mask, n_ctx=contexts["proposer"].n_ctx,
-                   block_size=proposer.block_size, name=str(proposer.path))
+        engine = cls(contexts, is_eog=proposer.is_eog, mask_token=mask, n_ctx=contexts["proposer"].n_ctx,
+                     block_size=proposer.block_size, name=str(proposer.path))
+        engine.context_options = dict(context_options)
+        return engine
+
+    def calibrate(self, refresh: bool = False) -> None:
+        """Pass costs of every context's model as configured (calibrate.py: cached on disk, measured
+        within a bounded time when missing); a small model's thread count is chosen by measurement.
+        Engines without models (fakes) get t(n) proportional to n, a CPU's worst case."""
+        if self.context_options is None:
+            self.planner.costs = Costs({r: {1: 1e-3, 64: 64e-3} for r in self.contexts})
+            return
+        from .calibrate import calibrate
+        curves = {}
+        for role, ctx in self.contexts.items():
+            cal = calibrate(ctx.model, self.context_options, refresh=refresh)
+            if cal["threads"] != ctx.n_threads:
+                ctx.set_threads(cal["threads"])
+            curves[role] = cal["curves"][cal["threads"]]
+            self._thread_curves[role] = cal["curves"]
+        self.planner.costs = Costs(curves)
+
+    def _recheck_threads(self) -> None:
+        """Passes cost many times their calibrated t(n): choose the thread count again on the live
+        contexts, among those calibration measured (only where the user did not fix it)."""
+        from .calibrate import recheck_threads
+        self.planner.recheck = False
+        for role, ctx in self.contexts.items():
+            options = sorted(self._thread_curves.get(role, {}))
+            if len(options) > 1:
+                th = recheck_threads(ctx, options)
+                self.planner.costs.set_curve(role, self._thread_curves[role][th])
 
     def default_mode(self) -> str:
         return "lossless" if self.mask_token is not None else "ar"
@@ -86,17 +122,24 @@ class Engine:
             raise ModeError(f"mode {s.mode!r} needs a verifier model (--verifier V.gguf)")
         if "draft" in mode.roles and "draft" not in self.contexts:
             raise ModeError(f"mode {s.mode!r} needs a draft model (--draft D.gguf)")
-        if (s.block or 1) < 1 or s.draft_k < 0 or s.max_new < 0:
-            raise ModeError("block and max new tokens must be >= 1, draft k >= 0")
+        if s.block not in (None, "auto") and (not isinstance(s.block, int) or s.block < 1) \
+                or s.draft_k != "auto" and (not isinstance(s.draft_k, int) or s.draft_k < 0) or s.max_new < 0:
+            raise ModeError("block must be 'auto' or >= 1, draft k 'auto' or >= 0, max new tokens >= 0")
         bad = sampling.check(s.temperature, s.top_k, s.top_p, s.min_p, s.repeat_penalty, s.repeat_last_n, s.seed)
         if bad:
             raise ModeError(bad)
 
     def plan(self, req: "Request") -> Plan:
-        """The widths of the next cycle: the request's fixed settings, cut to the room left in the
-        context (a planner replaces this)."""
+        """The widths of the next cycle: the planner's (planner.py) for an auto request, else the
+        request's fixed settings; cut to the room left in the context."""
         room = self.n_ctx - len(self.tokens)
-        return Plan(block=max(1, min(req.block, room)), draft_k=max(0, min(req.settings.draft_k, room)))
+        mode = req.settings.mode
+        if req.auto:
+            # tokens each context will be fed before its new ones (at least the last: rules._pending)
+            pending = {r: max(1, len(self.tokens) - c.n_past) for r, c in self.contexts.items()}
+            return self.planner.plan(mode, pending, req.block, room, key=_stats_key(req.settings))
+        k = req.settings.draft_k if req.settings.draft_k != "auto" else 4
+        return Plan(block=max(1, min(req.block, room)), draft_k=max(0, min(k, room)))
 
     def _sync(self) -> None:
         """Drop from every cache whatever is not a committed prefix (after a cut or an interrupt)."""
@@ -126,9 +169,21 @@ class Engine:
         # one seeded generator per request (sampling.py documents the order it is consumed in);
         # without a seed a fresh one is drawn and recorded in the request, so a run can be repeated
         seed = s.seed if s.seed is not None else secrets.randbits(63)
-        self.active = Request(list(prompt), s, s.block or self.block_size, seed=seed,
-                              sampler=sampling.Sampler.for_settings(s, seed))
+        auto = self.prepare(s)
+        self.active = Request(list(prompt), s, s.block if isinstance(s.block, int) else self.block_size, auto=auto,
+                              seed=seed, sampler=sampling.Sampler.for_settings(s, seed))
         return Generation(self, self.active)
+
+    def prepare(self, s: Settings) -> bool:
+        """Whether the planner decides this request's widths (it decides only what the mode has: spec's
+        draft length, the others' block); calibrates the pass costs first if so, or if the thread count
+        is left to measurement, and not yet done.
+        Front ends call it before timing anything (the first request would otherwise pay for it)."""
+        auto = s.draft_k == "auto" if s.mode == "spec" else (s.block == "auto" and MODES[s.mode].uses_block)
+        threads_open = self.context_options is not None and self.context_options.get("n_threads") is None
+        if (auto or threads_open) and self.planner.costs is None:
+            self.calibrate()        # (also picks the thread count of small models when --threads is not set)
+        return auto
 
     def _release(self, req: "Request") -> None:
         if self.active is req:
@@ -155,10 +210,11 @@ class Engine:
         index = 0
         while s.max_new > 0:
             n_gen = len(self.tokens) - req.n_prompt
-            plan = self.plan(req)
             before = {r: (c.n_decode, c.decode_seconds) for r, c in self.contexts.items()}
-            t0 = time.perf_counter()
-            cycle = mode.cycle(self.contexts, self.tokens, plan, s, self.mask_token, sampler=req.sampler)
+            t0 = time.perf_counter()        # the planner's time counts as the cycle's
+            plan = self.plan(req)
+            run_mode = MODES[plan.mode] if plan.mode else mode
+            cycle = run_mode.cycle(self.contexts, self.tokens, plan, s, self.mask_token, sampler=req.sampler)
             cycle.seconds = time.perf_counter() - t0
             # passes are counted, not declared: llama_decode calls made during this cycle
             cycle.passes = {r: c.n_decode - before[r][0] for r, c in self.contexts.items() if c.n_decode > before[r][0]}
@@ -166,6 +222,10 @@ class Engine:
                                     if c.n_decode > before[r][0]}
             if not cycle.committed:
                 raise RuntimeError(f"mode {s.mode}: a cycle committed no token (a decoding rule is broken)")
+            if s.mode != "ar":                       # acceptance statistics and costs, every cycle
+                self.planner.observe(s.mode, cycle, _stats_key(s))  # (plain ar has nothing to learn)
+                if self.planner.recheck:
+                    self._recheck_threads()
             run, stop = cycle.committed, None
             for i, tok in enumerate(run):
                 if self.is_eog(tok):
@@ -189,12 +249,18 @@ class Engine:
                 return
 
 
+def _stats_key(s: Settings) -> str:
+    """The planner keeps acceptance per mode, and per gate for the lossy rules (prove@θ, mars@τ)."""
+    return f"prove@{s.theta:g}" if s.mode == "prove" else (f"mars@{s.tau:g}" if s.mode == "mars" else s.mode)
+
+
 @dataclass
 class Request:
     """Everything about one generation: prompt, settings, and what it has done so far."""
     prompt: list[int]
     settings: Settings
-    block: int
+    block: int                                  # fixed width, or the widest an auto request may use
+    auto: bool = False                          # the planner picks widths (--block auto)
     prefill: tuple[int, float] = (0, 0.0)      # (prompt tokens evaluated, seconds)
     n_tokens: int = 0
     n_cycles: int = 0

@@ -114,6 +114,7 @@ class Model:
         prove_local.rpc, local GPUs); None: every local GPU (llama.cpp's default). tensor_split:
         the share of the offloaded layers per device (default: proportional to their free memory)."""
         self.path = Path(path)
+        self.n_gpu_layers = n_gpu_layers
         if not self.path.is_file():
             raise LlamaError(f"{self.path}: no such model file")
         with open(self.path, "rb") as f:
@@ -281,6 +282,7 @@ class Context:
         np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self.n_batch,))[:] = 1
         for i in range(self.n_batch):
             self._batch.seq_id[i][0] = 0
+        self.n_threads = threads
         self.n_past = 0
         self.n_decode = 0          # llama_decode calls, i.e. forward passes
         self.decode_seconds = 0.0  # time spent inside llama_decode
@@ -322,6 +324,11 @@ class Context:
         if rows != sorted(rows):  # rows come back in batch order
             out = out[np.argsort(np.argsort(rows))]
         return out
+
+    def set_threads(self, n: int) -> None:
+        """Change the CPU threads of later passes (the planner's thread re-check, calibrate.py)."""
+        ll.llama_set_n_threads(self._ctx, n, n)
+        self.n_threads = n
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens of the KV cache, drop the rest (`llama_memory_seq_rm`)."""

@@ -89,7 +89,8 @@ def add_model_args(p: argparse.ArgumentParser, *, positional: bool = True) -> No
     p.add_argument("--draft", metavar="D.gguf", help="draft GGUF for --mode spec")
     p.add_argument("--mask-token", type=TOKEN_ID, help="placeholder token id (overrides the GGUF's mask token)")
     p.add_argument("--threads", type=THREADS,
-                   help="CPU threads (default: 1 for models under 30M parameters, else all cores)")
+                   help="CPU threads (default: for models under 30M parameters 1 or all cores, whichever "
+                        "`prove-local calibrate` measures faster; else all cores)")
     p.add_argument("--ctx", type=CTX, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("--n-gpu-layers", type=GPU_LAYERS,
                    help="layers to offload (default: all when llama.cpp has a GPU backend, else 0)")
@@ -108,6 +109,33 @@ def add_rpc_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-split", metavar="F[,F...]",
                    help="share of the offloaded layers per device, in order: the --rpc servers' devices, then "
                         "local GPUs (llama.cpp's -ts; default: proportional to their free memory)")
+
+
+def auto_or(parse):
+    """An argparse type: 'auto' (the planner's choice per cycle) or what `parse` accepts."""
+    def parse_width(text: str):
+        if str(text).strip().lower() == "auto":
+            return "auto"
+        try:
+            return parse(text)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e} (or 'auto')") from None
+    parse_width.__name__ = "width"
+    return parse_width
+
+
+width_arg = auto_or(BLOCK)          # --block: 'auto' or 1..MAX_BLOCK
+draft_width_arg = auto_or(DRAFT_K)  # --draft-k: 'auto' or 0..MAX_BLOCK
+
+
+def add_width_args(p: argparse.ArgumentParser) -> None:
+    """--block and --draft-k, 'auto' by default (planner.py); every front end (run, ui, serve) shares them
+    and passes them on as Settings(block=..., draft_k=...)."""
+    p.add_argument("--block", type=width_arg, default="auto",
+                   help="proposal block length: 'auto' (default: a planner picks it per cycle from measured pass "
+                        "costs and acceptance, up to the GGUF's prove.block_size) or a fixed N")
+    p.add_argument("--draft-k", type=draft_width_arg, default="auto",
+                   help="drafts per cycle for --mode spec: 'auto' (default: chosen per cycle) or a fixed N")
 
 
 @dataclass

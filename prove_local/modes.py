@@ -20,6 +20,7 @@ class Plan:
     verify: object = None           # lossless: proposed tokens verified, 1..block (None: all), or a
                                     # function of the slot confidences p returning that number
     draft_k: int = 4                # spec: tokens drafted
+    mode: str | None = None         # run this cycle as another mode ("ar": the planner's fallback)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,8 @@
 """GPU check (scripts/gpu_check.sh runs this): pass cost t(n)/t(1) on random-weight models shaped like
-Qwen2.5-7B and Qwen2.5-32B at Q4_K_M, and the embedded pair in ar / lossless / prove; writes JSON.
+Qwen2.5-7B and Qwen2.5-32B at Q4_K_M, the embedded pair in ar / lossless / prove, and a stand-in: the
+embedded proposer inflated to the 7B shape (scripts/inflate.py: same logits, a 7B's pass cost) with the
+embedded verifier as verifier and draft, in ar / lossless auto / lossless B=16 / prove / spec auto, so
+that wall-clock is measured with real acceptance; writes JSON.
 
     python scripts/gpu_check.py --out gpu_check.json            # GPU: full offload, real shapes
     python scripts/gpu_check.py --cpu --out cpu_check.json      # CPU: small shapes, about a minute
@@ -17,7 +20,6 @@ import math
 import os
 import platform
 import shutil
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -175,61 +177,32 @@ def write_random_gguf(path: Path, shape: Shape, quant: str = "q4_k_m", seed: int
 def pass_costs(model, n_max: int, reps: int, n_prefix: int, threads: int | None, flash_attn: bool,
                deadline: float) -> dict:
     """Median seconds of one llama_decode of n tokens (logits of every row, as a proposal pass asks),
-    after a prefix of n_prefix tokens, for n = 1..n_max; the cache is cut back after each pass."""
-    from prove_local.llama import Context
+    after a prefix of n_prefix tokens, for n = 1..n_max: prove_local.calibrate.measure, the planner's
+    own method (steady state per width, widths shuffled, cut back after each pass)."""
+    from prove_local.calibrate import measure
 
-    ctx = Context(model, n_ctx=n_prefix + n_max + 64, n_threads=threads, n_batch=max(512, n_max),
-                  flash_attn=flash_attn, type_k="f16", type_v="f16")
-    rng = np.random.default_rng(1)
-    vocab_ok = min(256, model.n_vocab)
-    ctx.eval([int(x) for x in rng.integers(0, vocab_ok, n_prefix)], rows=[])
-    times: dict[int, float] = {}
-    for n in range(1, n_max + 1):
-        if time.monotonic() > deadline:
-            break
-        toks = [int(x) for x in rng.integers(0, vocab_ok, n)]
-        rows = list(range(n))
-        samples = []
-        for r in range(reps + 1):                  # the first one warms up
-            t0 = time.perf_counter()
-            ctx.eval(toks, rows)
-            dt = time.perf_counter() - t0
-            ctx.truncate(n_prefix)
-            if r:
-                samples.append(dt)
-        times[n] = statistics.median(samples)
-    ctx.close()
+    opts = dict(n_threads=threads, flash_attn=flash_attn, type_k="f16", type_v="f16")
+    budget = max(1.0, deadline - time.monotonic())
+    _, times, _ = measure(model, opts, ns=tuple(range(1, n_max + 1)), n_fill=n_prefix, budget_s=budget, reps=reps)
     t1 = times.get(1)
     return {"n_prefix": n_prefix, "reps": reps, "flash_attn": flash_attn,
             "t_ms": {n: round(t * 1e3, 4) for n, t in times.items()},
             "ratio": {n: round(t / t1, 3) for n, t in times.items()} if t1 else {}}
 
 
-def run_pair(proposer: Path, verifier: Path, ngl: int, threads: int | None, max_new: int, deadline: float) -> dict:
-    """ar, lossless and prove on a few GSM8K-style prompts: wall-clock seconds and the ratio to ar."""
-    from prove_local.chat import Conversation, TemplateMissing
-    from prove_local.engine import Engine, Settings, summarize
-    from prove_local.llama import Model
+def run_modes(engine, prompts: list[list[int]], runs: list[tuple[str, object]], deadline: float) -> dict:
+    """Each (name, Settings) run on every prompt after a warm-up: wall-clock seconds, tokens, passes,
+    the widths the planner chose, and whether the exact modes equal ar."""
+    from prove_local.engine import summarize
+    from prove_local.planner import label
 
-    prop, ver = Model(proposer, n_gpu_layers=ngl), Model(verifier, n_gpu_layers=ngl)
-    engine = Engine.load(prop, ver, n_ctx=2048, n_threads=threads, type_k="f32", type_v="f32")
-    prompts = []
-    for text in PROMPTS:
-        try:
-            prompts.append(Conversation(prop).prompt_tokens(text))
-        except TemplateMissing:
-            prompts.append(prop.tokenize(text, add_special=True))
-    out = {"proposer": str(proposer), "verifier": str(verifier), "n_gpu_layers": ngl, "max_new": max_new,
-           "modes": {}}
-    ar_tokens = []
-    for mode in ("ar", "lossless", "prove"):
+    out, ar_tokens = {}, None
+    for name, settings in runs:
         if time.monotonic() > deadline:
             out["cut_short"] = True
             break
-        settings = Settings(mode=mode, max_new=max_new)
-        # warm-up on the first prompt, then the timed runs
-        list(engine.generate(prompts[0], settings))
-        seconds, tokens, cycles, outputs = 0.0, 0, 0, []
+        list(engine.generate(prompts[0], settings))      # warm-up (and the planner's calibration)
+        seconds, tokens, cycles, outputs, widths = 0.0, 0, 0, [], {}
         passes: dict[str, int] = {}
         for p in prompts:
             engine.tokens = []                 # no KV reuse between prompts: each one from scratch
@@ -243,18 +216,85 @@ def run_pair(proposer: Path, verifier: Path, ngl: int, threads: int | None, max_
             cycles += s["n_cycles"]
             for k, v in s["n_passes"].items():
                 passes[k] = passes.get(k, 0) + v
+            for c in cyc:
+                lab = label(settings.mode, c)
+                widths[lab] = widths.get(lab, 0) + 1
             outputs.append([t for c in cyc for t in c.committed])
-        out["modes"][mode] = {"seconds": round(seconds, 4), "tokens": tokens, "cycles": cycles,
-                              "tokens_per_cycle": round(tokens / cycles, 3) if cycles else 0.0,
-                              "tokens_per_second": round(tokens / seconds, 2) if seconds else 0.0, "passes": passes}
-        if mode == "ar":
+        out[name] = {"mode": settings.mode, "seconds": round(seconds, 4), "tokens": tokens, "cycles": cycles,
+                     "tokens_per_cycle": round(tokens / cycles, 3) if cycles else 0.0,
+                     "tokens_per_second": round(tokens / seconds, 2) if seconds else 0.0, "passes": passes,
+                     "widths": dict(sorted(widths.items(), key=lambda kv: -kv[1])[:8])}
+        if name == "ar":
             ar_tokens = outputs
-        else:
-            out["modes"][mode]["same_as_ar"] = outputs == ar_tokens
-    ar = out["modes"].get("ar")
-    for mode, r in out["modes"].items():
-        if ar and r["tokens_per_second"]:
+        elif ar_tokens is not None:
+            out[name]["same_as_ar"] = outputs == ar_tokens
+    ar = out.get("ar")
+    for name, r in out.items():
+        if isinstance(r, dict) and ar and r["tokens_per_second"]:
             r["speed_vs_ar"] = round(r["tokens_per_second"] / ar["tokens_per_second"], 3)
+    return out
+
+
+def _prompts(model) -> list[list[int]]:
+    from prove_local.chat import Conversation, TemplateMissing
+    prompts = []
+    for text in PROMPTS:
+        try:
+            prompts.append(Conversation(model).prompt_tokens(text))
+        except TemplateMissing:
+            prompts.append(model.tokenize(text, add_special=True))
+    return prompts
+
+
+def run_inflated(proposer: Path, partner: Path, shape: str, outtype: str, work: Path, ngl: int, threads: int | None,
+                 max_new: int, deadline: float, keep: bool, log) -> dict:
+    """The proposer inflated to a large shape (scripts/inflate.py: same logits, a large model's pass
+    cost) with the small partner as verifier and draft: ar, lossless auto, lossless B=16, prove, spec
+    auto. Measures wall-clock decoding with real acceptance under a large proposer's cost."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import inflate as inflate_mod
+    from prove_local.engine import Engine, Settings
+    from prove_local.llama import Model
+
+    path = work / f"inflated-{shape}.{outtype}.gguf"
+    t0 = time.perf_counter()
+    info = inflate_mod.inflate(proposer, shape, path, outtype, log=log)
+    out = {"shape": shape, "outtype": outtype, "inflate": info, "inflate_s": round(time.perf_counter() - t0, 1),
+           "partner": str(partner), "n_gpu_layers": ngl, "max_new": max_new}
+    try:
+        t0 = time.perf_counter()
+        prop, part = Model(path, n_gpu_layers=ngl), Model(partner, n_gpu_layers=ngl)
+        out["load_s"] = round(time.perf_counter() - t0, 1)
+        kv = "f32" if outtype == "f32" else "f16"
+        engine = Engine.load(prop, part, part, n_ctx=2048, n_threads=threads, type_k=kv, type_v=kv)
+        runs = [("ar", Settings(mode="ar", max_new=max_new)),
+                ("lossless@auto", Settings(mode="lossless", block="auto", max_new=max_new)),
+                ("lossless@B16", Settings(mode="lossless", block=16, max_new=max_new)),
+                ("prove", Settings(mode="prove", block="auto", theta=0.05, max_new=max_new)),
+                ("spec@auto", Settings(mode="spec", draft_k="auto", max_new=max_new))]
+        out["modes"] = run_modes(engine, _prompts(prop), runs, deadline)
+        out["planner"] = engine.planner.summary()
+        prop.close()
+        part.close()
+    finally:
+        if not keep:
+            path.unlink(missing_ok=True)
+    return out
+
+
+def run_pair(proposer: Path, verifier: Path, ngl: int, threads: int | None, max_new: int, deadline: float) -> dict:
+    """ar, lossless and prove on a few GSM8K-style prompts: wall-clock seconds and the ratio to ar."""
+    from prove_local.engine import Engine, Settings
+    from prove_local.llama import Model
+
+    prop, ver = Model(proposer, n_gpu_layers=ngl), Model(verifier, n_gpu_layers=ngl)
+    engine = Engine.load(prop, ver, n_ctx=2048, n_threads=threads, type_k="f32", type_v="f32")
+    out = {"proposer": str(proposer), "verifier": str(verifier), "n_gpu_layers": ngl, "max_new": max_new}
+    modes = run_modes(engine, _prompts(prop), [(m, Settings(mode=m, max_new=max_new)) for m in ("ar", "lossless", "prove")],
+                      deadline)
+    if modes.pop("cut_short", False):
+        out["cut_short"] = True
+    out["modes"] = modes
     for m in (prop, ver):
         m.close()
     return out
@@ -295,6 +335,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=420, help="seconds; later stages are skipped past it (default 420)")
     ap.add_argument("--keep", action="store_true", help="keep the random GGUFs")
     ap.add_argument("--install", help="JSON text describing the install step (from gpu_check.sh)")
+    ap.add_argument("--inflate-shape", help="the stand-in stage: the proposer inflated to this shape (scripts/inflate.py) "
+                                            "with the verifier as partner (default on GPU: qwen2.5-7b; on CPU: none)")
+    ap.add_argument("--inflate-outtype", default="f16", choices=("f32", "f16", "q8_0"),
+                    help="matrix type of the inflated proposer (default f16: 13 GB at the 7B shape)")
     a = ap.parse_args(argv)
 
     t_start = time.monotonic()
@@ -416,6 +460,24 @@ def main(argv=None) -> int:
             except (LlamaError, OSError, ValueError) as e:
                 result["pair"] = {"error": f"{type(e).__name__}: {e}"}
                 log(result["pair"]["error"])
+        save()
+
+        shape = a.inflate_shape or (None if a.cpu else "qwen2.5-7b")
+        if not shape:
+            result["inflated"] = {"skipped": "no --inflate-shape (the CPU form skips the stand-in stage)"}
+        elif not (proposer.is_file() and verifier.is_file()):
+            result["inflated"] = {"skipped": f"pair files not found ({proposer}, {verifier})"}
+        elif deadline - time.monotonic() < 60:
+            result["inflated"] = {"skipped": f"{deadline - time.monotonic():.0f} s left, about 60+ needed"}
+        else:
+            try:
+                result["inflated"] = run_inflated(proposer, verifier, shape, a.inflate_outtype, work, ngl, a.threads,
+                                                  a.max_new, deadline, a.keep, log)
+                log("inflated: " + ", ".join(f"{m} {r['tokens_per_second']} tok/s ({r.get('speed_vs_ar', 1)}x)"
+                                             for m, r in result["inflated"]["modes"].items() if isinstance(r, dict)))
+            except (LlamaError, OSError, ValueError) as e:
+                result["inflated"] = {"error": f"{type(e).__name__}: {e}"}
+                log(result["inflated"]["error"])
         save()
     finally:
         if not a.keep and not a.work:

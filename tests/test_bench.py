@@ -3,6 +3,7 @@ the report on synthetic data, and one small end-to-end run on tiny random-weight
 import itertools
 import json
 import random
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -143,7 +144,9 @@ def test_pass_cost_curve_projection():
     curve = {1: 1.0, 2: 1.5, 4: 2.0, 8: 4.0, 16: 8.0}
     assert stats.curve_ratio(curve, 4) == 2.0
     assert stats.curve_ratio(curve, 3) == 1.75                      # interpolated
-    assert stats.curve_ratio(curve, 32) == pytest.approx(16.0)     # extrapolated along the last slope
+    assert stats.curve_ratio(curve, 32) == pytest.approx(8 + 16 * 7 / 15)   # extrapolated along the mean slope
+    noisy = {1: 1.0, 8: 6.0, 16: 3.0}                                 # a falling last segment: never below t(16)
+    assert stats.curve_ratio(noisy, 84) == pytest.approx(3 + 68 * 2 / 15) and stats.curve_ratio(noisy, 84) > 3
     curves = {"proposer": curve, "verifier": {n: t / 4 for n, t in curve.items()}, "draft": {1: 0.5, 8: 1.0}}
     cu = stats.cycle_cost_units
     assert cu("ar", 1, curves) == 1.0
@@ -309,8 +312,9 @@ def tiny_models(tmp_path_factory):
             tiny_gguf(d, seed=2, hidden=32, role="verifier", mask=False))
 
 
-def test_bench_end_to_end(tiny_models, tmp_path, capsys):
+def test_bench_end_to_end(tiny_models, tmp_path, capsys, monkeypatch):
     from prove_local.cli import main
+    monkeypatch.setenv("PROVE_LOCAL_CACHE", str(tmp_path / "cache"))
     prop, ver, draft = tiny_models
     data = tmp_path / "gsm.jsonl"
     data.write_text("".join(json.dumps({"question": q, "answer": "x\n#### 3"}) + "\n"
@@ -319,10 +323,12 @@ def test_bench_end_to_end(tiny_models, tmp_path, capsys):
     rc = main(["bench", "--proposer", str(prop), "--verifier", str(ver), "--draft", str(draft),
                "--modes", "ar,lossless,prove,mars,spec", "--data", str(data), "--limit", "2", "--max-new", "32",
                "--theta", "0.01,0.1", "--threads", "1", "--ctx", "512", "--kv-type", "f32", "--warmup", "4",
-               "--pass-cost-reps", "2", "--pass-cost-max", "16", "--out", str(out), "-q"])
+               "--pass-cost-reps", "2", "--pass-cost-max", "16", "--out", str(out), "-q",
+               "--block", "16", "--draft-k", "4"])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert list(res["modes"]) == ["ar", "lossless", "prove@0.01", "prove@0.1", "mars", "spec"]
+    assert res["modes"]["lossless"]["widths"] == {**{"B=16 v=16": res["modes"]["lossless"]["n_cycles"]}}
     for name, m in res["modes"].items():
         assert m["n_prompts"] == 2 and 2 <= m["tokens"] <= 64
         assert m["tokens_per_second"] > 0 and m["tokens_per_cycle"] >= 1
@@ -395,3 +401,127 @@ def test_bench_usage_errors(tiny_models, tmp_path, capsys, argv, message):
         args += ["--data", str(data)]
     assert main(args) == 1
     assert message in capsys.readouterr().err
+
+
+def test_bench_auto_against_fixed_blocks_and_oracle(tiny_models, tmp_path, monkeypatch):
+    """--block auto,N: one run per width, side by side; the report compares them, shows the widths the
+    planner chose, the oracle bound and the planner's projection for a flat curve."""
+    from prove_local.cli import main
+    monkeypatch.setenv("PROVE_LOCAL_CACHE", str(tmp_path / "cache"))
+    prop, ver, draft = tiny_models
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "x\n#### 3"}) + "\n"
+                            for q in ("What is 1 + 2?", "Natalia sold 48 clips.")))
+    out = tmp_path / "out"
+    rc = main(["bench", "--proposer", str(prop), "--draft", str(draft), "--modes", "ar,lossless,spec",
+               "--data", str(data), "--max-new", "24", "--threads", "1", "--ctx", "512", "--kv-type", "f32",
+               "--warmup", "0", "--pass-cost-reps", "1", "--pass-cost-max", "16", "--out", str(out), "-q",
+               "--block", "auto,2,16", "--draft-k", "auto,3", "--oracle", "--no-plots"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert list(res["modes"]) == ["ar", "lossless@auto", "lossless@B2", "lossless@B16", "spec@auto", "spec@k3"]
+    for name in ("lossless@auto", "lossless@B2", "lossless@B16", "spec@auto", "spec@k3"):
+        assert res["modes"][name]["exact_match_vs_ar"] == 1.0, name
+    assert res["modes"]["lossless@B2"]["block"] == 2 and res["modes"]["lossless@auto"]["block"] == "auto"
+    assert set(res["modes"]["lossless@B2"]["widths"]) == {"B=2 v=2"}
+    a = res["auto_vs_fixed"]["lossless@auto"]
+    assert set(a["fixed"]) == {"lossless@B2", "lossless@B16"} and a["best_fixed"] in a["fixed"]
+    assert sum(a["widths"].values()) == res["modes"]["lossless@auto"]["n_cycles"]
+    assert set(res["auto_vs_fixed"]["spec@auto"]["fixed"]) == {"spec@k3"}
+    orc = res["oracle"]
+    assert orc["n_positions"] == res["modes"]["ar"]["tokens"] and orc["slot_match_rate"][0] == 1.0
+    for key in ("tokens_per_t1", "tokens_per_t1_flat"):
+        pol = orc[key]
+        assert pol["oracle"] >= 1.0 and pol["oracle"] >= max(pol["fixed_blocks"].values()) - 1e-9
+    assert orc["conditional_slot_rate"][0] == 1.0 and orc["planner_choice"]["flat"] in ("ar", *range(1, 17))
+    flat = res["projection"]["flat"]
+    assert [r["width"] for r in flat if r["chosen"]] == [16]
+    md = (out / "summary.md").read_text()
+    assert "## `--block auto` against fixed widths" in md and "## Lossless: fixed blocks, the oracle bound" in md
+    # the report rebuilds from its own files
+    assert main(["bench", "--report-only", "--out", str(out), "--no-plots"]) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert again["oracle"]["match_runs"] == orc["match_runs"]
+    assert again["oracle"]["tokens_per_t1_flat"] == orc["tokens_per_t1_flat"]      # no timing in it
+    for name, a in res["auto_vs_fixed"].items():                       # (stored seconds are rounded)
+        assert again["auto_vs_fixed"][name]["widths"] == a["widths"] and again["auto_vs_fixed"][name]["fixed"].keys() == a["fixed"].keys()
+    for b, v in orc["tokens_per_t1"]["fixed_blocks"].items():      # (the stored curve is rounded)
+        assert again["oracle"]["tokens_per_t1"]["fixed_blocks"][b] == pytest.approx(v, rel=1e-2)
+
+
+def test_oracle_lossless_shortest_path():
+    from prove_local.bench.stats import oracle_lossless
+    flat = {1: 1.0, 64: 1.0}
+    assert oracle_lossless([1, 1, 1, 1], flat) == pytest.approx(1.0)        # nothing matches: ar's rate
+    # 6 slots match at position 0: one cycle verifying 6 commits 7 tokens for two flat passes
+    assert oracle_lossless([6, 1, 1, 1, 1, 1, 1], flat) == pytest.approx(7 / 2)
+    steep = {1: 1.0, 2: 2.0, 64: 64.0}                                      # width costs linearly: ar ties
+    assert oracle_lossless([6, 1, 1, 1, 1, 1, 1], steep) == pytest.approx(1.0)
+
+
+def test_cycle_cost_from_the_widths_actually_fed():
+    """A prove cycle after one that committed 3 tokens feeds its proposer 3 + B - 1 tokens, not B."""
+    from prove_local.bench.stats import cycle_cost_widths
+    curves = {"proposer": {1: 1.0, 2: 1.5, 4: 2.0, 8: 4.0}, "verifier": {1: 0.5, 8: 4.0}}
+    assert cycle_cost_widths({"proposer": [3 + 4 - 1]}, curves) == pytest.approx(3.0)      # t(6)/t(1)
+    assert cycle_cost_widths({"proposer": [4, 2]}, curves) == pytest.approx(3.5)           # lossless B=4, v=2
+    # the verifier's pass in proposer units: its t(4)/t(1) = 4 times rho = t_v(1)/t_p(1) = 0.5
+    assert cycle_cost_widths({"proposer": [4], "verifier": [4]}, curves) == pytest.approx(2.0 + 0.5 * 4.0)
+    assert cycle_cost_widths({"proposer": [4, 4]}, curves, flat=True) == 2.0
+
+
+def test_bench_external_llama_speculative_baseline(tiny_models, tmp_path, monkeypatch):
+    """--llama-spec BIN: run once per prompt with the proposer as target and --draft as draft; its
+    'decoded N tokens in S seconds' line is compared with every run. A missing BIN is skipped with a note.
+    (A stand-in executable checks the arguments; the real binary is llama.cpp's.)"""
+    from prove_local.cli import main
+    monkeypatch.setenv("PROVE_LOCAL_CACHE", str(tmp_path / "cache"))
+    prop, ver, draft = tiny_models
+    fake = tmp_path / "llama-speculative-simple"
+    fake.write_text("#!" + sys.executable + "\n"
+                    "import sys\n"
+                    "a = sys.argv[1:]\n"
+                    f"assert a[a.index('-m') + 1] == {str(prop)!r} and a[a.index('-md') + 1] == {str(draft)!r}\n"
+                    "assert '--spec-draft-n-max' in a and a[a.index('--temp') + 1] == '0'\n"
+                    "text = open(a[a.index('-f') + 1], encoding='utf-8').read()\n"
+                    "if 'FAIL' in text: sys.exit(3)\n"
+                    "n = int(a[a.index('-n') + 1])\n"
+                    "print(f'decoded {n:4d} tokens in    0.010 seconds, speed: {n / 0.01:8.3f} t/s', file=sys.stderr)\n"
+                    "print('accept    = 42.000%', file=sys.stderr)\n")
+    fake.chmod(0o755)
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "x\n#### 3"}) + "\n" for q in ("What is 1 + 2?", "FAIL here")))
+    out = tmp_path / "out"
+    base = ["bench", "--proposer", str(prop), "--draft", str(draft), "--modes", "ar,spec", "--data", str(data),
+            "--max-new", "8", "--threads", "1", "--ctx", "512", "--kv-type", "f32", "--warmup", "0", "--no-pass-cost",
+            "--no-plots", "-q", "--draft-k", "3", "--out", str(out)]
+    assert main(base + ["--llama-spec", str(fake)]) == 0
+    ext = json.loads((out / "results.json").read_text())["external"]
+    assert ext["n_ok"] == 1 and ext["n_failed"] == 1 and ext["tokens_per_second"] == pytest.approx(800.0)
+    assert ext["runs"]["gsm/0"] == {"tokens": 8, "seconds": 0.01, "accept_percent": 42.0}
+    assert set(ext["run_over_external_median"]) == {"ar", "spec"} and ext["run_over_external_median"]["ar"] > 0
+    assert "llama-speculative-simple" in (out / "summary.md").read_text()
+    assert main(base + ["--llama-spec", str(tmp_path / "absent")]) == 0
+    assert json.loads((out / "results.json").read_text())["external"] is None
+
+
+def test_slot_labels_with_a_verified_prefix():
+    """--block auto: a lossless cycle may verify only v of its B slots; q exists for those alone."""
+    from prove_local.bench.stats import detector_aucs, slot_labels
+    from prove_local.rules import Cycle
+    c = Cycle([5, 6, 7, 8], [.9, .8, .3, .2], [.9, .7], [5, 6, 9], 2, {"proposer": 2}, widths={"proposer": [4, 2]})
+    labels = slot_labels([c], [5, 6, 9], [5, 6, 9, 1])
+    assert [r["q"] for r in labels] == [.9, .7, None, None] and [r["match"] for r in labels] == [True, True, False, False]
+    a = detector_aucs(labels)
+    assert a["p"] == 1.0 and a["q"] is None          # the verified slots all match: no negative class for q
+
+
+def test_lossless_policies_and_conditional_rates():
+    from prove_local.bench.stats import conditional_slot_rates, fixed_block_cost, lossless_policies
+    match = {0: [3, 1, 1, 1, 2, 1], 1: [1, 1]}
+    flat = lossless_policies(match, None, blocks=(1, 2, 4))
+    # B=1: every cycle 2 tokens for 2 passes; B=4 on answer 0: cycles at 0 (4 tokens), 4 (3 tokens)
+    assert flat["fixed_blocks"][1] == pytest.approx(1.0)
+    assert fixed_block_cost(match[0], 4, None) == 4 and flat["fixed_blocks"][4] == pytest.approx(8 / (4 + 2))
+    assert flat["oracle"] >= max(flat["fixed_blocks"].values())
+    assert conditional_slot_rates([3, 1, 2, 1], 3) == [1.0, 0.5, 0.5]

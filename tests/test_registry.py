@@ -202,7 +202,9 @@ def test_pull_from_dir_prints_a_working_run_command(pulled):
     assert cmd == second.stdout.strip().splitlines()[-1]
     assert cmd.startswith("prove-local run ") and "--verifier" in cmd and cmd.endswith("--mode prove")
     assert "already there" in third.stderr
-    argv = shlex.split(cmd)[2:] + ["-p", "How many clips?", "-n", "12", "--json", "--threads", "1", "--kv-type", "f32"]
+    # a fixed block: with --block auto the planner may run plain ar cycles only, and this checks the verifier runs
+    argv = shlex.split(cmd)[2:] + ["-p", "How many clips?", "-n", "12", "--json", "--threads", "1", "--kv-type", "f32",
+                                   "--block", "16"]
     r = cli("run", *argv)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

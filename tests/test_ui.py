@@ -288,7 +288,7 @@ def server(paths, tmp_path_factory):
     port = free_port()
     cmd = [sys.executable, "-m", "prove_local.cli", "ui", str(paths[0]), "--verifier", str(paths[1]),
            "--port", str(port), "--ctx", "512", "--kv-type", "f32", "--threads", "1", "--parallel", "2",
-           "-n", str(MAX_NEW)]
+           "-n", str(MAX_NEW), "--block", "16"]     # a fixed block: the inspector shows 16 slots
     env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
     log = tmp_path_factory.mktemp("ui-server") / "stderr.log"
     with open(log, "w") as err:
@@ -357,6 +357,7 @@ def test_page_end_to_end(browser, server, models, tmp_path):
     page.wait_for_selector(f'#inspector .inspector[data-cycle="{target["pick"]}"]')
     heads = page.eval_on_selector_all("#inspector .insp-table tr:first-child th", "els => els.map(e => e.textContent)")
     assert heads[0] == "slot" and heads[1] == "1" and len(heads) >= 3
+    assert "widths: proposer 16+16" in page.inner_text("#inspector .insp-head")
     assert page.locator("#inspector .insp-table .tok").count() == len(heads) - 1
     statuses = page.eval_on_selector_all("#inspector td.status", "els => els.map(e => e.textContent)")
     assert statuses[0] == "committed" and set(statuses) <= {"committed", "dropped", "correction", "bonus"}
@@ -452,3 +453,18 @@ def test_two_pages_decode_at_the_same_time_with_parallel_2(browser, models, monk
             pg.close()
     finally:
         demo.close()
+
+
+def test_inspector_shows_the_planners_widths():
+    """--block auto: a lossless cycle that verified a prefix, and a plain ar cycle inside a lossless answer."""
+    c = Cycle([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8], [1, 2, 9], 2, {"proposer": 2},
+              widths={"proposer": [4, 2]})
+    rows = view.inspect_cycle(c, "lossless", token_text=name)
+    assert [r.status for r in rows] == ["committed", "committed", "dropped", "dropped", "bonus"]
+    assert "not verified" in rows[2].verdict and rows[2].q is None
+    html = view.inspector_html(c, rows, "lossless", theta=0.05, tau=0.95)
+    assert "widths: proposer 4+2 (B=4 v=2)" in html
+    ar = Cycle([5], [.7], None, [5], 1, {"proposer": 1}, widths={"proposer": [1]})
+    rows = view.inspect_cycle(ar, "lossless", token_text=name)
+    assert [r.status for r in rows] == ["committed"] and "AR token" in rows[0].verdict
+    assert "(ar)" in view.inspector_html(ar, rows, "lossless", theta=0.05, tau=0.95)

@@ -18,6 +18,25 @@ from pathlib import Path
 DEFAULT_MODES = "ar,lossless,prove,mars"
 
 
+def _widths(text: str, option: str) -> list:
+    """--block / --draft-k: a comma-separated list of 'auto' and widths (loading.width_arg's range)."""
+    import argparse
+
+    from ..errors import UsageError
+    from ..loading import draft_width_arg, width_arg
+    parse = draft_width_arg if option == "--draft-k" else width_arg
+    out = []
+    for part in str(text).split(","):
+        if part.strip():
+            try:
+                out.append(parse(part.strip()))
+            except argparse.ArgumentTypeError as e:
+                raise UsageError(f"{option}: {e}") from None
+    if not out:
+        raise UsageError(f"{option} needs a value")
+    return list(dict.fromkeys(out))
+
+
 def _floats(text: str) -> list[float]:
     """--theta: comma-separated finite numbers >= 0."""
     from ..errors import UsageError
@@ -34,20 +53,23 @@ def canonical_command(args) -> str:
     for opt in ("proposer", "verifier", "draft", "modes", "limit", "max_new", "theta", "tau", "block", "draft_k",
                 "temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed", "samples",
                 "mask_token", "threads", "ctx", "n_gpu_layers", "kv_type", "warmup", "pass_cost_reps", "pass_cost_max",
+                "llama_spec",
                 "bins", "system", "out"):
         v = getattr(args, opt, None)
         if v is not None:
             parts += ["--" + opt.replace("_", "-"), str(v)]
+    if getattr(args, "llama_spec", None):
+        parts += ["--llama-spec-args", args.llama_spec_args]
     for d in args.data:
         parts += ["--data", str(d)]
-    for flag in ("raw", "flash_attn", "no_pass_cost", "no_plots"):
+    for flag in ("raw", "flash_attn", "no_pass_cost", "no_plots", "oracle"):
         if getattr(args, flag, False):
             parts.append("--" + flag.replace("_", "-"))
     return " ".join(shlex.quote(p) for p in parts)
 
 
 def add_parser(sub) -> None:
-    from ..loading import BLOCK, CTX, DRAFT_K, EMBEDDED_PROPOSER, GPU_LAYERS, MAX_NEW, TAU, THREADS, TOKEN_ID, int_in
+    from ..loading import CTX, EMBEDDED_PROPOSER, GPU_LAYERS, MAX_NEW, TAU, THREADS, TOKEN_ID, int_in
 
     p = sub.add_parser("bench", help="benchmark the decoding modes and reproduce the paper's analyses",
                        description="Run the decoding modes interleaved per prompt on benchmark prompts; write "
@@ -62,8 +84,19 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new", type=MAX_NEW, default=256, help="max new tokens per answer (default 256)")
     p.add_argument("--theta", default="0.01,0.05,0.1", help="ProVe θ values to sweep (default 0.01,0.05,0.1)")
     p.add_argument("--tau", type=TAU, default=0.95, help="MARS rule τ (default 0.95)")
-    p.add_argument("--block", type=BLOCK, help="block length (default: the GGUF's prove.block_size, else 16)")
-    p.add_argument("--draft-k", type=DRAFT_K, default=4, help="drafts per cycle for spec (default 4)")
+    p.add_argument("--block", default="auto",
+                   help="block length(s): 'auto' (default: the planner's choice per cycle) or N; a comma-separated "
+                        "list (e.g. auto,2,4,16) makes one run per value, side by side")
+    p.add_argument("--draft-k", default="auto",
+                   help="drafts per cycle for spec: 'auto' (default) or N; a comma-separated list makes one run per value")
+    p.add_argument("--llama-spec", metavar="BIN",
+                   help="also run llama.cpp's llama-speculative-simple at BIN on every prompt (proposer as target, "
+                        "--draft as draft, greedy) as an external baseline; skipped with a note when BIN is absent")
+    p.add_argument("--llama-spec-args", default="--spec-type draft-simple --spec-draft-n-max 4",
+                   help="its speculative options (default: '--spec-type draft-simple --spec-draft-n-max 4')")
+    p.add_argument("--oracle", action="store_true",
+                   help="also log a full proposal at every position of ar's answers and report lossless's oracle "
+                        "bound and fixed-width projections (one extra pass per generated token)")
     p.add_argument("--temp", "--temperature", dest="temp", default="0",
                    help="temperatures to run every mode at, comma-separated (default 0: greedy); runs at T > 0 "
                         "are named mode@T<t>")
@@ -80,7 +113,8 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--raw", action="store_true", help="plain prompts, no chat template")
     p.add_argument("--system", help="system message for the chat template")
-    p.add_argument("--threads", type=THREADS, help="CPU threads (default: all cores)")
+    p.add_argument("--threads", type=THREADS,
+                   help="CPU threads (default: for small models 1 or all cores, whichever calibration measures faster; else all cores)")
     p.add_argument("--ctx", type=CTX, default=4096, help="context size (default 4096)")
     p.add_argument("--n-gpu-layers", type=GPU_LAYERS, help="layers to offload (default: all when llama.cpp has a GPU backend)")
     p.add_argument("--flash-attn", action="store_true")
@@ -90,7 +124,7 @@ def add_parser(sub) -> None:
                    help="KV cache type (default: f32 for an F32 proposer, so the exact modes can match ar exactly; f16 otherwise)")
     p.add_argument("--warmup", type=int_in(0), default=16, help="tokens per run generated before measuring (default 16; 0: none)")
     p.add_argument("--pass-cost-reps", type=int_in(1, 100), default=3,
-                   help="repetitions per n of the pass-cost curve, each 3 settling + 2 timed passes (default 3)")
+                   help="repetitions per n of the pass-cost curve, each 2 settling + 2 timed passes (calibrate.measure; default 3)")
     p.add_argument("--pass-cost-max", type=int_in(1, 512), default=64, help="largest n of the pass-cost curve (default 64)")
     p.add_argument("--no-pass-cost", action="store_true", help="skip the pass-cost curve (no projected speedups)")
     p.add_argument("--bins", type=int_in(1, 100), default=5, help="position bins for matched tokens along a response (default 5)")
@@ -210,7 +244,8 @@ def cmd_bench(args) -> int:
                          **context_options)
     sampling = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                     repeat_last_n=args.repeat_last_n, seed=args.seed)
-    runs = make_runs(modes, max_new=args.max_new, block=args.block, thetas=thetas, tau=args.tau, draft_k=args.draft_k,
+    blocks, draft_ks = _widths(args.block, "--block"), _widths(args.draft_k, "--draft-k")
+    runs = make_runs(modes, max_new=args.max_new, block=blocks, thetas=thetas, tau=args.tau, draft_k=draft_ks,
                      temps=temps, sampling=sampling, samples=args.samples)
     for r in runs:
         engine.check(r.settings)
@@ -229,22 +264,32 @@ def cmd_bench(args) -> int:
     if not kept:
         raise UsageError("no prompt fits the context")
 
+    external = None
+    if args.llama_spec:
+        if not args.draft:
+            raise UsageError("--llama-spec needs --draft D.gguf (its draft model)")
+        if not (Path(args.llama_spec).is_file() and os.access(args.llama_spec, os.X_OK)):
+            print(f"prove-local bench: note: {args.llama_spec} is not an executable file; the llama-speculative-simple "
+                  "baseline is skipped", file=sys.stderr)
+        else:
+            from .runner import LlamaSpec
+            external = LlamaSpec(str(Path(args.llama_spec).resolve()), str(proposer_path), str(args.draft), args.max_new,
+                                 threads=args.threads, ctx=args.ctx, n_gpu_layers=max(ngl, 0) if ngl >= 0 else 999,
+                                 extra=tuple(shlex.split(args.llama_spec_args)))
     try:
         data = run_bench(engine, models, kept, prompt_tokens, runs, context_options=context_options,
                          warmup=args.warmup, pass_cost=not args.no_pass_cost, pass_cost_reps=args.pass_cost_reps,
-                         pass_cost_max=args.pass_cost_max, progress=not args.quiet)
+                         pass_cost_max=args.pass_cost_max, progress=not args.quiet,
+                         oracle=args.oracle and "ar" in modes, external=external)
     except KeyboardInterrupt:       # during the warm-up or the pass-cost curve: no prompt finished
         print("prove-local bench: interrupted before any prompt finished; nothing written", file=sys.stderr)
         return 130
     if data.interrupted and not data.prompts:
         print("prove-local bench: interrupted before any prompt finished; nothing written", file=sys.stderr)
         return 130
-    block = args.block or engine.block_size
-    try:
-        from ..llama import default_threads
-        threads = args.threads or default_threads(models["proposer"])
-    except ImportError:   # older llama layer: all cores
-        threads = args.threads
+    block = ",".join(map(str, blocks))
+    # the proposer's threads as decoded (without --threads, calibration may have chosen them)
+    threads = getattr(engine.contexts["proposer"], "n_threads", None) or args.threads
     meta = {
         "command": canonical_command(args),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -253,7 +298,7 @@ def cmd_bench(args) -> int:
                           "mask_token": (engine.mask_token if role == "proposer" else m.mask_token),
                           "block_size": m.block_size} for role, m in models.items()},
         "settings": {"modes": modes, "max_new": args.max_new, "block": block, "theta": thetas, "tau": args.tau,
-                     "draft_k": args.draft_k, "temperature": temps, **sampling, "samples": args.samples,
+                     "draft_k": ",".join(map(str, draft_ks)), "temperature": temps, **sampling, "samples": args.samples,
                      "ctx": args.ctx, "kv_type": kv, "threads": threads,
                      "n_gpu_layers": ngl, "warmup": args.warmup, "chat_template": not args.raw},
         "data": {"paths": [str(p) for p in args.data], "limit": args.limit},

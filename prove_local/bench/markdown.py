@@ -108,6 +108,7 @@ def summary_markdown(res: dict) -> str:
               + ". A small p-value would show a difference. TV: mean total variation distance between the two "
               "frequency tables per prompt, by position (sampling noise alone keeps it well above 0 with few seeds).", "",
               _table(["run", "reference", "samples", "positions", "p-value", "TV by position"], rows), ""]
+    L += planner_sections(res)
     if res["position_match_rate"]:
         n = max(len(v["rate"]) for v in res["position_match_rate"].values())
         header = ["run"] + [str(i + 1) for i in range(n)]
@@ -158,3 +159,63 @@ def summary_markdown(res: dict) -> str:
     return "\n".join(L)
 
 
+
+
+def planner_sections(res: dict) -> list[str]:
+    """--block auto against fixed widths, the widths the planner chose, the oracle bound and the
+    projection for this machine's curve and a flat one."""
+    L = []
+    avf = res.get("auto_vs_fixed") or {}
+    if avf:
+        rows = []
+        for name, a in avf.items():
+            rows.append([f"`{name}`", stats.fmt(a["tokens_per_second"], 1), stats.fmt(a["speedup_vs_ar"], 2, "×"),
+                         f"`{a['best_fixed']}`" if a["best_fixed"] else "–",
+                         stats.fmt(a["fixed"][a["best_fixed"]]["tokens_per_second"], 1) if a["best_fixed"] else "–",
+                         stats.fmt(a["auto_over_best_fixed"], 2, "×"),
+                         ", ".join(f"{k} {v}" for k, v in list(a["widths"].items())[:6])])
+        L += ["## `--block auto` against fixed widths", "",
+              "Same prompts, interleaved. Widths: cycles per choice (`ar`: a plain ar cycle; `B=4 v=2`: a 4-slot "
+              "proposal of which 2 were verified; `k=3`: 3 drafts).", "",
+              _table(["auto run", "tokens/s", "speedup vs ar (median)", "best fixed", "its tokens/s", "auto ÷ best fixed",
+                      "widths chosen (cycles)"], rows, "lrrlrrl"), ""]
+    orc = res.get("oracle")
+    if orc:
+        cur, flat = orc.get("tokens_per_t1"), orc["tokens_per_t1_flat"]
+        rows = [["ar", "1.00", "1.00"]]
+        for b, v in flat["fixed_blocks"].items():
+            rows.append([f"fixed B={b}", stats.fmt(cur["fixed_blocks"][b], 2) if cur else "–", stats.fmt(v, 2)])
+        rows.append(["oracle (per cycle, knowing the outcome)", stats.fmt(cur["oracle"], 2) if cur else "–",
+                     stats.fmt(flat["oracle"], 2)])
+        ch = orc.get("planner_choice", {})
+        fmt_ch = lambda c: "–" if c is None else ("ar" if c == "ar" else f"B={c}")
+        L += ["## Lossless: fixed blocks, the oracle bound and the planner's choice", "",
+              f"A full proposal logged at each of {orc['n_positions']} positions of `ar`'s answers; tokens per "
+              "one-token pass cost of the proposer (pooled over answers; Python overhead ignored), on this run's "
+              "measured curve and on a flat one (a GPU). The oracle picks ar or a verify width per cycle knowing "
+              "how many slots match. Slot match given the earlier slots matched: "
+              + ", ".join(stats.fmt(x, 2) for x in orc["conditional_slot_rate"][:8]) + " … "
+              f"The planner's choice from these rates: **{fmt_ch(ch.get('curve'))}** on this curve, "
+              f"**{fmt_ch(ch.get('flat'))}** on a flat one.", "",
+              _table(["policy", "this curve", "flat curve"], rows), ""]
+    ext = res.get("external")
+    if ext:
+        rows = [[f"`{n}`", stats.fmt(v, 2, "×")] for n, v in ext["run_over_external_median"].items()]
+        L += [f"## Against llama.cpp's `{ext.get('name')}`", "",
+              f"`{ext.get('binary')}` {' '.join(ext.get('args', []))}, target = the proposer, draft = `--draft`, greedy, "
+              f"on the same prompts: {stats.fmt(ext['tokens_per_second'], 1)} tokens/s over {ext['n_ok']} prompts"
+              + (f" ({ext['n_failed']} failed: {'; '.join(ext['errors'])})" if ext["n_failed"] else "")
+              + ". Median over prompts of each run's throughput ÷ its:", "", _table(["run", "÷ llama-speculative-simple"], rows), ""]
+    proj = res.get("projection")
+    if proj:
+        def best(rows):
+            b = next(r for r in rows if r["chosen"])
+            return "ar" if b["kind"] == "ar" else f"B={b['width']}"
+        rows = [[r["kind"] if r["kind"] == "ar" else f"B={r['width']}", stats.fmt(c["tokens_per_t1"], 2),
+                 stats.fmt(f["tokens_per_t1"], 2)] for r, c, f in zip(proj["curve"], proj["curve"], proj["flat"])]
+        L += ["## Planner projection: this machine's curve and a flat curve (GPU)", "",
+              "Expected lossless tokens per one-token pass cost per block width from the planner's acceptance "
+              f"statistics after the run (slot rates {', '.join(stats.fmt(x, 2) for x in proj['slot_rate'][:8])} …). "
+              f"The planner's choice: **{best(proj['curve'])}** on this curve, **{best(proj['flat'])}** on a flat one.", "",
+              _table(["width", "this curve", "flat curve"], rows), ""]
+    return L

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..files import write_atomic
 from . import stats
+from .stats import conditional_slot_rates
 from .data import check_answer
 from .markdown import summary_markdown
 from .plots import make_plots, roc_data
@@ -125,6 +126,7 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
             "loop_share_by_family": fam_loop,
             "tokens_per_cycle_outside_loops_by_family": fam_tpc_nl,
             "overhead_share": _r(stats.overhead_share(cycles)),
+            "widths": stats.width_histogram(s.mode, cycles),
             "loop_share": _r(stats.loop_share([g.tokens for g in gens_ok])),
             "tokens_per_cycle_outside_loops": _r(stats.tokens_per_cycle_outside_loops(
                 [(g.tokens, g.cycles) for g in gens_ok])),
@@ -172,6 +174,75 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
         per_prompt.append({"id": p.id, "family": p.family, "source": p.source, "answer": p.answer,
                            "n_prompt_tokens": len(data.prompt_tokens[i]), "runs": rr})
 
+    # auto against the fixed widths of the same mode (and θ), side by side in this run
+    auto_vs_fixed = {}
+    for name, m in modes.items():
+        if m["block" if m["mode"] != "spec" else "draft_k"] != "auto":
+            continue
+        same = {n: e for n, e in modes.items() if e["mode"] == m["mode"] and e["theta"] == m["theta"] and n != name}
+        fixed = {n: e for n, e in same.items() if e["block" if m["mode"] != "spec" else "draft_k"] != "auto"}
+        best = max(fixed, key=lambda n: fixed[n]["tokens_per_second"] or 0.0, default=None)
+        auto_vs_fixed[name] = {
+            "tokens_per_second": m["tokens_per_second"], "speedup_vs_ar": m["speedup_vs_ar"]["median"],
+            "fixed": {n: {"tokens_per_second": e["tokens_per_second"], "speedup_vs_ar": e["speedup_vs_ar"]["median"]}
+                      for n, e in fixed.items()},
+            "best_fixed": best,
+            "auto_over_best_fixed": _r(m["tokens_per_second"] / fixed[best]["tokens_per_second"])
+            if best and m["tokens_per_second"] and fixed[best]["tokens_per_second"] else None,
+            "widths": m["widths"]}
+    # the oracle bound of lossless (full proposals logged at every position of ar's answers)
+    oracle = None
+    if data.oracle_match:
+        from ..planner import projection as project
+        curve = (data.pass_cost or {}).get("proposer")
+        match = {i: data.oracle_match[i] for i in sorted(data.oracle_match)}
+        runs_all = [m for ms in match.values() for m in ms]
+        cond = conditional_slot_rates(runs_all) if runs_all else []
+
+        def rounded(pol):
+            return {"ar": 1.0, "fixed_blocks": {b: _r(v) for b, v in pol["fixed_blocks"].items()},
+                    "oracle": _r(pol["oracle"])} if pol else None
+
+        def planner_choice(c):
+            rows = project(c, [x if x is not None else 0.0 for x in cond], len(cond))
+            best = next(r for r in rows if r["chosen"])
+            return "ar" if best["kind"] == "ar" else best["width"]
+
+        oracle = {"tokens_per_t1": rounded(stats.lossless_policies(match, curve)) if curve else None,
+                  "tokens_per_t1_flat": rounded(stats.lossless_policies(match, None)),
+                  "planner_choice": {"curve": planner_choice(curve) if curve and cond else None,
+                                     "flat": planner_choice({1: 1.0, 64: 1.0}) if cond else None},
+                  "n_positions": len(runs_all),
+                  "slot_match_rate": [_r(sum(m > j for m in runs_all) / len(runs_all)) for j in range(16)] if runs_all else [],
+                  "conditional_slot_rate": [_r(x) for x in cond],
+                  "match_runs": {prompts[i].id: m for i, m in match.items()}}
+    # projection from the planner's acceptance statistics: this machine's curve and a flat one
+    projection = None
+    lossless_stats = (data.planner or {}).get("stats", {}).get("lossless")
+    if lossless_stats and data.pass_cost and "proposer" in data.pass_cost:
+        from ..planner import projection as project
+        rates = lossless_stats["slot_rate"]
+        projection = {"slot_rate": rates,
+                      "curve": project(data.pass_cost["proposer"], rates, len(rates)),
+                      "flat": project({1: 1.0, 64: 1.0}, rates, len(rates))}
+
+    # the external baseline (llama-speculative-simple), per prompt and against every run
+    external = None
+    if data.external:
+        ext_runs = {int(i): r for i, r in (data.external.get("runs") or {}).items()}
+        ok = {i: r for i, r in ext_runs.items() if "error" not in r and r.get("seconds")}
+        tps = sum(r["tokens"] for r in ok.values()) / sum(r["seconds"] for r in ok.values()) if ok else None
+        vs = {}
+        for name in runs:
+            pairs = [(by[(i, name)], r) for i, r in ok.items() if (i, name) in by and by[(i, name)].seconds > 0]
+            ratios = sorted((len(g.tokens) / g.seconds) / (r["tokens"] / r["seconds"]) for g, r in pairs if r["tokens"])
+            vs[name] = _r(ratios[len(ratios) // 2]) if ratios else None
+        external = {**{k: v for k, v in data.external.items() if k != "runs"},
+                    "tokens_per_second": _r(tps, 3), "n_ok": len(ok), "n_failed": len(ext_runs) - len(ok),
+                    "errors": sorted({r["error"] for r in ext_runs.values() if "error" in r})[:3],
+                    "run_over_external_median": vs,
+                    "runs": {prompts[i].id: r for i, r in sorted(ext_runs.items()) if i < len(prompts)}}
+
     pass_cost = {}
     for role, curve in (data.pass_cost or {}).items():
         ns = sorted(curve)
@@ -192,6 +263,11 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
         "auc": aucs,
         "theta_sweep": sorted(sweep, key=lambda r: r["theta"]),
         "pass_cost": pass_cost,
+        "auto_vs_fixed": auto_vs_fixed,
+        "planner": data.planner,
+        "oracle": oracle,
+        "projection": projection,
+        "external": external,
         "paper": {"position_match_rate_gsm8k": stats.PAPER_SLOT_MATCH_GSM8K, "auc": stats.PAPER_AUC},
         "prompts": per_prompt,
     }
@@ -209,7 +285,8 @@ def generations_jsonl(data: BenchData) -> str:
                         "accept_prob": None if c.accept_prob is None else [round(x, 5) for x in c.accept_prob],
                         "residual": c.residual,
                         "n_accepted": c.n_accepted, "passes": c.passes, "seconds": round(c.seconds, 6),
-                        "decode_seconds": {k: round(v, 6) for k, v in c.decode_seconds.items()}} for c in g.cycles],
+                        "decode_seconds": {k: round(v, 6) for k, v in c.decode_seconds.items()},
+                        "widths": c.widths} for c in g.cycles],
         }, ensure_ascii=False))
     return "\n".join(lines) + "\n"
 
@@ -253,7 +330,8 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
         cycles = [Cycle(proposed=c["proposed"], p=c["p"], q=c["q"], committed=toks[c["start"]:c["start"] + c["n_committed"]],
                         n_accepted=c["n_accepted"], passes=c["passes"], decode_seconds=c["decode_seconds"],
                         seconds=c["seconds"], index=k, start=c["start"], accept_prob=c.get("accept_prob"),
-                        residual=c.get("residual", False)) for k, c in enumerate(g["cycles"])]
+                        residual=c.get("residual", False), widths=c.get("widths") or {})
+                  for k, c in enumerate(g["cycles"])]
         if cycles:
             cycles[-1].stop = g["stop"] if "stop" in g else stops.get((g["prompt"], g["run"]))
         gens.append(Generation(index[g["prompt"]], g["run"], toks, cycles, g["seconds"],
@@ -261,6 +339,12 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
     data = BenchData(prompts, [[0] * p["n_prompt_tokens"] for p in res["prompts"]], runs, gens,
                      {role: dict(zip(v["n"], v["seconds"])) for role, v in res.get("pass_cost", {}).items()},
                      res.get("warmup_seconds") or 0.0)
+    data.planner = res.get("planner") or {}
+    ext = res.get("external")
+    if ext:
+        data.external = {**{k: v for k, v in ext.items() if k in ("name", "binary", "target", "draft", "args", "threads")},
+                         "runs": {index[k]: v for k, v in (ext.get("runs") or {}).items() if k in index}}
+    data.oracle_match = {index[k]: v for k, v in ((res.get("oracle") or {}).get("match_runs") or {}).items() if k in index}
     meta = {k: res[k] for k in ("command", "created", "machine", "models", "settings") if k in res}
     meta["data"] = {k: v for k, v in res.get("data", {}).items() if k in ("paths", "limit")}
     meta["bins"] = max(len(next(iter(res["matched_tokens_by_position"].values()))["edges"]) - 1, 1) \

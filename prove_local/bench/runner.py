@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import gc
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from statistics import median
 
 from ..engine import Engine, Settings
-from ..llama import Context, Model
+from ..llama import Model
 from ..rules import Cycle
 from .data import Prompt
 
@@ -48,63 +46,80 @@ class BenchData:
     pass_cost: dict = field(default_factory=dict)     # role -> {n: seconds}
     warmup_seconds: float = 0.0
     interrupted: bool = False     # Ctrl-C: only the prompts whose runs all finished are kept
+    planner: dict = field(default_factory=dict)       # the engine's planner state after the runs
+    oracle_match: dict = field(default_factory=dict)  # prompt index -> matched slots at every position
+    external: dict = field(default_factory=dict)      # llama-speculative-simple: {"runs": {prompt: {...}}, ...}
 
 
-def make_runs(modes: list[str], *, max_new: int, block: int | None, thetas: list[float], tau: float,
-              draft_k: int, temps: list[float] = (0.0,), sampling: dict | None = None, samples: int = 1) -> list[Run]:
-    """One run per mode (and θ) and temperature. Runs at temperature > 0 are named `mode@T<t>` and
-    generate `samples` times per prompt (the exactness check compares their distributions)."""
-    runs = []
+def make_runs(modes: list[str], *, max_new: int, block, thetas: list[float], tau: float, draft_k,
+              temps: list[float] = (0.0,), sampling: dict | None = None, samples: int = 1) -> list[Run]:
+    """One run per mode (and θ), width and temperature. `block` and `draft_k` are a value or a list of
+    values ("auto" or N); with several, each gets its own run named mode@auto, mode@B4 (spec: spec@k4),
+    so that auto and fixed widths are measured side by side, interleaved per prompt. Runs at
+    temperature > 0 are named `...@T<t>` and generate `samples` times per prompt (the exactness check
+    compares their distributions)."""
+    blocks = block if isinstance(block, list) else [block]
+    ks = draft_k if isinstance(draft_k, list) else [draft_k]
     sampling = dict(sampling or {})
     sampling.setdefault("seed", 0)
+    runs = []
+
+    def tag(mode, b, k):
+        if mode == "spec":
+            return "" if len(ks) == 1 else ("@auto" if k == "auto" else f"@k{k}")
+        if mode == "ar" or len(blocks) == 1:
+            return ""
+        return "@auto" if b == "auto" else f"@B{b}"
+
     for t in temps:
         suffix = f"@T{t:g}" if t > 0 else ""
         n = samples if t > 0 else 1
         for mode in modes:
-            if mode == "prove":
-                for th in thetas:
-                    name = ("prove" if len(thetas) == 1 else f"prove@{th:g}") + suffix
-                    runs.append(Run(name, Settings(mode="prove", max_new=max_new, block=block, theta=th, tau=tau,
-                                                   draft_k=draft_k, temperature=t, **sampling), n))
-            else:
-                runs.append(Run(mode + suffix, Settings(mode=mode, max_new=max_new, block=block,
-                                                        theta=thetas[0] if thetas else 0.05, tau=tau, draft_k=draft_k,
-                                                        temperature=t, **sampling), n))
+            widths = [(blocks[0], k) for k in ks] if mode == "spec" else \
+                ([(blocks[0], ks[0])] if mode == "ar" else [(b, ks[0]) for b in blocks])
+            for b, k in widths:
+                common = dict(max_new=max_new, block=b, tau=tau, draft_k=k, temperature=t, **sampling)
+                if mode == "prove":
+                    for th in thetas:
+                        name = ("prove" if len(thetas) == 1 else f"prove@{th:g}") + tag(mode, b, k) + suffix
+                        runs.append(Run(name, Settings(mode="prove", theta=th, **common), n))
+                else:
+                    runs.append(Run(mode + tag(mode, b, k) + suffix,
+                                    Settings(mode=mode, theta=thetas[0] if thetas else 0.05, **common), n))
     return runs
 
 
 def measure_pass_cost(model: Model, context_options: dict, fill: list[int], *, ns=PASS_COST_NS, reps: int = 3,
-                      n_fill: int = 256, settle: int = 3, timed: int = 2, seed: int = 0) -> dict[int, float]:
+                      n_fill: int = 256, seed: int = 0) -> dict[int, float]:
     """Median seconds inside llama_decode of one pass of n tokens (logits on every row) after a
-    context of `n_fill` tokens, for each n, in the steady state: per repetition `settle` untimed
-    passes of that width, then `timed` timed ones. The n are shuffled within each repetition so
-    that drift spreads over all of them."""
-    opts = dict(context_options)
-    opts["n_ctx"] = n_fill + max(ns) + 8
-    ctx = Context(model, **opts)
+    context of `n_fill` tokens: calibrate.measure (the planner's method) with `reps` repetitions
+    and no time budget."""
+    from ..calibrate import measure
+    return measure(model, context_options, fill, ns=ns, n_fill=n_fill, budget_s=float("inf"), reps=reps, seed=seed)[1]
+
+
+def oracle_runs(engine: Engine, tokens: list[int], reference: list[int], block: int) -> list[int]:
+    """For the oracle bound: at every generated position s of the greedy `reference`, a full
+    `block`-slot proposal of the proposer, and how many of its leading slots equal reference[s:]."""
+    from ..rules import propose
+    ctx = engine.contexts["proposer"]
+    engine.tokens = []
+    ctx.truncate(0)
+    seq = list(tokens)
+    ctx.eval(seq[:-1], rows=[])
+    runs = []
     try:
-        tokens = (fill * (n_fill // max(1, len(fill)) + 2))[:n_fill + max(ns)]
-        ctx.eval(tokens[:n_fill], rows=[])
-        ctx.eval(tokens[n_fill:n_fill + 8], rows=list(range(8)))   # warm-up pass
-        ctx.truncate(n_fill)
-        times: dict[int, list[float]] = {n: [] for n in ns}
-        rng = random.Random(seed)
-        for _ in range(reps):
-            order = list(ns)
-            rng.shuffle(order)
-            for n in order:
-                # untimed passes of the same width first: right after a pass of another width, a
-                # pass costs up to 2x more (caches, graph re-planning) and settles over a few
-                # passes. Decoding repeats the same shapes, so the steady state is what it pays.
-                for k in range(settle + timed):
-                    before = ctx.decode_seconds
-                    ctx.eval(tokens[n_fill:n_fill + n], rows=list(range(n)))
-                    if k >= settle:
-                        times[n].append(ctx.decode_seconds - before)
-                    ctx.truncate(n_fill)
-        return {n: median(t) for n, t in times.items()}
+        for s in range(len(reference)):
+            d, _ = propose(ctx, seq, block, engine.mask_token)
+            want = reference[s:s + block]
+            m = 0
+            while m < len(want) and int(d[m]) == want[m]:
+                m += 1
+            runs.append(m)
+            seq.append(reference[s])
     finally:
-        ctx.close()
+        ctx.truncate(0)
+    return runs
 
 
 def generate_once(engine: Engine, tokens: list[int], settings: Settings) -> tuple[list[Cycle], float, tuple]:
@@ -118,7 +133,8 @@ def generate_once(engine: Engine, tokens: list[int], settings: Settings) -> tupl
 
 def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], prompt_tokens: list[list[int]],
               runs: list[Run], *, context_options: dict, warmup: int = 16, pass_cost: bool = True,
-              pass_cost_reps: int = 3, pass_cost_max: int = 64, progress: bool = True) -> BenchData:
+              pass_cost_reps: int = 3, pass_cost_max: int = 64, progress: bool = True, oracle: bool = False,
+              external: "LlamaSpec | None" = None) -> BenchData:
     """Warm-up, pass-cost curves, then for each prompt every run once, the run order rotated from
     one prompt to the next (A B C, B C A, ...) so that drift hits all runs alike. Ctrl-C stops the
     runs: the data then holds the prompts whose runs all finished, and `interrupted` is set."""
@@ -126,6 +142,8 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
 
     data = BenchData(prompts, prompt_tokens, runs)
     proposer = models["proposer"]
+    for r in runs:
+        engine.prepare(r.settings)    # pass costs measured (or read from the cache) before any timing
     if warmup > 0 and prompt_tokens:
         t0 = time.perf_counter()
         for run in runs:
@@ -162,14 +180,76 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
                                                        proposer.detokenize([t for t in out if not proposer.is_eog(t)]),
                                                        sample=j, seed=seed))
                     bar.update(1)
+            if external is not None:          # the external baseline, on the same prompt
+                data.external.setdefault("runs", {})[i] = external.run(proposer.detokenize(tokens, special=True))
             done = i + 1
     except KeyboardInterrupt:
         data.interrupted = True
         data.prompts, data.prompt_tokens = data.prompts[:done], data.prompt_tokens[:done]
         data.generations = [g for g in data.generations if g.prompt < done]
+        data.external.get("runs", {}).pop(done, None)
     finally:
         bar.close()
+    data.planner = engine.planner.summary()
+    if external is not None:
+        data.external.update(external.describe())
+    if oracle and engine.mask_token is not None:
+        ref = {g.prompt: g.tokens for g in data.generations if g.run == "ar"}
+        for i, tokens in enumerate(prompt_tokens):
+            if i in ref:
+                data.oracle_match[i] = oracle_runs(engine, tokens, ref[i], engine.block_size)
     return data
+
+
+@dataclass
+class LlamaSpec:
+    """llama.cpp's own `llama-speculative-simple` as an external baseline (target = the proposer, draft
+    = the draft model), run once per prompt on the same rendered prompt text, greedy. Its "decoded N
+    tokens in S seconds" line (decoding only, without the prompt) gives the figures."""
+    binary: str
+    target: str
+    draft: str
+    max_new: int
+    threads: int | None = None
+    ctx: int = 4096
+    n_gpu_layers: int = 0
+    extra: tuple = ("--spec-type", "draft-simple", "--spec-draft-n-max", "4")
+    timeout: float = 600.0
+
+    def command(self, prompt_file: str) -> list[str]:
+        cmd = [self.binary, "-m", self.target, "-md", self.draft, "-f", prompt_file, "-n", str(self.max_new),
+               "-c", str(self.ctx), "--temp", "0", "-ngl", str(self.n_gpu_layers), "-ngld", str(self.n_gpu_layers)]
+        if self.threads:
+            cmd += ["-t", str(self.threads), "-td", str(self.threads)]
+        return cmd + list(self.extra)
+
+    def run(self, prompt_text: str) -> dict:
+        import re
+        import subprocess
+        import tempfile
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as f:
+            f.write(prompt_text)
+            path = f.name
+        try:
+            r = subprocess.run(self.command(path), capture_output=True, text=True, timeout=self.timeout)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            os.unlink(path)
+        log = r.stdout + "\n" + r.stderr
+        m = re.search(r"decoded\s+(\d+)\s+tokens in\s+([0-9.]+)\s+seconds", log)
+        if r.returncode != 0 or not m:
+            tail = " | ".join(log.strip().splitlines()[-3:])
+            return {"error": f"exit {r.returncode}, no 'decoded N tokens in S seconds' line ({tail[-300:]})"}
+        out = {"tokens": int(m.group(1)), "seconds": float(m.group(2))}
+        acc = re.search(r"accept\s*=\s*([0-9.]+)%", log)
+        if acc:
+            out["accept_percent"] = float(acc.group(1))
+        return out
+
+    def describe(self) -> dict:
+        return {"name": "llama-speculative-simple", "binary": self.binary, "target": self.target, "draft": self.draft,
+                "args": list(self.extra), "threads": self.threads}
 
 
 def machine_info(threads: int | None) -> dict:

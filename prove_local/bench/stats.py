@@ -111,7 +111,8 @@ def slot_labels(cycles, generated: list[int], reference: list[int]) -> list[dict
             pos = c.start + i
             if pos >= len(reference):
                 break
-            out.append({"slot": i, "p": float(c.p[i]), "q": None if c.q is None else float(c.q[i]),
+            # q exists only for the verified slots (the planner may verify a prefix of the proposal)
+            out.append({"slot": i, "p": float(c.p[i]), "q": float(c.q[i]) if c.q is not None and i < len(c.q) else None,
                         "match": tok == reference[pos], "start": c.start, "cycle": ci})
     return out
 
@@ -175,12 +176,14 @@ def matched_by_position(runs: list[dict], n_bins: int = 5) -> dict:
 
 def detector_aucs(labels: list[dict]) -> dict:
     """AUC of p̃, q and p̃·q as detectors of "slot i is on the greedy path", over all labelled
-    slots (q and p̃·q only where every slot has a q)."""
+    slots (q and p̃·q over the slots that have a q: a planner may verify only a prefix)."""
     y = [r["match"] for r in labels]
     out = {"p": auc([r["p"] for r in labels], y), "n_pos": sum(map(bool, y)), "n_neg": len(y) - sum(map(bool, y))}
-    if labels and all(r["q"] is not None for r in labels):
-        out["q"] = auc([r["q"] for r in labels], y)
-        out["pq"] = auc([r["p"] * r["q"] for r in labels], y)
+    with_q = [r for r in labels if r["q"] is not None]
+    if with_q:                                # over the slots that have a q (verified ones)
+        yq = [r["match"] for r in with_q]
+        out["q"] = auc([r["q"] for r in with_q], yq)
+        out["pq"] = auc([r["p"] * r["q"] for r in with_q], yq)
     else:
         out["q"] = out["pq"] = None
     return out
@@ -239,14 +242,16 @@ def overhead_share(cycles) -> float | None:
 # ------------------------------------------------------------------- pass cost and projection
 def curve_ratio(curve: dict, n: float) -> float:
     """t(n)/t(1) from a measured curve {n: seconds}, linear interpolation (and extrapolation past
-    the last point along the last segment's slope per token)."""
+    the last point along the curve's mean slope per token)."""
     ns = sorted(curve)
     t1 = curve[1] if 1 in curve else np.interp(1, ns, [curve[k] for k in ns])
     if n in curve:
         return curve[n] / t1
     if n > ns[-1]:
-        a, b = ns[-2], ns[-1]
-        slope = (curve[b] - curve[a]) / (b - a) if b > a else curve[b] / b
+        # past the last measured width: the curve's mean slope, never negative (a noisy last
+        # segment can fall; a catch-up pass after ar cycles can be far wider than the curve)
+        a, b = ns[0], ns[-1]
+        slope = max(0.0, (curve[b] - curve[a]) / (b - a)) if b > a else curve[b] / b
         return (curve[b] + slope * (n - b)) / t1
     return float(np.interp(n, ns, [curve[k] for k in ns])) / t1
 
@@ -282,16 +287,103 @@ def cycle_cost_units(mode: str, n_proposed: int, curves: dict | None, flat: bool
     raise ValueError(f"unknown mode {mode!r}")
 
 
+def cycle_cost_widths(widths: dict, curves: dict | None, flat: bool = False) -> float:
+    """Cost of one cycle in units of the proposer's 1-token pass from the widths actually fed
+    (`Cycle.widths`: {role: [tokens per pass]}; a prove/mars proposal pass is pending + B - 1 wide,
+    spec's first draft pass catches up on the pending tokens). Other roles' passes are scaled by
+    their t(1) relative to the proposer's (the paper's rho); flat=True: every pass costs its model's
+    one-token pass."""
+    def rho(role):
+        if not curves or role not in curves or "proposer" not in curves or role == "proposer":
+            return 1.0
+        return curves[role][min(curves[role])] / curves["proposer"][min(curves["proposer"])]
+
+    total = 0.0
+    for role, ws in widths.items():
+        for w in ws:
+            total += rho(role) * (1.0 if flat or not curves or role not in curves else curve_ratio(curves[role], w))
+    return total
+
+
+def _cycle_cost(mode: str, c, curves, flat: bool = False) -> float:
+    if getattr(c, "widths", None):
+        return cycle_cost_widths(c.widths, curves, flat)
+    return cycle_cost_units(mode, len(c.proposed), curves, flat)    # an old report without widths
+
+
 def projected(mode: str, cycles, curves: dict | None) -> dict:
     """Projected cycle cost (proposer-pass units) and speedup = tokens per cycle ÷ cycle cost:
-    from the measured curves, and for a flat curve (`_flat`)."""
+    from the measured curves, and for a flat curve (`_flat`); from each cycle's own widths."""
     if not cycles:
         return {"cycle_cost": None, "speedup": None, "cycle_cost_flat": None, "speedup_flat": None}
     tokens = sum(len(c.committed) for c in cycles)
-    cost = sum(cycle_cost_units(mode, len(c.proposed), curves) for c in cycles)
-    flat = sum(cycle_cost_units(mode, len(c.proposed), curves, flat=True) for c in cycles)
+    cost = sum(_cycle_cost(mode, c, curves) for c in cycles)
+    flat = sum(_cycle_cost(mode, c, curves, flat=True) for c in cycles)
     n = len(cycles)
     return {"cycle_cost": cost / n, "speedup": tokens / cost, "cycle_cost_flat": flat / n, "speedup_flat": tokens / flat}
+
+
+def width_histogram(mode: str, cycles) -> dict:
+    """How often each width was run (planner.label: 'ar', 'B=4 v=2', 'k=3'), most frequent first."""
+    from collections import Counter
+    from ..planner import label
+    return dict(Counter(label(mode, c) for c in cycles).most_common())
+
+
+def oracle_cost(match_runs: list[int], curve: dict | None) -> float:
+    """The least total cost (proposer one-token passes) of lossless decoding along one greedy answer
+    knowing the outcome: `match_runs[s]` is how many leading slots of a full proposal at generated
+    position s equal the greedy continuation (>= 1: slot 1 is the AR token). At s the best cycle is
+    ar (1 token for t(1)) or a block verified to v <= match_runs[s] (v + 1 tokens for t(v) + t(v));
+    a shortest path over positions. curve None: flat (every pass costs t(1))."""
+    n = len(match_runs)
+    r = (lambda w: curve_ratio(curve, w)) if curve else (lambda w: 1.0)
+    inf = float("inf")
+    best = [inf] * (n + 1)
+    best[0] = 0.0
+    for s in range(n):
+        if best[s] + 1.0 < best[s + 1]:
+            best[s + 1] = best[s] + 1.0
+        for v in range(1, max(1, match_runs[s]) + 1):
+            e = min(n, s + v + 1)
+            c = best[s] + 2 * r(v)
+            if c < best[e]:
+                best[e] = c
+    return best[n]
+
+
+def oracle_lossless(match_runs: list[int], curve: dict | None) -> float | None:
+    """Tokens per one-token pass cost of the oracle along one answer (see oracle_cost)."""
+    return len(match_runs) / oracle_cost(match_runs, curve) if match_runs else None
+
+
+def fixed_block_cost(match_runs: list[int], block: int, curve: dict | None) -> float:
+    """Total cost of lossless with a fixed block verified whole at every cycle along one answer."""
+    per = 2 * (curve_ratio(curve, block) if curve else 1.0)
+    s = cost = 0
+    while s < len(match_runs):
+        s += min(match_runs[s], block) + 1
+        cost += per
+    return cost
+
+
+def lossless_policies(match: dict, curve: dict | None, blocks=(1, 2, 3, 4, 8, 16)) -> dict:
+    """Tokens per one-token pass cost, pooled over answers (`match`: answer -> match runs), of ar,
+    fixed blocks and the oracle, on `curve` (None: flat)."""
+    n = sum(len(m) for m in match.values())
+    if not n:
+        return {}
+    fixed = {b: n / sum(fixed_block_cost(m, b, curve) for m in match.values()) for b in blocks}
+    return {"ar": 1.0, "fixed_blocks": fixed, "oracle": n / sum(oracle_cost(m, curve) for m in match.values())}
+
+
+def conditional_slot_rates(runs: list[int], n_slots: int = 16) -> list[float | None]:
+    """P(slot i matches | slots before it matched), from match runs of full proposals."""
+    out = []
+    for i in range(n_slots):
+        reach = sum(m >= i for m in runs)
+        out.append(sum(m >= i + 1 for m in runs) / reach if reach else None)
+    return out
 
 
 # ---------------------------------------------------------------------------- exactness

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from prove_local.loading import MAX_NEW, PARALLEL, PORT, add_model_args
+from prove_local.loading import MAX_NEW, PARALLEL, PORT, add_model_args, add_width_args
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
@@ -121,6 +121,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="answers decoded at the same time, each on its own contexts (default 1: requests queue)")
     p.add_argument("--system", help="system message for the chat template")
     p.add_argument("-n", "--max-new", type=MAX_NEW, default=256, help="initial max new tokens (default 256)")
+    add_width_args(p)                   # --block / --draft-k: the sliders' initial values (0 = auto)
     p.set_defaults(func=cmd_ui)
     return p
 
@@ -141,7 +142,7 @@ def cmd_ui(args) -> int:
     runtime = Runtime.from_args(args)
     if runtime.error:
         print(f"prove-local ui: {runtime.error} (the page shows this too)", file=sys.stderr)
-    demo = build_app(runtime, max_new=args.max_new)
+    demo = build_app(runtime, max_new=args.max_new, block=args.block, draft_k=args.draft_k)
     try:
         _, local_url, share_url = launch(demo, runtime, host=args.host, port=args.port, share=args.share,
                                          prevent_thread_lock=True, quiet=True)
@@ -168,7 +169,7 @@ def launch(demo, runtime, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                        css=CSS, head=HEAD, theme=gr.themes.Soft(primary_hue="indigo"), show_error=False, footer_links=["gradio"], **kw)
 
 
-def build_app(runtime, *, max_new: int = 256):
+def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
     """The page, on a loaded `Runtime` (or one whose `error` says why not)."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     import gradio as gr
@@ -257,9 +258,10 @@ def build_app(runtime, *, max_new: int = 256):
             yield chat(sess), stats(sess), inspector(sess), cycle_number(sess), view.banner_html(
                 "type a message first", "warn"), compare_panel(sess), gr.update(), sess
             return
-        # sampling: the side panel's "sampling" controls (seed -1: a fresh seed per answer)
-        settings = Settings(mode=mode, max_new=int(max_new_), block=int(block), theta=float(theta),
-                            tau=float(tau), draft_k=int(draft_k), temperature=float(temp), top_k=int(top_k),
+        # sampling: the side panel's "sampling" controls (seed -1: a fresh seed per answer);
+        # slider value 0 is "auto": the planner picks the widths per cycle (planner.py)
+        settings = Settings(mode=mode, max_new=int(max_new_), block=int(block) or "auto", theta=float(theta),
+                            tau=float(tau), draft_k=int(draft_k) or "auto", temperature=float(temp), top_k=int(top_k),
                             top_p=float(top_p), min_p=float(min_p), repeat_penalty=float(repeat_penalty),
                             seed=None if seed is None or int(seed) < 0 else int(seed))
         banner = ""
@@ -366,9 +368,9 @@ def build_app(runtime, *, max_new: int = 256):
                                   visible=default_mode == "prove", elem_id="theta")
                 tau = gr.Slider(0.0, 1.0, value=0.95, step=0.01, label="τ (MARS rule: commit while p̃ ≥ τ)",
                                 visible=default_mode == "mars", elem_id="tau")
-                block = gr.Slider(1, 64, value=runtime.block_size, step=1, label="block length",
+                block = gr.Slider(0, 64, value=0 if block == "auto" else block, step=1, label="block length (0 = auto: chosen per cycle)",
                                   visible=default_mode in ("lossless", "prove", "mars"), elem_id="block")
-                draft_k = gr.Slider(1, 16, value=4, step=1, label="draft tokens per cycle (spec)",
+                draft_k = gr.Slider(0, 16, value=0 if draft_k == "auto" else draft_k, step=1, label="draft tokens per cycle (spec; 0 = auto)",
                                     visible=default_mode == "spec", elem_id="draft_k")
                 max_new = gr.Slider(1, 2048, value=max_new, step=1, label="max new tokens", elem_id="max_new")
                 with gr.Accordion("sampling", open=False, elem_id="sampling"):

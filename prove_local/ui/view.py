@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from prove_local.engine import TextStream
 from prove_local.modes import MODES
+from prove_local.planner import chosen, label
 from prove_local.rules import leading_run
 
 MODE_LABELS = {
@@ -121,6 +122,9 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
     `token_text(id) -> str` names a token (e.g. `lambda t: token_label(model.piece(t, True))`)."""
     d, p, q = cycle.proposed, cycle.p, cycle.q
     k, na = len(d), cycle.n_accepted
+    if chosen(mode, cycle)[0] == "ar":          # the planner ran a plain ar cycle (--block auto)
+        mode = "ar"
+    n_checked = len(q) if mode == "lossless" and q is not None else k   # the planner's verify width
     extra = cycle.committed[na:]
     cut = f"cut: the answer stopped here ({cycle.stop})"
     rows = []
@@ -134,7 +138,7 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
         first_fail = leading_run(ok)
         run = max(1, first_fail)
     for i in range(k):
-        qi = q[i] if q is not None else None
+        qi = q[i] if q is not None and i < len(q) else None
         pq = p[i] * qi if qi is not None else None
         committed = i < na
         if mode == "ar":
@@ -169,6 +173,8 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
                 gate = True
                 verdict = ("slot 1 is the AR token: always matches" if mode == "lossless" and i == 0
                            else f"= {target} greedy token")
+            elif i >= n_checked:
+                gate, verdict = None, f"not verified: the planner verified the first {n_checked} of {k} slots"
             elif i == na and extra:
                 gate = False
                 verdict = f"≠ {target} greedy token {token_text(extra[0])}: replaced"
@@ -180,7 +186,7 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
         rows.append(SlotRow(i + 1, d[i], token_text(d[i]), p[i], qi, pq, gate, verdict,
                             "committed" if committed else "dropped", acc))
     for t in extra:
-        bonus = (not cycle.residual) if cycle.accept_prob is not None else na >= k
+        bonus = (not cycle.residual) if cycle.accept_prob is not None else na >= (n_checked if mode == "lossless" else k)
         who = "proposer's" if mode == "lossless" else "target's"
         if cycle.accept_prob is not None:
             why = (f"drawn from the {who} distribution after a full match" if bonus
@@ -297,6 +303,7 @@ def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: 
         gate = ("gate: exact speculative sampling, accept the sampled token x with probability min(1, p(x)/q(x)); "
                 "p̃ and q are the processed (sampled-from) probabilities of the proposal and the target")
     passes = ", ".join(f"{r} {n}" for r, n in cycle.passes.items())
+    widths = "; ".join(f"{r} {'+'.join(map(str, w))}" for r, w in (cycle.widths or {}).items() if w)
     verdicts = "".join(
         f'<li><b>{r.slot if r.slot is not None else "+1"}</b> <span class="tok {"drop" if r.status == "dropped" else ("fix" if r.slot is None else "c" + str(par))}">'
         f"{esc(r.text)}</span> {esc(r.verdict)}</li>" for r in rows)
@@ -305,6 +312,8 @@ def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: 
     return (f'<div class="inspector" data-cycle="{turn}:{cycle.index}">'
             f'<div class="insp-head"><b>answer {turn + 1}, cycle {cycle.index + 1} of {n_cycles}</b> · '
             f'{esc(MODE_LABELS.get(mode, mode))} · {summary} · passes: {esc(passes)} · '
+            f'<span class="widths" title="tokens fed per pass (the planner picks them with --block auto)">'
+            f'widths: {esc(widths or "—")} ({esc(label(mode, cycle))})</span> · '
             f'{cycle.seconds * 1000:.1f} ms</div>{ctx}'
             f'<div class="insp-table"><table>{table}</table></div>'
             f'<div class="insp-foot">{esc(gate)} · {esc(Q_MEANING.get(mode, ""))}</div>'

@@ -1,0 +1,393 @@
+"""The cost-aware planner behind `--block auto`: per cycle, how wide to decode.
+
+Objective: expected committed tokens per second. Per cycle the planner
+  * before the proposal pass picks the proposal width B (1 .. the GGUF's block size) of
+    lossless/prove/mars, or the draft length k of spec, or a plain `ar` cycle when no width is
+    expected to beat one token per one-token pass;
+  * after a lossless proposal pass, seeing p̃ of every slot, picks how many proposed tokens to verify
+    (the p-min idea of llama.cpp's --spec-draft-p-min, driven by cost instead of a fixed threshold:
+    ggerganov in llama.cpp #22673 notes varying the batch is cheap on a CPU; see
+    ../shared/notes/anchors-sampling-server-planner.md).
+
+What it knows:
+  * pass costs t(n) per role from calibrate.py, rescaled online by what the passes really cost
+    (a log-space moving average of measured / predicted seconds), plus the Python overhead of each
+    cycle kind measured from the cycles themselves (the planner's own time counts there);
+  * acceptance statistics per mode, updated from every Cycle: per slot (accepted given every earlier
+    slot was) and a calibration of p̃ (how often a slot with a given p̃ is accepted), both with
+    exponential forgetting so that they follow the text.
+Like vLLM PR #44336's goodput(K) = E[accepted](K) / cost(K), but with the measured curve of this
+machine, per-slot rates, an ε-greedy exploration that keeps the statistics of unused widths fresh and
+hysteresis so that the choice does not flap. On this 2-core CPU t(16)/t(1) is 4-10
+(../shared/notes/llama-cpp-build.md), so B = 2-3 is the sweet spot; on a GPU the curve is flat and the
+full block wins.
+
+The verify choice is a marginal one: the proposal pass is paid, so verify width v maximises
+E[tokens committed | p̃, v] - R * t(v), with R the planned rate in tokens per second (the opportunity
+cost of time, a renewal-reward argument). Exactness is untouched: the rules commit only tokens the
+model itself would commit greedily, whatever the widths (tests/test_planner.py).
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from .modes import Plan
+
+N_SLOTS = 64
+
+
+_UPPER: dict[int, np.ndarray] = {}
+
+
+def _upper(n: int) -> np.ndarray:
+    """Mask of the entries above the diagonal of an n x n matrix (v > B), cached."""
+    if n not in _UPPER:
+        _UPPER[n] = np.triu(np.ones((n, n), dtype=bool), 1)
+    return _UPPER[n]
+
+
+class Costs:
+    """t(n) in seconds per role: the calibrated curve (linear between measured widths, extended past
+    the last one along its last segment), times an online scale per role."""
+
+    def __init__(self, curves: dict[str, dict[int, float]], n_max: int = 160):
+        self.n_max = n_max
+        self.base: dict[str, np.ndarray] = {}
+        self.scale: dict[str, float] = {}
+        for role, curve in curves.items():
+            self.set_curve(role, curve)
+
+    def set_curve(self, role: str, curve: dict[int, float]) -> None:
+        ns = sorted(int(n) for n in curve)
+        ts = [float(curve[n]) for n in ns]
+        grid = np.arange(self.n_max + 1, dtype=float)
+        t = np.interp(grid, ns, ts)
+        if len(ns) >= 2:
+            # past the last measured width: the curve's mean slope (a noisy last segment can fall)
+            slope = max(0.0, (ts[-1] - ts[0]) / (ns[-1] - ns[0]))
+            past = grid > ns[-1]
+            t[past] = ts[-1] + slope * (grid[past] - ns[-1])
+        t[0] = 0.0
+        self.base[role] = t
+        self.scale[role] = 1.0
+
+    def t(self, role: str, n: int) -> float:
+        b = self.base[role]
+        n = int(n)
+        if n >= len(b):
+            slope = max(0.0, (b[-1] - b[1]) / (len(b) - 2))
+            return float(b[-1] + slope * (n - len(b) + 1)) * self.scale[role]
+        return float(b[n]) * self.scale[role]
+
+    def table(self, role: str) -> np.ndarray:
+        return self.base[role] * self.scale[role]
+
+    def observe(self, role: str, widths: list[int], seconds: float, alpha: float = 0.1) -> float | None:
+        """Fold one cycle's measured decode seconds of `role` into its scale; returns measured /
+        predicted (before the update), or None when nothing was predicted."""
+        if role not in self.base or seconds <= 0:
+            return None
+        predicted = sum(self.t(role, w) for w in widths)
+        if predicted <= 0:
+            return None
+        ratio = seconds / predicted
+        # log space, clipped: one stalled pass must not swing the scale by orders of magnitude
+        step = max(-1.0, min(1.0, math.log(ratio)))
+        self.scale[role] *= math.exp(alpha * step)
+        return ratio
+
+
+class SlotStats:
+    """Acceptance of proposal slots for one mode: per slot (accepted given every earlier slot was)
+    and per p̃ bin, with forgetting factor `decay` per recorded cycle. Priors: `prior` acceptance
+    per slot, and the bin's own p̃ for the calibration, each worth `weight` observations.
+    Counts are plain lists (a cycle touches a few entries; numpy pays off only when planning)."""
+
+    def __init__(self, n_slots: int = N_SLOTS, bins: int = 10, prior: float = 0.5, weight: float = 2.0,
+                 decay: float = 0.998):
+        self.tested = [0.0] * n_slots
+        self.accepted = [0.0] * n_slots
+        self.bins = bins
+        self.bin_tested = [0.0] * bins
+        self.bin_accepted = [0.0] * bins
+        self.prior, self.weight, self.decay = prior, weight, decay
+        self.centers = (np.arange(bins) + 0.5) / bins
+        self.n_cycles = 0
+
+    def record(self, p, lo: int, hi: int, run: int) -> None:
+        """Slots lo..hi-1 were up for acceptance; slots < run were accepted, slot `run` (if < hi)
+        was rejected, later slots were not tested."""
+        self.n_cycles += 1
+        if self.n_cycles % 16 == 0:             # forgetting, applied every 16 cycles (cheaper)
+            f = self.decay ** 16
+            for a in (self.tested, self.accepted, self.bin_tested, self.bin_accepted):
+                a[:] = [x * f for x in a]
+        end = min(hi, run + 1, len(self.tested))
+        top, nb = self.bins - 1, self.bins
+        tested, accepted, bt, ba = self.tested, self.accepted, self.bin_tested, self.bin_accepted
+        for i in range(lo, end):
+            b = min(int(p[i] * nb), top)
+            tested[i] += 1.0
+            bt[b] += 1.0
+            if i < run:
+                accepted[i] += 1.0
+                ba[b] += 1.0
+
+    def _bin(self, p: np.ndarray) -> np.ndarray:
+        return np.clip((p * self.bins).astype(int), 0, self.bins - 1)
+
+    def slot_rates(self, n: int) -> np.ndarray:
+        """Acceptance of slots 0..n-1 (smoothed towards the prior)."""
+        return (np.asarray(self.accepted[:n]) + self.prior * self.weight) / (np.asarray(self.tested[:n]) + self.weight)
+
+    def p_rates(self, p) -> np.ndarray:
+        """Acceptance of slots with confidences p (smoothed towards p̃ itself)."""
+        b = self._bin(np.asarray(p, dtype=float))
+        return (np.asarray(self.bin_accepted)[b] + self.centers[b] * self.weight) / (np.asarray(self.bin_tested)[b] + self.weight)
+
+    def summary(self, n: int = 16) -> dict:
+        return {"slot_rate": [round(float(x), 3) for x in self.slot_rates(n)],
+                "slot_tested": [round(float(x), 1) for x in self.tested[:n]],
+                "p_calibration": [round(float(x), 3) for x in self.p_rates(self.centers)],
+                "p_tested": [round(float(x), 1) for x in self.bin_tested]}
+
+
+def chosen(mode: str, cycle) -> tuple[str, int, int]:
+    """What a cycle ran, from its widths: ("ar", 1, 1), (mode, B, verified) or ("spec", k, k).
+    (A mars cycle of one slot is an ar cycle: same pass, same token.)"""
+    w = cycle.widths or {}
+    if not w:                                   # a cycle from before widths were recorded
+        n = len(cycle.proposed)
+        v = len(cycle.q) if mode == "lossless" and cycle.q else n
+        return (mode, n, v) if mode != "ar" else ("ar", 1, 1)
+    if mode == "spec":
+        k = len(w.get("draft", []))
+        return ("spec", k, k) if k else ("ar", 1, 1)
+    if mode == "lossless":
+        prop = w.get("proposer", [])
+        return ("lossless", len(cycle.proposed), prop[1]) if len(prop) > 1 else ("ar", 1, 1)
+    if mode == "prove":
+        return ("prove", len(cycle.proposed), len(cycle.proposed)) if "verifier" in w else ("ar", 1, 1)
+    if mode == "mars":
+        return ("mars", len(cycle.proposed), len(cycle.proposed)) if len(cycle.proposed) > 1 else ("ar", 1, 1)
+    return (mode, 1, 1)
+
+
+def label(mode: str, cycle) -> str:
+    kind, b, v = chosen(mode, cycle)
+    if kind == "ar":
+        return "ar"
+    if kind == "spec":
+        return f"k={b}"
+    return f"B={b} v={v}" if kind == "lossless" else f"B={b}"
+
+
+@dataclass
+class Choice:
+    kind: str          # "ar" or the mode
+    width: int         # B, or k for spec
+    rate: float        # expected tokens per second
+
+
+class Planner:
+    """Per-engine planner: statistics from every cycle (`observe`), a plan per cycle (`plan`).
+    `costs` is None until calibrated (the engine calibrates at the first `--block auto` request).
+    explore: probability of an exploratory cycle (to keep statistics fresh; see _explore);
+    hysteresis: a new width must beat the current one's expected rate by this share;
+    ar_margin: a width must beat plain ar by this share (estimates are noisy; ar is the safe side);
+    replan_every: the best width is recomputed every so many cycles (the planner's own time)."""
+
+    def __init__(self, costs: Costs | None = None, *, explore: float = 0.02, explore_wide: float = 0.1,
+                 hysteresis: float = 0.03, ar_margin: float = 0.05, replan_every: int = 16, k_max: int = 8,
+                 seed: int = 0):
+        self.costs = costs
+        self.explore, self.explore_wide, self.ar_margin = explore, explore_wide, ar_margin
+        self.hysteresis, self.replan_every, self.k_max = hysteresis, replan_every, k_max
+        self.rng = random.Random(seed)
+        self.stats: dict[str, SlotStats] = {}
+        self.overhead: dict = {}                      # seconds outside llama_decode: per kind, per (kind, width)
+        self.current: dict[str, Choice] = {}
+        self.age: dict[str, int] = {}
+        self._bin_rates: list | None = None           # p̃-bin acceptance and t(n), cached between replans
+        self._t_list: list = []
+        self.slow_streak = 0                          # consecutive cycles far slower than predicted
+        self.recheck = False                          # the engine re-checks threads when set
+
+    # ---------------------------------------------------------------------- statistics
+    def stats_for(self, mode: str) -> SlotStats:
+        if mode not in self.stats:
+            self.stats[mode] = SlotStats()
+        return self.stats[mode]
+
+    def observe(self, mode: str, cycle, key: str | None = None) -> None:
+        """Update the statistics from one cycle (any mode, fixed or planned widths). `key` names the
+        statistics and choice when a mode's acceptance depends on a setting (prove@θ, mars@τ)."""
+        kind, b, v = chosen(mode, cycle)
+        if kind == "lossless":
+            self.stats_for("lossless").record(cycle.p, 1, v, cycle.n_accepted)
+        elif kind == "spec":
+            self.stats_for("spec").record(cycle.p, 0, b, cycle.n_accepted)
+        elif kind in ("prove", "mars"):
+            self.stats_for(key or kind).record(cycle.p, 1, b, cycle.n_accepted)
+        decode = sum(cycle.decode_seconds.values())
+        over = max(0.0, cycle.seconds - decode)
+        for key in (kind, (kind, b)):      # per kind, and per kind and width (wider blocks cost more Python)
+            old = self.overhead.get(key)
+            self.overhead[key] = over if old is None else 0.9 * old + 0.1 * min(over, 4 * old + 1e-4)
+        if self.costs is not None:
+            worst = 0.0
+            for role, secs in cycle.decode_seconds.items():
+                r = self.costs.observe(role, cycle.widths.get(role, []), secs)
+                worst = max(worst, r or 0.0)
+            # a pass that suddenly costs many times its t(n): a loaded machine, re-check the threads
+            self.slow_streak = self.slow_streak + 1 if worst > 4.0 else 0
+            if self.slow_streak >= 8:
+                self.recheck, self.slow_streak = True, 0
+
+    # ---------------------------------------------------------------------- expected rates
+    def _oh(self, kind: str, width: int | None = None) -> float:
+        if width is not None and (kind, width) in self.overhead:
+            return self.overhead[(kind, width)]
+        return self.overhead.get(kind, 0.0)
+
+    def rates(self, mode: str, pending: dict, block_max: int, key: str | None = None) -> list[Choice]:
+        """Expected tokens per second of ar and of every width of `mode`."""
+        c = self.costs
+        pp = pending.get("proposer", 1)
+        out = [Choice("ar", 1, 1.0 / max(1e-12, c.t("proposer", pp) + self._oh("ar")))]
+        if mode == "spec":
+            s = self.stats_for("spec").slot_rates(self.k_max)
+            gain = np.cumsum(np.cumprod(s))                          # E[accepted] for k = 1..k_max
+            # a draft that fell behind during ar cycles catches up once, in its next pass: a one-off,
+            # not the steady cost of drafting (1-2 pending tokens), or ar would never be left again
+            pd = min(pending.get("draft", 1), 2)
+            for k in range(1, self.k_max + 1):
+                cost = c.t("draft", pd) + (k - 1) * c.t("draft", 1) + c.t("proposer", pp + k) + self._oh("spec", k)
+                out.append(Choice("spec", k, (1.0 + gain[k - 1]) / cost))
+            return out
+        s = self.stats_for(key or mode).slot_rates(block_max)
+        run = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(s[1:]))])   # E[run] verifying v = 1..block_max
+        tp = c.table("proposer")
+        widths = np.minimum(pp + np.arange(block_max), len(tp) - 1)       # proposal pass of B = 1..block_max
+        prop = tp[widths]
+        oh = np.array([self._oh(mode, b) for b in range(1, block_max + 1)])
+        if mode == "lossless":
+            # rate[B, v] for v <= B: (E[run](v) + 1 correction token) / (t(pending+B-1) + t(v) + overhead)
+            v = np.arange(1, block_max + 1)
+            r = (run[None, :] + 1.0) / (prop[:, None] + tp[v][None, :] + oh[:, None])
+            r[_upper(block_max)] = 0.0
+            rates = r.max(axis=1)
+        elif mode == "prove":
+            tv = c.table("verifier")
+            pv = min(pending.get("verifier", 1), block_max)   # (the same one-off catch-up as spec's draft)
+            rates = run / (prop + tv[np.minimum(pv + np.arange(block_max), len(tv) - 1)] + oh)
+        else:
+            rates = run / (prop + oh)
+        out += [Choice(mode, b + 1, float(x)) for b, x in enumerate(rates)]
+        return out
+
+    # ---------------------------------------------------------------------- the plan
+    def plan(self, mode: str, pending: dict, block_max: int, room: int, key: str | None = None) -> Plan:
+        """The plan of the next cycle of `mode` (pending: committed tokens not yet in each context;
+        key: as for `observe`)."""
+        key = key or mode
+        block_max = min(block_max, N_SLOTS)
+        cap = max(1, min(block_max, room))
+        kcap = max(0, min(self.k_max, room - 1))
+        if self.rng.random() < self.explore:
+            return self._explore(mode, cap, kcap, key)
+        cur = self.current.get(key)
+        age = self.age.get(key, 0)
+        if cur is None or age >= self.replan_every:
+            self._bin_rates = None                 # refreshed by the next verify_width
+            options = self.rates(mode, pending, block_max, key)
+            # a one-slot block is ar with more work (lossless: two one-token passes for two tokens;
+            # prove: an extra verifier pass), so it is never chosen, only explored
+            ar = options[0]
+            # a width must beat plain ar clearly; a one-slot block is ar with more work (lossless: two
+            # one-token passes for two tokens; prove: an extra verifier pass): explored, never chosen
+            eligible = [ar] + [o for o in options[1:] if (o.kind == "spec" or o.width > 1)
+                               and o.rate >= ar.rate * (1.0 + self.ar_margin)]
+            best = max(eligible, key=lambda ch: ch.rate)
+            if cur is not None:
+                now = next((o for o in eligible if (o.kind, o.width) == (cur.kind, cur.width)), None)
+                if now is not None and now.rate >= best.rate * (1.0 - self.hysteresis):
+                    best = now                         # hysteresis: keep the current choice
+            self.current[key] = cur = best
+            self.age[key] = 0
+        self.age[key] = self.age.get(key, 0) + 1
+        if cur.kind == "ar":
+            return Plan(block=1, draft_k=0, mode="ar")
+        if mode == "spec":
+            return Plan(block=1, draft_k=min(cur.width, kcap))
+        b = min(cur.width, cap)
+        if mode == "lossless" and b > 1:
+            rate = cur.rate
+            return Plan(block=b, verify=lambda p: self.verify_width(p, rate))
+        return Plan(block=b, draft_k=0)
+
+    def verify_width(self, p, rate: float) -> int:
+        """After the proposal pass: the verify width v maximising E[committed | p̃, v] - rate * t(v)
+        (E[committed] = 2 + sum over j < v of the product of the acceptance of slots 1..j given p̃).
+        Plain Python over a few slots: it runs between the two passes of every cycle."""
+        st = self.stats_for("lossless")
+        if self._bin_rates is None:
+            self._bin_rates = st.p_rates(st.centers).tolist()
+            self._t_list = self.costs.table("proposer")[:N_SLOTS + 2].tolist()
+        rates_by_bin, t, top = self._bin_rates, self._t_list, st.bins - 1
+        best_v, best = 1, 2.0 - rate * t[1]
+        gain, prod = 2.0, 1.0
+        for v, pi in enumerate(p.tolist()[1:], 2):
+            prod *= rates_by_bin[min(int(pi * st.bins), top)]
+            gain += prod
+            value = gain - rate * t[min(v, len(t) - 1)]
+            if value > best:
+                best_v, best = v, value
+        return best_v
+
+    def _explore(self, mode: str, cap: int, kcap: int, key: str | None = None) -> Plan:
+        """An exploratory plan. Mostly local and cheap: one or two slots (drafts) wider than the current
+        choice, so that the statistics just past it stay fresh where a steep curve makes wide passes
+        dear; a share `explore_wide` of explorations picks any width (or ar) uniformly. For lossless,
+        half of the time a random verify width (else the whole block, which refreshes every slot)."""
+        cur = self.current.get(key or mode)
+        base = cur.width if cur is not None and cur.kind != "ar" else (0 if mode == "spec" else 1)
+        wide = self.rng.random() < self.explore_wide
+        if mode == "spec":
+            k = self.rng.randint(0, kcap) if wide else min(kcap, base + self.rng.randint(1, 2))
+            return Plan(block=1, draft_k=0, mode="ar") if k == 0 else Plan(block=1, draft_k=k)
+        if wide and self.rng.random() < 1.0 / (cap + 1):
+            return Plan(block=1, draft_k=0, mode="ar")
+        b = self.rng.randint(1, cap) if wide else min(cap, base + self.rng.randint(1, 2))
+        if mode == "lossless" and self.rng.random() < 0.5:
+            return Plan(block=b, verify=self.rng.randint(1, b))
+        return Plan(block=b, draft_k=0)
+
+    def summary(self) -> dict:
+        return {"current": {m: {"kind": c.kind, "width": c.width, "tokens_per_second": round(c.rate, 1)}
+                            for m, c in self.current.items()},
+                "scale": dict(self.costs.scale) if self.costs else {},
+                "overhead_us": {k if isinstance(k, str) else f"{k[0]}@{k[1]}": round(v * 1e6, 1)
+                                for k, v in sorted(self.overhead.items(), key=str)},
+                "stats": {m: s.summary() for m, s in self.stats.items()}}
+
+
+def projection(curve: dict[int, float], slot_rates, block_max: int = 16, overhead: float = 0.0) -> list[dict]:
+    """Expected lossless tokens per one-token pass cost for every block width B (verify = B) and
+    the planner's prior choice, from a pass-cost curve and per-slot acceptance rates: the projection
+    table of the bench (a flat curve, as on a GPU, must make the planner pick the full block)."""
+    planner = Planner(Costs({"proposer": curve}), explore=0.0)
+    st = planner.stats_for("lossless")
+    rates = np.asarray(list(slot_rates) + [0.0] * N_SLOTS, dtype=float)[:N_SLOTS]
+    st.tested[:] = [1e12] * N_SLOTS                   # the given rates, as if from endless data
+    st.accepted[:] = (rates * 1e12).tolist()
+    planner.overhead = {"ar": overhead, "lossless": overhead}
+    t1 = planner.costs.t("proposer", 1)
+    options = planner.rates("lossless", {"proposer": 1}, block_max)
+    best = max(options, key=lambda ch: ch.rate)
+    return [{"kind": o.kind, "width": o.width, "tokens_per_t1": round(o.rate * t1, 4),
+             "chosen": (o.kind, o.width) == (best.kind, best.width)} for o in options]
