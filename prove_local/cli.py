@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from . import modes
+from . import modes, planner
 from .errors import ProveError
 from .loading import MAX_NEW, TAU, THETA, add_model_args, add_width_args, load_engine
 
@@ -101,7 +101,7 @@ def report(engine, model, settings, cycles, seconds, request, interrupted) -> di
         "seconds": s["seconds"], "tokens_per_second": s["tokens_per_second"],
         "prefill": {"tokens": request.prefill[0], "seconds": request.prefill[1]},
         "stop": "interrupted" if interrupted else s["stop"],
-        "widths": widths_histogram(settings.mode, cycles),
+        "widths": planner.widths_histogram(settings.mode, cycles),
         "settings": {"block": settings.block or engine.block_size, "theta": settings.theta, "tau": settings.tau,
                      "draft_k": settings.draft_k, "max_new": settings.max_new, "temperature": settings.temperature,
                      "top_k": settings.top_k, "top_p": settings.top_p, "min_p": settings.min_p,
@@ -121,13 +121,6 @@ def json_line(obj) -> str:
             return [finite(x) for x in v]
         return v
     return json.dumps(finite(obj), ensure_ascii=False, allow_nan=False)
-
-
-def widths_histogram(mode: str, cycles) -> dict:
-    """How often each width was chosen (planner.label: 'ar', 'B=4 v=2', 'k=3'), most frequent first."""
-    from collections import Counter
-    from .planner import label
-    return dict(Counter(label(mode, c) for c in cycles).most_common())
 
 
 def summary_line(r: dict) -> str:

@@ -391,3 +391,9 @@ def projection(curve: dict[int, float], slot_rates, block_max: int = 16, overhea
     best = max(options, key=lambda ch: ch.rate)
     return [{"kind": o.kind, "width": o.width, "tokens_per_t1": round(o.rate * t1, 4),
              "chosen": (o.kind, o.width) == (best.kind, best.width)} for o in options]
+
+
+def widths_histogram(mode: str, cycles) -> dict:
+    """How often each width was chosen (`label`: 'ar', 'B=4 v=2', 'k=3'), most frequent first."""
+    from collections import Counter
+    return dict(Counter(label(mode, c) for c in cycles).most_common())

@@ -42,10 +42,10 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import modes
+from . import modes, planner
 from .errors import (ContextFull, EngineBusy, LlamaError, MissingExtra, ModeError, ProveError,
                      TemplateMissing, UsageError)
-from .loading import add_model_args
+from .loading import PARALLEL, TAU, THETA, add_model_args, add_width_args, int_in
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -64,23 +64,22 @@ def add_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--host", default=DEFAULT_HOST,
                    help=f"address to listen on (default {DEFAULT_HOST}: this machine only)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+    p.add_argument("--port", type=int_in(0, 65535, " (0: a free port)"), default=DEFAULT_PORT,
                    help=f"port (default {DEFAULT_PORT}; 0 picks a free one and prints it)")
-    p.add_argument("--parallel", type=int, default=1, help="requests decoded at the same time (default 1)")
-    p.add_argument("--queue", type=int, default=DEFAULT_QUEUE,
+    p.add_argument("--parallel", type=PARALLEL, default=1, help="requests decoded at the same time (default 1)")
+    p.add_argument("--queue", type=int_in(0), default=DEFAULT_QUEUE,
                    help=f"requests that may wait for a free engine; beyond that: 503 (default {DEFAULT_QUEUE})")
     keys = p.add_mutually_exclusive_group()
     keys.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     keys.add_argument("--api-key-file", metavar="F", help="like --api-key, one accepted key per line")
-    p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY,
+    p.add_argument("--max-body", type=int_in(1), default=DEFAULT_MAX_BODY,
                    help=f"largest request body in bytes (default {DEFAULT_MAX_BODY})")
     p.add_argument("--mode", choices=modes.NAMES,
                    help="decoding rule when a request names none (default: lossless if the model has a "
                         "mask token, else ar)")
-    p.add_argument("--block", type=int, help="default proposal block length (default: the GGUF's prove.block_size)")
-    p.add_argument("--theta", type=float, default=0.05, help="default ProVe gate (default 0.05)")
-    p.add_argument("--tau", type=float, default=0.95, help="default MARS threshold (default 0.95)")
-    p.add_argument("--draft-k", type=int, default=4, help="default drafts per cycle for spec (default 4)")
+    add_width_args(p)       # --block / --draft-k: 'auto' (the planner) unless a request or this fixes them
+    p.add_argument("--theta", type=THETA, default=0.05, help="default ProVe gate (default 0.05)")
+    p.add_argument("--tau", type=TAU, default=0.95, help="default MARS threshold (default 0.95)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="temperature when a request gives none (default 0: greedy, so that the exact modes "
                         "answer exactly as greedy decoding; OpenAI's default would be 1.0, llama-server's 0.8)")
@@ -346,6 +345,7 @@ class State:
         defaults = Settings(mode=mode, block=args.block, theta=args.theta, tau=args.tau, draft_k=args.draft_k,
                             temperature=args.temperature)
         first.check(replace(defaults, temperature=0.0))    # a bad --mode/--block is a start-up error
+        first.prepare(defaults)     # --block auto: pass costs calibrated (or read from the cache) before serving
         for m in modes.NAMES:
             try:
                 first.check(Settings(mode=m))
@@ -512,7 +512,9 @@ class Job:
         prefill = self.request.prefill if self.request is not None else (0, 0.0)
         return {
             "mode": self.settings.mode,
-            "block": self.request.block if self.request is not None and mode.uses_block else None,
+            "block": (("auto" if self.request.auto else self.request.block)
+                      if self.request is not None and mode.uses_block else None),
+            "widths": planner.widths_histogram(self.settings.mode, self.cycles),
             "draft_k": self.settings.draft_k if self.settings.mode == "spec" else None,
             "n_cycles": s["n_cycles"],
             "tokens_per_cycle": round(s["tokens_per_cycle"], 4),
@@ -539,7 +541,7 @@ class Job:
 def schemas():
     """The request bodies (pydantic, strict types: "5" is not a number; unknown fields ignored as
     OpenAI clients expect)."""
-    from typing import Literal, Union
+    from typing import Annotated, Literal, Union
 
     from pydantic import BaseModel, ConfigDict, Field
 
@@ -579,8 +581,8 @@ def schemas():
         mode: str | None = None
         theta: float | None = Field(None, ge=0)
         tau: float | None = Field(None, ge=0)
-        block: int | None = Field(None, ge=1)
-        draft_k: int | None = Field(None, ge=0)
+        block: Union[Literal["auto"], Annotated[int, Field(ge=1, le=512)], None] = None
+        draft_k: Union[Literal["auto"], Annotated[int, Field(ge=0, le=512)], None] = None
 
     class Chat(Common):
         messages: list[Message] = Field(min_length=1)
