@@ -18,6 +18,22 @@ from pathlib import Path
 DEFAULT_MODES = "ar,lossless,prove,mars"
 
 
+def _width_list(option: str):
+    """An argparse type for --block / --draft-k lists: checked at parse time (one argparse line), kept as text."""
+    import argparse
+
+    from ..errors import UsageError
+
+    def check(text: str) -> str:
+        try:
+            _widths(text, option)
+        except UsageError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{option}: ")) from None
+        return text
+    check.__name__ = "width list"
+    return check
+
+
 def _widths(text: str, option: str) -> list:
     """--block / --draft-k: a comma-separated list of 'auto' and widths (loading.width_arg's range)."""
     import argparse
@@ -84,10 +100,10 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new", type=MAX_NEW, default=256, help="max new tokens per answer (default 256)")
     p.add_argument("--theta", default="0.01,0.05,0.1", help="ProVe θ values to sweep (default 0.01,0.05,0.1)")
     p.add_argument("--tau", type=TAU, default=0.95, help="MARS rule τ (default 0.95)")
-    p.add_argument("--block", default="auto",
+    p.add_argument("--block", default="auto", type=_width_list("--block"),
                    help="block length(s): 'auto' (default: the planner's choice per cycle) or N; a comma-separated "
                         "list (e.g. auto,2,4,16) makes one run per value, side by side")
-    p.add_argument("--draft-k", default="auto",
+    p.add_argument("--draft-k", default="auto", type=_width_list("--draft-k"),
                    help="drafts per cycle for spec: 'auto' (default) or N; a comma-separated list makes one run per value")
     p.add_argument("--llama-spec", metavar="BIN",
                    help="also run llama.cpp's llama-speculative-simple at BIN on every prompt (proposer as target, "
