@@ -134,7 +134,7 @@ def summary_line(r: dict) -> str:
 
 def cmd_run(args) -> int:
     from .chat import Conversation, clean_text
-    from .engine import Settings
+    from .engine import Settings, seed_note
     from .errors import ContextFull, UsageError
 
     if isinstance(args.block, int) and args.block >= args.ctx:     # before loading anything
@@ -148,6 +148,9 @@ def cmd_run(args) -> int:
                         draft_k=args.draft_k, **sampling_settings(args))
     engine.check(settings)
     engine.prepare(settings)            # --block auto: pass costs calibrated (or read from the cache) now
+    note = seed_note(settings)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     color = sys.stdout.isatty() and not args.no_color and not args.json
     system = clean_text(args.system) if args.system is not None else None
     conv = None if args.raw else Conversation(model, system=system)

@@ -41,6 +41,17 @@ class Settings:
     seed: int | None = None
 
 
+def seed_note(s: Settings) -> str | None:
+    """Why a seed will not reproduce this sampled request, if it will not: under 'auto' widths the
+    planner's choices follow measured timings, and they decide how the random stream is consumed
+    (the output stays distributed exactly as ar sampling; it is the text that is not repeatable)."""
+    auto = s.draft_k == "auto" if s.mode == "spec" else (s.block == "auto" and MODES[s.mode].uses_block)
+    if s.seed is not None and s.temperature > 0 and auto:
+        return ("the seed repeats a sampled answer only with fixed widths (--block N / --draft-k N, or the "
+                "request's block / draft_k): 'auto' widths follow measured timings")
+    return None
+
+
 class Engine:
     """Decoding over a set of contexts ("proposer", optionally "verifier" and "draft") that share
     one committed token sequence. `Engine.load` builds it from GGUF models; tests pass fakes.

@@ -657,16 +657,11 @@ def settings_for(state: State, body, n_prompt: int):
     try:
         first.check(s)
     except ModeError as e:
-        greedy = replace(s, temperature=0.0, repeat_penalty=1.0)
-        try:
-            first.check(greedy)
-        except ModeError as e2:
-            raise ApiError(400, str(e2), param="mode") from None
-        # sampling is not in this build (engine.check refuses it): answer greedily, and say so
-        # (issue 13: "answered as greedy with a note, not silently"); once sampling lands,
-        # check() passes and the same request samples.
-        notes.append(f"answered as greedy (temperature 0): {e}")
-        s = greedy
+        raise ApiError(400, str(e), param="mode") from None
+    from .engine import seed_note
+    note = seed_note(s)
+    if note:
+        notes.append(note)
     return s, notes
 
 

@@ -558,9 +558,15 @@ def test_cli_sampling_flags_and_errors(capsys):
 def test_ui_sampling_controls_reproduce_the_engine(browser, server, models):
     """The side panel's sampling controls reach the engine: temperature 0.7 and seed 3 in the page
     give the engine's own seeded output, and the inspector shows the acceptance probabilities."""
-    from tests.test_ui import MAX_NEW, answer_spans, open_page, reference, send
+    from prove_local.chat import Conversation
+    from tests.test_ui import F32, MAX_NEW, answer_spans, open_page, reference, send
     prompt = "Natalia sold clips to 48 of her friends in April. How many clips did she sell?"
-    want = reference(models, [prompt], temperature=0.7, seed=3)[0]
+    prop = models[0]
+    # what the engine itself samples with these settings (the page's server runs --block 16)
+    engine = Engine.load(prop, **F32)
+    gen = engine.generate(Conversation(prop).prompt_tokens(prompt),
+                          Settings(mode="lossless", max_new=MAX_NEW, block=16, temperature=0.7, seed=3))
+    want = prop.detokenize([t for c in gen for t in c.committed if not prop.is_eog(t)])
     assert want != reference(models, [prompt])[0] or MAX_NEW < 4
     page = open_page(browser, server)
     page.click("#sampling button, #sampling .label-wrap >> nth=0")
