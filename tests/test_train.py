@@ -223,3 +223,74 @@ def test_workers_stop_together():
     orphan.start()
     orphan.join(timeout=120)
     assert orphan.exitcode == 1
+
+
+def test_distill_miniature_end_to_end(tmp_path):
+    """Issue 16 in miniature, on the shipped pair: generate (Engine "ar") -> soft targets -> distil the
+    verifier read from its GGUF -> HF folder -> F32 GGUF that llama.cpp loads and computes as torch does."""
+    pytest.importorskip("llama_cpp")
+    from prove_local.llama import Context, Model
+    from prove_local.train import distill
+
+    prop_path, ver_path = distill.PROPOSER, distill.VERIFIER
+    if not (prop_path.exists() and ver_path.exists()):
+        pytest.skip("embedded models not present")
+    text = "<|im_start|>user\nTom has 3 apples and buys 5 more. How many?<|im_end|>\n<|im_start|>assistant\nTom"
+
+    # the GGUF reader maps every tensor (torch logits == llama.cpp logits of the shipped verifier), and
+    # the tokenizer rebuilt from the GGUF tokenizes as llama.cpp does
+    model, meta = distill.read_gguf_model(ver_path)
+    tok = distill.tokenizer_from_gguf(meta)
+    ver = Model(ver_path)
+    ids = ver.tokenize(text)
+    assert tok.encode(text).ids == ids
+    ctx = Context(ver, n_ctx=256, n_threads=1, type_k="f32", type_v="f32")
+    try:
+        want = ctx.eval(ids, list(range(len(ids))))
+    finally:
+        ctx.close()
+    with torch.no_grad():
+        got = model.eval()(torch.tensor([ids]))[0].numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-3)
+
+    out, models = tmp_path / "run", tmp_path / "models"
+    summary = distill.main(["--out", str(out), "--n-prompts", "6", "--shard", "4", "--max-new", "12", "--topk", "4",
+                            "--epochs", "12", "--max-tokens", "4096", "--lr", "2e-3", "--warmup", "1",
+                            "--val-frac", "0.2", "--eval-every", "1000", "--no-progress", "--install",
+                            "--models-dir", str(models)])
+    gen = summary["generate"]
+    assert gen["prompts"] == 6 and sorted(p.name for p in (out / "gen").glob("shard_*.npz")) == \
+        ["shard_0000.npz", "shard_0001.npz"]
+    # the teacher-forced pass agrees with the greedy tokens it scores (top-1 = the generated token)
+    assert gen["argmax_agree"] == gen["tokens"] > 0
+    data = distill.Data(out / "gen")
+    assert [sum(e.loss_mask) for e in data.examples] == [len(t) for t in data.topk_ids]
+    assert all(torch.all(lp[:, :-1] >= lp[:, 1:]) for lp in data.topk_logp)    # sorted, descending
+
+    tr = summary["train"]
+    assert tr["train_examples"] == 5 and tr["heldout_examples"] == 1 and tr["steps"] == 12
+    log = json.loads((out / "curves" / "distill.json").read_text())["log"]
+    assert log[-1]["loss"] < log[0]["loss"]                         # it learns its training set
+    assert (out / "loss_curve.png").exists()
+
+    # the converted GGUF: role, vocabulary as the original, llama.cpp logits == the HF folder's, weights moved
+    path = models / distill.VERIFIER_GGUF
+    assert path.exists() and (out / distill.VERIFIER_GGUF).read_bytes() == path.read_bytes()
+    new = Model(path)
+    ctx = Context(new, n_ctx=256, n_threads=1, type_k="f32", type_v="f32")
+    try:
+        assert new.meta("prove.role") == "verifier" and new.meta("prove.block_size") == "16"
+        assert new.tokenize(text) == ids
+        got_new = ctx.eval(ids, list(range(len(ids))))
+    finally:
+        ctx.close()
+        new.close()
+        ver.close()
+    import gguf
+    r_old, r_new = gguf.GGUFReader(str(ver_path)), gguf.GGUFReader(str(path))
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+        assert r_old.fields[key].contents() == r_new.fields[key].contents(), key
+    with torch.no_grad():
+        ref = load_hf(out / "hf" / "verifier").eval()(torch.tensor([ids]))[0].numpy()
+    np.testing.assert_allclose(got_new, ref, rtol=1e-4, atol=2e-3)
+    assert np.abs(got_new - want).max() > 1e-3
