@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -255,8 +256,8 @@ def test_distill_miniature_end_to_end(tmp_path):
 
     out, models = tmp_path / "run", tmp_path / "models"
     summary = distill.main(["--out", str(out), "--n-prompts", "6", "--shard", "4", "--max-new", "12", "--topk", "4",
-                            "--epochs", "12", "--max-tokens", "4096", "--lr", "2e-3", "--warmup", "1",
-                            "--val-frac", "0.2", "--eval-every", "1000", "--no-progress", "--install",
+                            "--epochs", "8", "--max-tokens", "4096", "--lr", "3e-3", "--warmup", "1",
+                            "--val-frac", "0.2", "--soft-weight", "0.5", "--eval-every", "1000", "--no-progress", "--install",
                             "--models-dir", str(models)])
     gen = summary["generate"]
     assert gen["prompts"] == 6 and sorted(p.name for p in (out / "gen").glob("shard_*.npz")) == \
@@ -266,9 +267,21 @@ def test_distill_miniature_end_to_end(tmp_path):
     data = distill.Data(out / "gen")
     assert [sum(e.loss_mask) for e in data.examples] == [len(t) for t in data.topk_ids]
     assert all(torch.all(lp[:, :-1] >= lp[:, 1:]) for lp in data.topk_logp)    # sorted, descending
+    # the loss: hard CE on the greedy token mixed with CE against the renormalised top-k
+    h = torch.randn(1, 3, 4)
+    labels = torch.tensor([[IGNORE, 2, 0]])
+    soft_ids, soft_logp = torch.tensor([[2, 1], [0, 3]]), torch.log(torch.tensor([[0.6, 0.2], [0.3, 0.1]]))
+    head = SimpleNamespace(logits=lambda x: x @ torch.eye(4))
+    loss, hard, agree, rows = distill.distill_loss(head, h, labels, soft_ids, soft_logp, 0.25)
+    logp = torch.log_softmax(h[0, 1:], -1)
+    want_hard = -(logp[0, 2] + logp[1, 0]) / 2
+    want_soft = -((0.75 * logp[0, 2] + 0.25 * logp[0, 1]) + (0.75 * logp[1, 0] + 0.25 * logp[1, 3])) / 2
+    assert rows == 2 and agree == int(logp[0].argmax() == 2) + int(logp[1].argmax() == 0)
+    torch.testing.assert_close(hard, want_hard)
+    torch.testing.assert_close(loss, 0.75 * want_hard + 0.25 * want_soft)
 
     tr = summary["train"]
-    assert tr["train_examples"] == 5 and tr["heldout_examples"] == 1 and tr["steps"] == 12
+    assert tr["train_examples"] == 5 and tr["heldout_examples"] == 1 and tr["steps"] == 8
     log = json.loads((out / "curves" / "distill.json").read_text())["log"]
     assert log[-1]["loss"] < log[0]["loss"]                         # it learns its training set
     assert (out / "loss_curve.png").exists()
