@@ -257,7 +257,7 @@ def test_distill_miniature_end_to_end(tmp_path):
     out, models = tmp_path / "run", tmp_path / "models"
     summary = distill.main(["--out", str(out), "--n-prompts", "6", "--shard", "4", "--max-new", "12", "--topk", "4",
                             "--epochs", "8", "--max-tokens", "4096", "--lr", "3e-3", "--warmup", "1",
-                            "--val-frac", "0.2", "--soft-weight", "0.5", "--eval-every", "1000", "--no-progress", "--install",
+                            "--val-frac", "0.2", "--soft-weight", "0.5", "--eval-every", "1000", "--no-progress", "--install", "--force",
                             "--models-dir", str(models)])
     gen = summary["generate"]
     assert gen["prompts"] == 6 and sorted(p.name for p in (out / "gen").glob("shard_*.npz")) == \
@@ -307,3 +307,7 @@ def test_distill_miniature_end_to_end(tmp_path):
         ref = load_hf(out / "hf" / "verifier").eval()(torch.tensor([ids]))[0].numpy()
     np.testing.assert_allclose(got_new, ref, rtol=1e-4, atol=2e-3)
     assert np.abs(got_new - want).max() > 1e-3
+    # a distilled verifier is marked, and distilling it again needs --force
+    assert r_new.fields["general.name"].contents().endswith(distill.DISTILLED_SUFFIX)
+    with pytest.raises(SystemExit, match="already distilled"):
+        distill.main(["--out", str(out), "--stage", "train", "--verifier", str(path), "--no-progress"])

@@ -41,6 +41,7 @@ MODELS_DIR = PACKAGE / "models"
 PROPOSER = MODELS_DIR / "mars-gsm8k-proposer.gguf"
 VERIFIER = MODELS_DIR / "gsm8k-verifier.gguf"
 VERIFIER_GGUF = "gsm8k-verifier.gguf"
+DISTILLED_SUFFIX = "-distilled"     # general.name of a distilled verifier ends with it
 
 
 def parse_args(argv=None):
@@ -48,7 +49,10 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/distill")
     p.add_argument("--proposer", default=str(PROPOSER), help="proposer GGUF (the teacher)")
-    p.add_argument("--verifier", default=str(VERIFIER), help="verifier GGUF to start from (F32)")
+    p.add_argument("--verifier", default=str(VERIFIER),
+                   help="verifier GGUF to start from (F32; the one `python -m prove_local.train` writes, or the "
+                        "pre-distillation file from git history; not an already distilled one)")
+    p.add_argument("--force", action="store_true", help="start from an already distilled verifier anyway")
     p.add_argument("--train-data", default=str(DEFAULT_TRAIN))
     p.add_argument("--n-prompts", type=int, default=3000, help="train prompts to continue (seeded subset)")
     p.add_argument("--max-new", type=int, default=256, help="max new tokens per continuation")
@@ -344,6 +348,10 @@ def train(a) -> dict:
     if not data.examples:
         raise SystemExit(f"{out / 'gen'}: no generated shards; run with --stage generate first")
     model, meta = read_gguf_model(a.verifier)
+    if str(meta.get("general.name", "")).endswith(DISTILLED_SUFFIX) and not a.force:
+        raise SystemExit(f"{a.verifier}: already distilled (general.name {meta['general.name']!r}); start from the "
+                         "verifier of `python -m prove_local.train` (or `git show 0c6ce41:prove_local/models/"
+                         "gsm8k-verifier.gguf`), or pass --force")
     pad_id = int(meta.get("tokenizer.ggml.padding_token_id", 0))
     tr, va = data.split(a.val_frac)
     train_ex = [data.examples[i] for i in tr]
@@ -399,7 +407,8 @@ def save_verifier(model, meta: dict, out: Path, pad_id: int) -> Path:
     d, tmp = out / "hf" / "verifier", out / "hf" / "verifier.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf(model, tmp, model_type="qwen2",
-            extra_config={"bos_token_id": None, "eos_token_id": eos, "pad_token_id": pad_id})
+            extra_config={"bos_token_id": None, "eos_token_id": eos, "pad_token_id": pad_id,
+                          "_name_or_path": str(meta.get("general.name") or "verifier") + DISTILLED_SUFFIX})
     mask = meta.get("tokenizer.ggml.mask_token_id")
     save_hf_tokenizer(tok, tmp, mask_token=tok.id_to_token(int(mask)) if mask is not None else None)
     (tmp / "generation_config.json").write_text(json.dumps(
