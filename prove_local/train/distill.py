@@ -315,9 +315,13 @@ def evaluate(model, data: Data, idx: list[int], pad_id: int, alpha: float, max_t
 
 
 def plot_curve(log: list, evals: list, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:        # matplotlib comes with the bench/test extras, not train
+        print(f"no loss curve plot ({e}); pip install matplotlib", flush=True)
+        return
 
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
     xs = [r["step"] for r in log]
@@ -460,5 +464,14 @@ def main(argv=None):
     return summary
 
 
+def cli(argv=None):
+    """`python -m prove_local.train.distill`: bad input ends with one line naming it, exit code 1."""
+    from prove_local.errors import ProveError
+    try:
+        main(argv)
+    except (ProveError, ValueError, OSError) as e:
+        raise SystemExit(f"distill: {e}") from None
+
+
 if __name__ == "__main__":
-    main()
+    cli()
