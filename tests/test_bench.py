@@ -525,3 +525,34 @@ def test_lossless_policies_and_conditional_rates():
     assert fixed_block_cost(match[0], 4, None) == 4 and flat["fixed_blocks"][4] == pytest.approx(8 / (4 + 2))
     assert flat["oracle"] >= max(flat["fixed_blocks"].values())
     assert conditional_slot_rates([3, 1, 2, 1], 3) == [1.0, 0.5, 0.5]
+
+
+# ------------------------------------------------------------ comparison at equal error (issue 16)
+def test_equal_error_comparison_hand_computed():
+    sweep = [{"theta": 0.5, "exact_match_vs_ar": 1.0, "accuracy": 0.1, "tokens_per_cycle": 1.0},
+             {"theta": 0.1, "exact_match_vs_ar": 0.8, "accuracy": 0.1, "tokens_per_cycle": 1.5},
+             {"theta": 0.05, "exact_match_vs_ar": 0.6, "accuracy": 0.05, "tokens_per_cycle": 1.4},  # dominated
+             {"theta": 0.01, "exact_match_vs_ar": 0.4, "accuracy": 0.0, "tokens_per_cycle": 2.5},
+             {"theta": 0.001, "exact_match_vs_ar": None, "accuracy": None, "tokens_per_cycle": 3.0}]
+    pts = stats.error_points(sweep)
+    assert [(p["theta"], round(p["error"], 6)) for p in pts] == [(0.5, 0.0), (0.1, 0.2), (0.05, 0.4), (0.01, 0.6)]
+    acc = stats.error_points(sweep, "accuracy", ar_accuracy=0.1)
+    assert [round(p["error"], 6) for p in acc] == [0.0, 0.0, 0.05, 0.1]
+    with pytest.raises(ValueError, match="unknown error kind"):
+        stats.error_points(sweep, "loss")
+    # envelope: (0, 1.0) (0.2, 1.5) (0.6, 2.5); the θ=0.05 point (0.4, 1.4) is dominated
+    assert stats.frontier_at(pts, 0.0) == pytest.approx(1.0)
+    assert stats.frontier_at(pts, 0.1) == pytest.approx(1.25)
+    assert stats.frontier_at(pts, 0.4) == pytest.approx(2.0)
+    assert stats.frontier_at(pts, 0.6) == pytest.approx(2.5)
+    assert stats.frontier_at(pts, 0.7) is None and stats.frontier_at([], 0.1) is None
+    # a new sweep with 10 % more tokens per cycle at every error
+    new = [dict(p, tokens_per_cycle=p["tokens_per_cycle"] * 1.1) for p in pts]
+    cmp = stats.at_equal_error(new, pts)
+    assert cmp["n"] == 3 and cmp["mean_ratio"] == pytest.approx(1.1)
+    assert cmp["points"][0]["ratio"] is None          # error 0: nothing traded
+    # the new sweep reaches less error range: points beyond it are not extrapolated
+    short = [p for p in new if p["error"] <= 0.2]
+    cmp = stats.at_equal_error(short, pts)
+    assert cmp["n"] == 1 and cmp["points"][1]["ratio"] == pytest.approx(1.1)
+    assert [r["ratio"] for r in cmp["points"][2:]] == [None, None]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -223,3 +224,90 @@ def test_workers_stop_together():
     orphan.start()
     orphan.join(timeout=120)
     assert orphan.exitcode == 1
+
+
+def test_distill_miniature_end_to_end(tmp_path):
+    """Issue 16 in miniature, on the shipped pair: generate (Engine "ar") -> soft targets -> distil the
+    verifier read from its GGUF -> HF folder -> F32 GGUF that llama.cpp loads and computes as torch does."""
+    pytest.importorskip("llama_cpp")
+    from prove_local.llama import Context, Model
+    from prove_local.train import distill
+
+    prop_path, ver_path = distill.PROPOSER, distill.VERIFIER
+    if not (prop_path.exists() and ver_path.exists()):
+        pytest.skip("embedded models not present")
+    text = "<|im_start|>user\nTom has 3 apples and buys 5 more. How many?<|im_end|>\n<|im_start|>assistant\nTom"
+
+    # the GGUF reader maps every tensor (torch logits == llama.cpp logits of the shipped verifier), and
+    # the tokenizer rebuilt from the GGUF tokenizes as llama.cpp does
+    model, meta = distill.read_gguf_model(ver_path)
+    tok = distill.tokenizer_from_gguf(meta)
+    ver = Model(ver_path)
+    ids = ver.tokenize(text)
+    assert tok.encode(text).ids == ids
+    ctx = Context(ver, n_ctx=256, n_threads=1, type_k="f32", type_v="f32")
+    try:
+        want = ctx.eval(ids, list(range(len(ids))))
+    finally:
+        ctx.close()
+    with torch.no_grad():
+        got = model.eval()(torch.tensor([ids]))[0].numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-3)
+
+    out, models = tmp_path / "run", tmp_path / "models"
+    summary = distill.main(["--out", str(out), "--n-prompts", "6", "--shard", "4", "--max-new", "12", "--topk", "4",
+                            "--epochs", "8", "--max-tokens", "4096", "--lr", "3e-3", "--warmup", "1",
+                            "--val-frac", "0.2", "--soft-weight", "0.5", "--eval-every", "1000", "--no-progress", "--install", "--force",
+                            "--models-dir", str(models)])
+    gen = summary["generate"]
+    assert gen["prompts"] == 6 and sorted(p.name for p in (out / "gen").glob("shard_*.npz")) == \
+        ["shard_0000.npz", "shard_0001.npz"]
+    # the teacher-forced pass agrees with the greedy tokens it scores (top-1 = the generated token)
+    assert gen["argmax_agree"] == gen["tokens"] > 0
+    data = distill.Data(out / "gen")
+    assert [sum(e.loss_mask) for e in data.examples] == [len(t) for t in data.topk_ids]
+    assert all(torch.all(lp[:, :-1] >= lp[:, 1:]) for lp in data.topk_logp)    # sorted, descending
+    # the loss: hard CE on the greedy token mixed with CE against the renormalised top-k
+    h = torch.randn(1, 3, 4)
+    labels = torch.tensor([[IGNORE, 2, 0]])
+    soft_ids, soft_logp = torch.tensor([[2, 1], [0, 3]]), torch.log(torch.tensor([[0.6, 0.2], [0.3, 0.1]]))
+    head = SimpleNamespace(logits=lambda x: x @ torch.eye(4))
+    loss, hard, agree, rows = distill.distill_loss(head, h, labels, soft_ids, soft_logp, 0.25)
+    logp = torch.log_softmax(h[0, 1:], -1)
+    want_hard = -(logp[0, 2] + logp[1, 0]) / 2
+    want_soft = -((0.75 * logp[0, 2] + 0.25 * logp[0, 1]) + (0.75 * logp[1, 0] + 0.25 * logp[1, 3])) / 2
+    assert rows == 2 and agree == int(logp[0].argmax() == 2) + int(logp[1].argmax() == 0)
+    torch.testing.assert_close(hard, want_hard)
+    torch.testing.assert_close(loss, 0.75 * want_hard + 0.25 * want_soft)
+
+    tr = summary["train"]
+    assert tr["train_examples"] == 5 and tr["heldout_examples"] == 1 and tr["steps"] == 8
+    log = json.loads((out / "curves" / "distill.json").read_text())["log"]
+    assert log[-1]["loss"] < log[0]["loss"]                         # it learns its training set
+    assert (out / "loss_curve.png").exists()
+
+    # the converted GGUF: role, vocabulary as the original, llama.cpp logits == the HF folder's, weights moved
+    path = models / distill.VERIFIER_GGUF
+    assert path.exists() and (out / distill.VERIFIER_GGUF).read_bytes() == path.read_bytes()
+    new = Model(path)
+    ctx = Context(new, n_ctx=256, n_threads=1, type_k="f32", type_v="f32")
+    try:
+        assert new.meta("prove.role") == "verifier" and new.meta("prove.block_size") == "16"
+        assert new.tokenize(text) == ids
+        got_new = ctx.eval(ids, list(range(len(ids))))
+    finally:
+        ctx.close()
+        new.close()
+        ver.close()
+    import gguf
+    r_old, r_new = gguf.GGUFReader(str(ver_path)), gguf.GGUFReader(str(path))
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+        assert r_old.fields[key].contents() == r_new.fields[key].contents(), key
+    with torch.no_grad():
+        ref = load_hf(out / "hf" / "verifier").eval()(torch.tensor([ids]))[0].numpy()
+    np.testing.assert_allclose(got_new, ref, rtol=1e-4, atol=2e-3)
+    assert np.abs(got_new - want).max() > 1e-3
+    # a distilled verifier is marked, and distilling it again needs --force
+    assert r_new.fields["general.name"].contents().endswith(distill.DISTILLED_SUFFIX)
+    with pytest.raises(SystemExit, match="already distilled"):
+        distill.main(["--out", str(out), "--stage", "train", "--verifier", str(path), "--no-progress"])

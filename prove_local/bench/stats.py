@@ -511,3 +511,62 @@ def distribution_check(reference: dict, outputs: dict, positions: int = 8, min_c
             "positions": len(per_pos), "samples": sum(len(v) for v in outputs.values()),
             "method": "Per-position two-sample chi-square of token frequencies over repeated seeds, "
                       "summed over prompts, Bonferroni over positions"}
+
+
+# ------------------------------------------------------------ comparison at equal error (issue 16)
+def error_points(sweep: list[dict], kind: str = "divergence", ar_accuracy: float | None = None) -> list[dict]:
+    """(θ, error, tokens per cycle) of each `prove` run of a θ sweep (results.json "theta_sweep").
+    kind "divergence": share of prompts whose output differs from `ar`'s (1 − exact_match_vs_ar);
+    kind "accuracy": the accuracy lost against `ar` (ar_accuracy − accuracy). Runs lacking the figure are left out."""
+    pts = []
+    for r in sweep:
+        tpc = r.get("tokens_per_cycle")
+        if kind == "divergence":
+            err = None if r.get("exact_match_vs_ar") is None else 1.0 - r["exact_match_vs_ar"]
+        elif kind == "accuracy":
+            err = None if r.get("accuracy") is None or ar_accuracy is None else ar_accuracy - r["accuracy"]
+        else:
+            raise ValueError(f"unknown error kind {kind!r} (divergence, accuracy)")
+        if err is not None and tpc is not None:
+            pts.append({"theta": r.get("theta"), "error": float(err), "tokens_per_cycle": float(tpc)})
+    return pts
+
+
+def frontier_at(points: list[dict], error: float) -> float | None:
+    """Tokens per cycle reachable at `error` along a θ sweep: the upper envelope (the most tokens per
+    cycle at an error ≤ e, over the sweep's points), linear between its corners; None outside the
+    sweep's error range (no extrapolation)."""
+    if not points:
+        return None
+    pts = sorted((p["error"], p["tokens_per_cycle"]) for p in points)
+    lo, hi = pts[0][0], pts[-1][0]
+    if error < lo - 1e-12 or error > hi + 1e-12:
+        return None
+    corners: list[tuple[float, float]] = []       # error increasing, tokens per cycle increasing
+    for e, t in pts:
+        if corners and t <= corners[-1][1]:
+            continue                               # dominated: more error, no more tokens
+        if corners and e == corners[-1][0]:
+            corners[-1] = (e, t)
+        else:
+            corners.append((e, t))
+    es, ts = [c[0] for c in corners], [c[1] for c in corners]
+    if error >= es[-1]:
+        return ts[-1]
+    return float(np.interp(error, es, ts))
+
+
+def at_equal_error(new: list[dict], old: list[dict]) -> dict:
+    """The ProVe paper's comparison (a verifier fine-tuned on the proposer's outputs commits 6–10 %
+    more tokens per cycle at the same error rate): at the error of each point of the `old` sweep,
+    the tokens per cycle on the envelope of each sweep (`frontier_at`) and their ratio new/old.
+    Points at error 0 or 1 of `old` (nothing to trade, or everything diverged) and errors outside the
+    new sweep's range are listed with ratio None and left out of the mean."""
+    rows = []
+    for p in sorted(old, key=lambda p: p["error"]):
+        t_new, t_old = frontier_at(new, p["error"]), frontier_at(old, p["error"])
+        ok = t_new is not None and t_old and 0.0 < p["error"] < 1.0
+        rows.append({"theta_old": p["theta"], "error": p["error"], "tokens_per_cycle_old": t_old,
+                     "tokens_per_cycle_new": t_new, "ratio": t_new / t_old if ok else None})
+    ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
+    return {"points": rows, "mean_ratio": float(np.mean(ratios)) if ratios else None, "n": len(ratios)}

@@ -257,8 +257,10 @@ def lr_at(step: int, spec: StageSpec) -> float:
 
 def train_stage(model, examples: list[Example], spec: StageSpec, *, pad_id: int, mask_id: int, seed: int,
                 log: list, name: str, eval_fn=None, eval_every: int = 0, progress: bool = True,
-                weight_decay: float = 0.1):
-    """Run one stage; appends {"step", "loss", ...} dicts to `log`. Returns the model."""
+                weight_decay: float = 0.1, loss_fn=None):
+    """Run one stage; appends {"step", "loss", ...} dicts to `log`. Returns the model.
+    `loss_fn(model, idx, ids, loss_mask) -> (loss, extra log fields)` replaces the stage's own loss
+    (idx: the batch's example indices; used by distill.py for soft targets)."""
     from tqdm import tqdm
 
     torch.manual_seed(seed)
@@ -282,7 +284,10 @@ def train_stage(model, examples: list[Example], spec: StageSpec, *, pad_id: int,
         for g in opt.param_groups:
             g["lr"] = lr_at(step, spec)
         rec = {"step": step}
-        if spec.kind == "ar":
+        if loss_fn is not None:
+            loss, extra = loss_fn(model, idx, ids, lm)
+            rec.update(loss=float(loss.detach()), **extra)
+        elif spec.kind == "ar":
             loss = ar_loss(model, ids, lm)
             rec["loss"] = float(loss.detach())
         else:
