@@ -266,8 +266,10 @@ def machine_info(threads: int | None) -> dict:
         pass
     try:
         import llama_cpp
+
+        from ..llama import gpu_offload_supported
         info["llama_cpp_python"] = llama_cpp.__version__
-        info["gpu_offload"] = bool(llama_cpp.llama_supports_gpu_offload())
+        info["gpu_offload"] = gpu_offload_supported()     # a local GPU, not only a GPU-capable (RPC) build
     except Exception:  # pragma: no cover
         pass
     return info
