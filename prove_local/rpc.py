@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import ipaddress
 import os
 import re
 import signal
@@ -37,6 +36,7 @@ import threading
 from pathlib import Path
 
 from .errors import LlamaError, UsageError
+from .hosts import is_loopback  # noqa: F401  (also this module's API)
 
 PROTOCOL = (7, 0, 0)            # RPC_PROTO_{MAJOR,MINOR,PATCH}_VERSION of the vendored ggml-rpc.h
 DEFAULT_PORT = 50052            # llama.cpp's rpc-server default
@@ -391,15 +391,6 @@ def install_abort_guard(endpoints: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------------- server
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def server_devices() -> list[int]:
     """What `rpc-server` serves by default: this machine's GPUs, else its CPU."""
     lib = library()

@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import functools
 import hmac
-import ipaddress
 import json
 import logging
 import socket
@@ -45,6 +44,7 @@ from pathlib import Path
 from . import modes, planner
 from .errors import (ContextFull, EngineBusy, LlamaError, MissingExtra, ModeError, ProveError,
                      TemplateMissing, UsageError)
+from .hosts import is_loopback  # noqa: F401  (also this module's API)
 from .loading import PARALLEL, TAU, THETA, add_model_args, add_width_args, int_in
 
 DEFAULT_HOST = "127.0.0.1"
@@ -84,15 +84,6 @@ def add_parser(sub) -> None:
                    help="temperature when a request gives none (default 0: greedy, so that the exact modes "
                         "answer exactly as greedy decoding; OpenAI's default would be 1.0, llama-server's 0.8)")
     p.set_defaults(func=cmd_serve)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False                   # a host name: it may resolve beyond this machine
 
 
 def exposure_warning(host: str, port: int, keys: list[str]) -> str | None:
