@@ -247,7 +247,8 @@ def _quantize_with_llama_cpp(src: Path, dst: Path, ftype: FT, progress: bool = F
     try:
         proc = subprocess.Popen([sys.executable, "-m", "prove_local.convert.quantize", str(src), str(dst),
                                  str(int(ftype))], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
+                                stderr=subprocess.PIPE, start_new_session=True,
+                                env={**os.environ, "PROVE_QUANTIZE_PARENT": str(os.getpid())})   # see quantize.py
     except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         raise
