@@ -96,7 +96,7 @@ def soak(cycles: int, *, seed: int = 0, max_new: int = 64, check_every: int = 10
     engine = Engine.load(prop, ver, ver, **options)
     reference = Context(prop, **options)
     modes = list(MODES)
-    stats = {m: {"requests": 0, "cycles": 0, "tokens": 0} for m in modes}
+    stats = {m: {"requests": 0, "sampled": 0, "cycles": 0, "tokens": 0} for m in modes}
     counts = {"requests": 0, "cycles": 0, "early_closes": 0, "follow_up_turns": 0, "context_full_resets": 0,
               "checks": 0, "mismatches": 0, "errors": 0}
     errors: list[str] = []
@@ -124,6 +124,7 @@ def soak(cycles: int, *, seed: int = 0, max_new: int = 64, check_every: int = 10
         stop_after = rng.randint(1, 6) if rng.random() < close_early else None
         counts["requests"] += 1
         stats[mode]["requests"] += 1
+        stats[mode]["sampled"] += temperature > 0
         prompt = conv.prompt_tokens(user)
         out: list[int] = []
         n = 0
