@@ -18,7 +18,6 @@ from .llama import Context, Model
 from .modes import MODES, Plan
 from .planner import Costs, Planner
 
-MODE_NAMES = modes.NAMES
 DEFAULT_BLOCK = 16
 
 
@@ -41,12 +40,17 @@ class Settings:
     seed: int | None = None
 
 
+def planned(s: Settings) -> bool:
+    """Whether the planner decides the widths of these settings: only what the mode has (spec's
+    draft length, the others' block)."""
+    return s.draft_k == "auto" if s.mode == "spec" else (s.block == "auto" and MODES[s.mode].uses_block)
+
+
 def seed_note(s: Settings) -> str | None:
     """Why a seed will not reproduce this sampled request, if it will not: under 'auto' widths the
     planner's choices follow measured timings, and they decide how the random stream is consumed
     (the output stays distributed exactly as ar sampling; it is the text that is not repeatable)."""
-    auto = s.draft_k == "auto" if s.mode == "spec" else (s.block == "auto" and MODES[s.mode].uses_block)
-    if s.seed is not None and s.temperature > 0 and auto:
+    if s.seed is not None and s.temperature > 0 and planned(s):
         return ("the seed repeats a sampled answer only with fixed widths (--block N / --draft-k N, or the "
                 "request's block / draft_k): 'auto' widths follow measured timings")
     return None
@@ -186,11 +190,10 @@ class Engine:
         return Generation(self, self.active)
 
     def prepare(self, s: Settings) -> bool:
-        """Whether the planner decides this request's widths (it decides only what the mode has: spec's
-        draft length, the others' block); calibrates the pass costs first if so, or if the thread count
-        is left to measurement, and not yet done.
+        """Whether the planner decides this request's widths (`planned`); calibrates the pass costs
+        first if so, or if the thread count is left to measurement, and not yet done.
         Front ends call it before timing anything (the first request would otherwise pay for it)."""
-        auto = s.draft_k == "auto" if s.mode == "spec" else (s.block == "auto" and MODES[s.mode].uses_block)
+        auto = planned(s)
         threads_open = self.context_options is not None and self.context_options.get("n_threads") is None
         if (auto or threads_open) and self.planner.costs is None:
             self.calibrate()        # (also picks the thread count of small models when --threads is not set)

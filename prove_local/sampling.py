@@ -22,8 +22,10 @@ uniform per call, in this documented order within a cycle:
     1. proposal: one uniform per drawn slot or draft token, in slot order (ar: its one token);
     2. verification: one uniform per accept test, in slot order, stopping at the first rejection;
     3. one uniform for the residual token (after a rejection) or the bonus token (after a full match).
-So a fixed seed reproduces the output of a mode exactly across runs (different modes consume the
-stream differently, so they reproduce their own outputs, not each other's).
+So a fixed seed reproduces the output of a mode exactly across runs when its widths are fixed
+(different modes, and different widths, consume the stream differently: under `--block auto` the
+planner's timing-driven widths make the same seed give the same distribution, not the same text;
+engine.seed_note says so to the user).
 """
 from __future__ import annotations
 

@@ -455,6 +455,16 @@ def test_two_pages_decode_at_the_same_time_with_parallel_2(browser, models, monk
         demo.close()
 
 
+def test_inspector_sampled_cycle_with_a_verify_prefix():
+    """A sampled lossless cycle whose planner verified 2 of 4 slots: slots 3-4 were never tested."""
+    c = Cycle([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8], [1, 2, 9], 2, {"proposer": 2},
+              widths={"proposer": [4, 2]}, accept_prob=[1.0, 0.7], residual=False)
+    rows = view.inspect_cycle(c, "lossless", token_text=name)
+    assert [r.status for r in rows[:4]] == ["committed", "committed", "dropped", "dropped"]
+    assert all("not verified" in r.verdict for r in rows[2:4]), [r.verdict for r in rows]
+    assert "min(1, p/q) = 0.7" in rows[1].verdict.replace("0.700", "0.7")
+
+
 def test_inspector_shows_the_planners_widths():
     """--block auto: a lossless cycle that verified a prefix, and a plain ar cycle inside a lossless answer."""
     c = Cycle([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8], [1, 2, 9], 2, {"proposer": 2},

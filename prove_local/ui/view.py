@@ -154,34 +154,29 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
             else:
                 verdict = (f"{name} ≥ {thr}, but after the first failure" if ok[i]
                            else f"{name} < {thr}, after the first failure")
-        elif cycle.accept_prob is not None:  # lossless, spec, sampled: exact speculative sampling
-            a = cycle.accept_prob[i] if i < len(cycle.accept_prob) else None
-            if committed:
-                gate = True
-                verdict = ("slot 1 is an exact sample of the target: always accepted" if mode == "lossless" and i == 0
-                           else f"accepted (probability min(1, p/q) = {_fmt(a)})")
-            elif i == na and extra:
-                gate = False
-                verdict = f"rejected (acceptance probability {_fmt(a)}): replaced by a draw from the residual"
-            elif not extra and cycle.stop:
-                gate, verdict = None, cut
-            else:
-                gate, verdict = None, "not tested: after the first rejection"
-        else:  # lossless, spec: matched against the target's greedy token
+        else:  # lossless, spec: matched against the target's greedy token, or (sampled) tested by
+            # exact speculative sampling with probability min(1, p/q)
+            sampled = cycle.accept_prob is not None
+            a = cycle.accept_prob[i] if sampled and i < len(cycle.accept_prob) else None
             target = "the proposer's" if mode == "lossless" else "the target's"
             if committed:
                 gate = True
-                verdict = ("slot 1 is the AR token: always matches" if mode == "lossless" and i == 0
-                           else f"= {target} greedy token")
+                if mode == "lossless" and i == 0:
+                    verdict = ("slot 1 is an exact sample of the target: always accepted" if sampled
+                               else "slot 1 is the AR token: always matches")
+                else:
+                    verdict = f"accepted (probability min(1, p/q) = {_fmt(a)})" if sampled else f"= {target} greedy token"
             elif i >= n_checked:
                 gate, verdict = None, f"not verified: the planner verified the first {n_checked} of {k} slots"
             elif i == na and extra:
                 gate = False
-                verdict = f"≠ {target} greedy token {token_text(extra[0])}: replaced"
+                verdict = (f"rejected (acceptance probability {_fmt(a)}): replaced by a draw from the residual"
+                           if sampled else f"≠ {target} greedy token {token_text(extra[0])}: replaced")
             elif not extra and cycle.stop:
                 gate, verdict = None, cut
             else:
-                gate, verdict = None, "not checked: after the first mismatch"
+                gate, verdict = None, ("not tested: after the first rejection" if sampled
+                                       else "not checked: after the first mismatch")
         acc = cycle.accept_prob[i] if cycle.accept_prob is not None and i < len(cycle.accept_prob) else None
         rows.append(SlotRow(i + 1, d[i], token_text(d[i]), p[i], qi, pq, gate, verdict,
                             "committed" if committed else "dropped", acc))
