@@ -303,10 +303,10 @@ def _label(value) -> str:
 
 def draft_counts(mode: str, cycles) -> tuple[int, int]:
     """llama.cpp's draft_n / draft_n_accepted for our cycles: the tokens proposed (MARS block slots,
-    or spec's drafts) and those accepted. Plain ar proposes nothing."""
-    if mode == "ar":
-        return 0, 0
-    return sum(len(c.proposed) for c in cycles), sum(c.n_accepted for c in cycles)
+    or spec's drafts) and those accepted. Plain ar proposes nothing, nor do the plain ar cycles that
+    the planner runs inside another mode (--block auto)."""
+    drafted = [c for c in cycles if planner.chosen(mode, c)[0] != "ar"]
+    return sum(len(c.proposed) for c in drafted), sum(c.n_accepted for c in drafted)
 
 
 @dataclass
