@@ -73,8 +73,22 @@ def _load_cache(path: Path) -> dict:
         return {"version": CACHE_VERSION, "entries": {}}
 
 
+def _prune(data: dict) -> None:
+    """Drop the entries of model files that are gone or changed (a deleted download, a test's temporary
+    model): the key starts with the file's path, size and mtime, so such entries can never be read again."""
+    def current(key: str) -> bool:
+        path, size, mtime = (key.split("|") + ["", "", ""])[:3]
+        try:
+            st = Path(path).stat()
+        except OSError:
+            return False
+        return f"{st.st_size}" == size and f"{st.st_mtime_ns}" == mtime
+    data["entries"] = {k: v for k, v in data["entries"].items() if current(k)}
+
+
 def _save_cache(path: Path, data: dict) -> None:
     from .files import write_atomic
+    _prune(data)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(data, indent=1, sort_keys=True))

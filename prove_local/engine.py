@@ -150,11 +150,13 @@ class Engine:
         room = self.n_ctx - len(self.tokens)
         mode = req.settings.mode
         if req.auto:
-            # tokens each context will be fed before its new ones (at least the last: rules._pending)
-            pending = {r: max(1, len(self.tokens) - c.n_past) for r, c in self.contexts.items()}
-            return self.planner.plan(mode, pending, req.block, room, key=_stats_key(req.settings))
+            return self.planner.plan(mode, self._pending, req.block, room, key=req.key)
         k = req.settings.draft_k if req.settings.draft_k != "auto" else 4
         return Plan(block=max(1, min(req.block, room)), draft_k=max(0, min(k, room)))
+
+    def _pending(self) -> dict[str, int]:
+        """Tokens each context will be fed before its new ones (at least the last: rules._pending)."""
+        return {r: max(1, len(self.tokens) - c.n_past) for r, c in self.contexts.items()}
 
     def _sync(self) -> None:
         """Drop from every cache whatever is not a committed prefix (after a cut or an interrupt)."""
@@ -186,7 +188,7 @@ class Engine:
         seed = s.seed if s.seed is not None else secrets.randbits(63)
         auto = self.prepare(s)
         self.active = Request(list(prompt), s, s.block if isinstance(s.block, int) else self.block_size, auto=auto,
-                              seed=seed, sampler=sampling.Sampler.for_settings(s, seed))
+                              seed=seed, sampler=sampling.Sampler.for_settings(s, seed), key=_stats_key(s))
         return Generation(self, self.active)
 
     def prepare(self, s: Settings) -> bool:
@@ -215,7 +217,10 @@ class Engine:
         s = req.settings
         t0 = time.perf_counter()
         n_pre = 0
-        for role in mode.roles:          # prefill: all but the last token, in the contexts the mode uses
+        # prefill: all but the last token, in the contexts the mode uses; under the planner only the
+        # proposer's (its partner catches up in its first cycle: a planner that stays with ar never
+        # pays for a verifier's or draft's prefill)
+        for role in (("proposer",) if req.auto else mode.roles):
             ctx = self.contexts[role]
             n_pre += max(0, len(self.tokens) - 1 - ctx.n_past)
             if ctx.n_past < len(self.tokens) - 1:
@@ -237,7 +242,7 @@ class Engine:
             if not cycle.committed:
                 raise RuntimeError(f"mode {s.mode}: a cycle committed no token (a decoding rule is broken)")
             if s.mode != "ar":                       # acceptance statistics and costs, every cycle
-                self.planner.observe(s.mode, cycle, _stats_key(s))  # (plain ar has nothing to learn)
+                self.planner.observe(s.mode, cycle, req.key, planned=req.auto)  # (plain ar: nothing to learn)
                 if self.planner.recheck:
                     self._recheck_threads()
             run, stop = cycle.committed, None
@@ -282,6 +287,7 @@ class Request:
     stop: str | None = None
     seed: int | None = None                    # the seed of `sampler`'s generator (settings.seed or drawn)
     sampler: sampling.Sampler | None = field(default=None, repr=False)   # None: greedy
+    key: str = ""                              # the planner's statistics key (_stats_key)
 
     @property
     def n_prompt(self) -> int:

@@ -17,8 +17,9 @@ What it knows:
     slot was) and a calibration of p̃ (how often a slot with a given p̃ is accepted), both with
     exponential forgetting so that they follow the text.
 Like vLLM PR #44336's goodput(K) = E[accepted](K) / cost(K), but with the measured curve of this
-machine, per-slot rates, an ε-greedy exploration that keeps the statistics of unused widths fresh and
-hysteresis so that the choice does not flap. On this 2-core CPU t(16)/t(1) is 4-10
+machine, per-slot rates, an ε-greedy exploration that keeps the statistics of unused widths fresh
+(within a regret budget: what explorations lose stays under 1 % of the time) and hysteresis so that the
+choice does not flap. While plain ar is the choice, the planner costs ~1 µs per cycle (quiet runs). On this 2-core CPU t(16)/t(1) is 4-10
 (../shared/notes/llama-cpp-build.md), so B = 2-3 is the sweet spot; on a GPU the curve is flat and the
 full block wins.
 
@@ -44,6 +45,7 @@ _UPPER: dict[int, np.ndarray] = {}
 
 
 AR_SAMPLE = 8                                   # ar cycles per one whose cost the planner records
+AFTER_EXPLORATION = 8                           # cycles after an exploration whose excess time is charged to it
 AR_PLAN = Plan(block=1, draft_k=0, mode="ar")   # the fallback: a plain ar cycle
 
 
@@ -203,12 +205,27 @@ class Planner:
     explore: probability of an exploratory cycle (to keep statistics fresh; see _explore);
     hysteresis: a new width must beat the current one's expected rate by this share;
     ar_margin: a width must beat plain ar by this share (estimates are noisy; ar is the safe side);
-    replan_every: the best width is recomputed every so many cycles (the planner's own time)."""
+    replan_every: the best width is recomputed every so many cycles (the planner's own time);
+    explore_budget: explorations may cost at most this share of the decoding time (see _budget_left)."""
 
     def __init__(self, costs: Costs | None = None, *, explore: float = 0.02, explore_wide: float = 0.1,
                  hysteresis: float = 0.03, ar_margin: float = 0.05, replan_every: int = 16, k_max: int = 8,
-                 seed: int = 0, explore_by_rate: bool = True):
+                 seed: int = 0, explore_by_rate: bool = True, explore_budget: float = 0.01):
         self.costs = costs
+        # the regret budget: an exploration's regret is the time it took beyond what the choice it
+        # displaced would have taken for the tokens it committed (a draft's catch-up pass after a run
+        # of ar cycles included), plus the same excess of the AFTER_EXPLORATION cycles after it (passes
+        # right after a change of width run slower for a few passes: measured on the embedded pair, the
+        # exploration cycles alone accounted for 1.0 % of the time while exploring cost 2.7 %);
+        # explorations stop while the summed regret exceeds explore_budget x the decoding time seen,
+        # so that where ar wins by far, auto loses at most ~1 % to it
+        self.explore_budget = explore_budget
+        self.elapsed = 0.0                            # seconds of every observed cycle
+        self.regret = 0.0                             # seconds lost to explorations (>= 0)
+        self._displaced: float | None = None          # expected rate of the choice the pending exploration displaced
+        self._after = 0                               # cycles after an exploration still charged to it
+        self._quiet: dict[str, int] = {}              # ar cycles left before the next draw or replan, per key
+        self._draw: dict[str, bool] = {}              # the next cycle attempts an exploration, per key
         # an exploration is carried out with probability rate(its width) / rate(best) (from the last
         # replan): widths the model already expects to be far worse are explored rarely, so that on a
         # steep curve exploring costs at most explore / 4 of the time (x(1-x) <= 1/4) instead of the
@@ -234,9 +251,14 @@ class Planner:
             self.stats[mode] = SlotStats()
         return self.stats[mode]
 
-    def observe(self, mode: str, cycle, key: str | None = None) -> None:
+    def observe(self, mode: str, cycle, key: str | None = None, planned: bool = True) -> None:
         """Update the statistics from one cycle (any mode, fixed or planned widths). `key` names the
-        statistics and choice when a mode's acceptance depends on a setting (prove@θ, mars@τ)."""
+        statistics and choice when a mode's acceptance depends on a setting (prove@θ, mars@τ);
+        `planned`: the planner chose its widths (only those cycles count for the regret budget)."""
+        if planned:
+            self.elapsed += cycle.seconds
+            if self._displaced is not None:
+                self._account(cycle)
         kind, b, v = chosen(mode, cycle)
         if kind == "ar":
             # an ar cycle has no acceptance to learn; its cost and overhead are sampled (1 in
@@ -265,6 +287,17 @@ class Planner:
             self.slow_streak = self.slow_streak + 1 if worst > 4.0 else 0
             if self.slow_streak >= 8:
                 self.recheck, self.slow_streak = True, 0
+
+    def _account(self, cycle) -> None:
+        """The regret budget's books for an exploration, or one of the cycles after it: what it lost."""
+        lost = cycle.seconds - len(cycle.committed) / self._displaced
+        self.regret = max(0.0, self.regret + lost)
+        if self._after:
+            self._after -= 1
+        else:                                     # the exploration itself: charge the next cycles too
+            self._after = AFTER_EXPLORATION
+        if not self._after:
+            self._displaced = None
 
     # ---------------------------------------------------------------------- expected rates
     def _oh(self, kind: str, width: int | None = None) -> float:
@@ -309,25 +342,32 @@ class Planner:
         return out
 
     # ---------------------------------------------------------------------- the plan
-    def plan(self, mode: str, pending: dict, block_max: int, room: int, key: str | None = None) -> Plan:
-        """The plan of the next cycle of `mode` (pending: committed tokens not yet in each context;
-        key: as for `observe`)."""
+    def plan(self, mode: str, pending, block_max: int, room: int, key: str | None = None) -> Plan:
+        """The plan of the next cycle of `mode` (pending: committed tokens not yet in each context, a
+        dict or a function returning it, called only when the options are recomputed; key: as for
+        `observe`). While ar is the choice, runs of ar cycles up to the next exploration draw or replan
+        are returned without any other work (a quiet run: ~0.3 us per cycle instead of ~3)."""
         key = key or mode
+        q = self._quiet.get(key)
+        if q:
+            self._quiet[key] = q - 1
+            return AR_PLAN
         block_max = min(block_max, N_SLOTS)
         cap = max(1, min(block_max, room))
         kcap = max(0, min(self.k_max, room - 1))
-        if self.rng.random() < self.explore:
+        cur = self.current.get(key)
+        draw = self._draw.pop(key, False) or self.rng.random() < self.explore
+        if draw and self._budget_left():
             ex = self._explore(mode, cap, kcap, key)
             if self._worth_exploring(ex, mode, key):
+                self._displaced = cur.rate if cur is not None else None
+                self._after = 0                    # (its own window starts when it is observed)
                 return ex
-        cur = self.current.get(key)
         age = self.age.get(key, 0)
-        if cur is None or age >= self.replan_every:
+        if cur is None or age >= self._replan_after(cur):
             self._bin_rates = None                 # refreshed by the next verify_width
-            options = self.rates(mode, pending, block_max, key)
+            options = self.rates(mode, pending() if callable(pending) else pending, block_max, key)
             self._options[key] = options
-            # a one-slot block is ar with more work (lossless: two one-token passes for two tokens;
-            # prove: an extra verifier pass), so it is never chosen, only explored
             ar = options[0]
             # a width must beat plain ar clearly; a one-slot block is ar with more work (lossless: two
             # one-token passes for two tokens; prove: an extra verifier pass): explored, never chosen
@@ -340,8 +380,9 @@ class Planner:
                     best = now                         # hysteresis: keep the current choice
             self.current[key] = cur = best
             self.age[key] = 0
-        self.age[key] = self.age.get(key, 0) + 1
+        age = self.age[key] = self.age.get(key, 0) + 1
         if cur.kind == "ar":
+            self._quiet_run(key, age)
             return AR_PLAN
         if mode == "spec":
             return Plan(block=1, draft_k=min(cur.width, kcap))
@@ -350,6 +391,30 @@ class Planner:
             rate = cur.rate
             return Plan(block=b, verify=lambda p: self.verify_width(p, rate))
         return Plan(block=b, draft_k=0)
+
+    def _replan_after(self, cur: Choice) -> int:
+        """Cycles between replans: ar cycles teach the statistics nothing (only the cost scale moves, 1
+        in AR_SAMPLE), so while ar is the choice the options are recomputed 4x less often."""
+        return self.replan_every * 4 if cur.kind == "ar" else self.replan_every
+
+    def _quiet_run(self, key: str, age: int) -> None:
+        """Set the ar cycles that follow without an exploration draw or a replan: the cycles until the
+        next exploration draw would succeed (a geometric gap: the same chance per cycle as drawing every
+        cycle; that cycle then explores if the budget allows) or until the replan, whichever is first."""
+        left = self._replan_after(self.current[key]) - age
+        if left <= 0:
+            return
+        if self.explore <= 0.0:
+            gap = left
+        elif self.explore >= 1.0:
+            gap = 0
+        else:
+            gap = int(math.log(1.0 - self.rng.random()) / math.log(1.0 - self.explore))
+        if gap < left:
+            self._draw[key] = True                 # the cycle after the run attempts an exploration
+        n = min(gap, left)
+        self._quiet[key] = n
+        self.age[key] = age + n
 
     def verify_width(self, p, rate: float) -> int:
         """After the proposal pass: the verify width v maximising E[committed | p̃, v] - rate * t(v)
@@ -369,6 +434,10 @@ class Planner:
             if value > best:
                 best_v, best = v, value
         return best_v
+
+    def _budget_left(self) -> bool:
+        """Whether the explorations' summed regret is within explore_budget x the time seen."""
+        return self.regret <= self.explore_budget * self.elapsed
 
     def _worth_exploring(self, ex: Plan, mode: str, key: str) -> bool:
         """Carry out an exploration with probability rate(its width) / rate(best choice)."""
@@ -402,6 +471,7 @@ class Planner:
         return {"current": {m: {"kind": c.kind, "width": c.width, "tokens_per_second": round(c.rate, 1)}
                             for m, c in self.current.items()},
                 "scale": dict(self.costs.scale) if self.costs else {},
+                "exploration_regret_share": round(self.regret / self.elapsed, 4) if self.elapsed else 0.0,
                 "overhead_us": {k if isinstance(k, str) else f"{k[0]}@{k[1]}": round(v * 1e6, 1)
                                 for k, v in sorted(self.overhead.items(), key=str)},
                 "stats": {m: s.summary() for m, s in self.stats.items()}}

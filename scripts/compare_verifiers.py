@@ -52,8 +52,10 @@ def compare(old: dict, new: dict) -> dict:
     for theta in sorted(set(by_theta["old"]) & set(by_theta["new"])):
         o, n = by_theta["old"][theta], by_theta["new"][theta]
         ao, an = old["auc"].get(o["run"], {}), new["auc"].get(n["run"], {})
-        out["auc"].append({"theta": theta, "old": {k: ao.get(k) for k in ("p", "q", "pq", "n_pos", "n_neg")},
-                           "new": {k: an.get(k) for k in ("p", "q", "pq", "n_pos", "n_neg")}})
+        keys = ("p", "q", "pq", "n_pos", "n_neg")
+        out["auc"].append({"theta": theta, "old": {k: ao.get(k) for k in keys}, "new": {k: an.get(k) for k in keys},
+                           "old_positional": {k: ao.get("positional", {}).get(k) for k in keys},
+                           "new_positional": {k: an.get("positional", {}).get(k) for k in keys}})
         out["sweep"].append({"theta": theta, **{f"{k}_{side}": r.get(k) for side, r in (("old", o), ("new", n))
                                                  for k in ("tokens_per_cycle", "exact_match_vs_ar", "accuracy")}})
     for kind in ("divergence", "accuracy"):
@@ -73,12 +75,19 @@ def markdown(c: dict) -> str:
          f"- new: `{c['new']['verifier']}`, ρ = {_f(c['new']['rho'], 2)}",
          f"- {c['n_prompts']} prompts, ≤ {c['max_new']} new tokens; `ar` accuracy {_f(c['ar_accuracy'])}", "",
          "## AUC as detectors of \"slot i is on the greedy path\"", "",
+         "On path: the proposed block up to and including slot i is the greedy path (what the gate decides).", "",
          "| θ | p̃ (old) | q (old) | p̃·q (old) | p̃ (new) | q (new) | p̃·q (new) | slots on / off path (new) |",
          "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in c["auc"]:
         o, n = r["old"], r["new"]
         L.append(f"| {r['theta']:g} | {_f(o['p'])} | {_f(o['q'])} | {_f(o['pq'])} | {_f(n['p'])} | {_f(n['q'])} | "
                  f"{_f(n['pq'])} | {n['n_pos']} / {n['n_neg']} |")
+    L += ["", "Positional event (slot i's token equals the greedy token at its position, whatever came before it):", "",
+          "| θ | p̃ (old) | q (old) | p̃·q (old) | p̃ (new) | q (new) | p̃·q (new) |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in c["auc"]:
+        o, n = r.get("old_positional") or {}, r.get("new_positional") or {}
+        L.append(f"| {r['theta']:g} | {_f(o.get('p'))} | {_f(o.get('q'))} | {_f(o.get('pq'))} | {_f(n.get('p'))} | "
+                 f"{_f(n.get('q'))} | {_f(n.get('pq'))} |")
     L += ["", "## θ sweep", "", "| θ | tokens/cycle old | new | = ar output old | new | accuracy old | new |",
           "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in c["sweep"]:

@@ -67,6 +67,21 @@ def test_slot_labels_and_rates_exact_mode():
     assert a["pq"] == pytest.approx(stats.auc([0.81, 0.56, 0.03, 0.1, 0.81, 0.81, 0.48, 0.12], [1, 1, 0, 0, 1, 1, 1, 1]))
 
 
+def test_on_path_label_is_the_leading_run_and_positional_is_reported_too():
+    """A slot after a wrong one is off the greedy path even when its own token happens to equal the
+    greedy token at its position (the positional event): the AUCs score the former by default."""
+    cycles = [cyc(0, [10, 99, 12, 13], [10], p=[0.9, 0.2, 0.8, 0.7], q=[0.9, 0.1, 0.05, 0.05]),
+              cyc(1, [11, 12, 98], [11, 12], p=[0.9, 0.6, 0.3], q=[0.9, 0.8, 0.2])]
+    labels = stats.slot_labels(cycles, REF, REF)
+    assert [r["match"] for r in labels] == [True, False, True, True, True, True, False]
+    assert [r["on_path"] for r in labels] == [True, False, False, False, True, True, False]
+    on, pos = stats.detector_aucs(labels), stats.detector_aucs(labels, "match")
+    # q reads the wrong slot before slots 2-3 of cycle 0 and scores them low: a perfect detector of
+    # the leading run, a poor one of positional matches; p̃ (blind to earlier slots) the other way round
+    assert on["q"] == 1.0 and pos["q"] < 0.75 and pos["p"] > on["p"]
+    assert (on["n_pos"], pos["n_pos"]) == (3, 5)
+
+
 def test_slot_labels_stop_at_divergence_and_reference_end():
     # lossy run: commits a wrong token at position 2, so cycles starting after 2 are not labelled
     gen = [10, 11, 50, 51, 52]
@@ -265,6 +280,23 @@ def synthetic() -> BenchData:
     d = BenchData(prompts, [[1, 2, 3]] * 2, runs, gens)
     d.pass_cost = {"proposer": {1: 0.01, 2: 0.015, 4: 0.02, 8: 0.04}, "verifier": {1: 0.005, 2: 0.006, 4: 0.008, 8: 0.01}}
     return d
+
+
+def test_planner_ar_cycles_are_left_out_of_the_slot_analyses():
+    """An auto run's plain ar cycles (one-token proposals, widths {"proposer": [1]}) are not proposals:
+    slot match rates, AUCs and matched runs count the proposing cycles only."""
+    d = synthetic()
+    for g in d.generations:
+        if g.run == "lossless":
+            ar1 = cyc(0, [10], [10], passes={"proposer": 1})
+            ar1.widths = {"proposer": [1]}
+            block = cyc(1, [11, 12, 99], [11, 12, 13], passes={"proposer": 2}, p=[0.9, 0.7, 0.1], q=[0.9, 0.9, 0.2])
+            block.widths = {"proposer": [3, 3]}
+            g.cycles = [ar1, block]
+    res = build_results(d, meta={"command": "x", "settings": {"max_new": 8, "block": "auto"}})
+    assert res["position_match_rate"]["lossless"]["n"] == [2, 2, 2]        # 2 prompts x 1 proposing cycle
+    assert res["position_match_rate"]["lossless"]["rate"] == [1.0, 1.0, 0.0]
+    assert res["auc"]["lossless"]["n_pos"] == 4 and res["auc"]["lossless"]["n_neg"] == 2
 
 
 def test_build_results_on_synthetic_runs(tmp_path):

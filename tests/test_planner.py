@@ -212,6 +212,23 @@ def test_calibration_is_cached_per_configuration(models, cache_dir):
     assert not [p for p in cache_dir.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_calibration_cache_forgets_models_that_are_gone(models, cache_dir, tmp_path):
+    """Entries of deleted (or rewritten) model files can never be read again: the next save drops them,
+    so the cache does not grow with every temporary model."""
+    import shutil
+    prop, _ = models
+    opts = dict(n_threads=1, type_k="f32", type_v="f32")
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(prop.path, copy)
+    gone = Model(copy)
+    calibrate.calibrate(gone, opts, budget_s=0.05)
+    gone.close()
+    copy.unlink()
+    calibrate.calibrate(prop, opts, budget_s=0.05)
+    keys = list(json.loads((cache_dir / "calibration.json").read_text())["entries"])
+    assert len(keys) == 1 and keys[0].startswith(str(Path(prop.path).resolve()) + "|")
+
+
 def test_calibration_chooses_threads_when_not_fixed(models):
     prop, _ = models
     cal = calibrate.calibrate(prop, dict(type_k="f32", type_v="f32"), budget_s=0.05)
@@ -345,3 +362,80 @@ def test_a_kept_choice_must_still_beat_ar_clearly():
     st = pl.stats_for("lossless")
     st.accepted[1:16] = [0.0] * 15                      # nothing is accepted any more
     assert pl.plan("lossless", {"proposer": 1}, 16, 100).mode == "ar"
+
+
+def test_explorations_stay_within_the_regret_budget():
+    """Where ar wins by far, explorations stop once the time they lost (beyond what ar would have
+    taken for their tokens) passes explore_budget x the time seen: however dear an exploration is
+    (here a catch-up pass that costs 40 ar passes), auto loses at most ~that share to ar."""
+    from prove_local.rules import Cycle
+
+    def simulate(budget):
+        pl = planner_with({1: 1.0, 2: 3.0, 64: 200.0}, [1.0] + [0.5] * 15, seed=7, explore_budget=budget)
+        pl.explore, pl.explore_by_rate = 0.2, False
+        lost = total = 0.0
+        for _ in range(20000):
+            plan = pl.plan("spec", {"proposer": 1, "draft": 1}, 16, 100)
+            if plan.mode == "ar":
+                c = Cycle([5], [0.9], None, [5], 1, {"proposer": 1}, {"proposer": [1]}, {"proposer": 1.0}, 1.0)
+            else:       # a spec exploration: dear, and commits 2 tokens
+                k = plan.draft_k
+                c = Cycle([5] * k, [0.9] * k, [0.9] * k, [5, 5], 1, {"draft": k, "proposer": 1},
+                          {"draft": [40] + [1] * (k - 1), "proposer": [1 + k]}, {"draft": 39.0, "proposer": 1.0}, 40.0)
+                lost += 40.0 - 2 * 1.0
+            pl.observe("spec", c)
+            total += c.seconds
+        return lost / total, pl.summary()["exploration_regret_share"]
+    unbounded, _ = simulate(1e9)
+    bounded, reported = simulate(0.01)
+    assert unbounded > 0.5                       # explore = 0.2 of cycles at 40x the cost: most of the time
+    # the budget, plus at most one exploration past it (38 s lost over ~20,000 s)
+    assert bounded <= 0.01 + 38 / 20000 and reported <= 0.01 + 38 / 20000, (bounded, reported)
+    assert bounded > 0.005                       # still exploring, within the budget
+    # fixed-width requests feed the statistics but not the budget's time (it would grow the budget)
+    pl = planner_with({1: 1.0, 64: 64.0}, [1.0] + [0.5] * 15)
+    c = Cycle([5, 6], [0.9, 0.9], [0.9, 0.9], [5, 6, 7], 2, {"proposer": 2}, {"proposer": [2, 2]}, {"proposer": 3.0}, 4.0)
+    pl.observe("lossless", c, planned=False)
+    assert pl.elapsed == 0.0 and pl.stats_for("lossless").tested[1] > 1e6
+    pl.observe("lossless", c)
+    assert pl.elapsed == 4.0
+
+
+def test_under_the_planner_a_partner_is_prefilled_only_when_used(models, ar_outputs):
+    """An auto request prefills only the proposer: while the planner stays with ar the draft is never
+    evaluated (no prefill paid for nothing); when it drafts, the draft catches up in that cycle and
+    the output is still ar's."""
+    prop, draft = models
+    engine = Engine.load(prop, None, draft, **F32)
+    steep = {1: 1.0, 2: 3.0, 64: 200.0}
+    engine.planner = Planner(Costs({"proposer": steep, "draft": steep}), explore=0.0)
+    prompt = prop.tokenize(PROMPTS[4])
+    cycles, out = run(engine, prompt, mode="spec", draft_k="auto")
+    assert out == ar_outputs[PROMPTS[4]]
+    assert engine.contexts["draft"].n_decode == 0 and all(c.widths.get("draft") is None for c in cycles)
+    flat = {1: 1.0, 64: 1.0}
+    engine.planner = Planner(Costs({"proposer": flat, "draft": {1: 0.01, 64: 0.64}}), explore=0.0)
+    cycles, out = run(engine, prompt, mode="spec", draft_k="auto")
+    assert out == ar_outputs[PROMPTS[4]]
+    first = cycles[0].widths["draft"][0]
+    assert first >= len(prompt) - 1               # the catch-up: the whole prompt in the first draft pass
+
+
+def test_quiet_runs_keep_the_exploration_rate():
+    """While ar is the choice the planner hands out runs of ar cycles up to the next exploration draw
+    (a geometric gap) or replan without doing anything else; explorations still come at the configured
+    rate per cycle, and the options are still recomputed (every 4 x replan_every cycles)."""
+    pl = planner_with({1: 1.0, 2: 3.0, 64: 200.0}, [1.0] + [0.5] * 15, seed=11)
+    pl.explore, pl.explore_wide, pl.explore_by_rate, pl.explore_budget = 0.1, 0.0, False, 1e9
+    plans = [pl.plan("lossless", {"proposer": 1}, 16, 1000) for _ in range(20000)]
+    explored = sum(p.mode != "ar" for p in plans) / len(plans)
+    assert 0.09 < explored < 0.11, explored
+    assert pl.current["lossless"].kind == "ar"
+    calls = []
+    pl.rates = lambda *a, **k: calls.append(1) or Planner.rates(pl, *a, **k)
+    pending = lambda: calls.append("pending") or {"proposer": 1}
+    for _ in range(6400):
+        pl.plan("lossless", pending, 16, 1000)
+    # ~6400 / (4 x 16) replans (an exploration does not age the choice, so a few fewer), and the
+    # pending counts are asked for only then
+    assert 80 <= calls.count(1) <= 100 and calls.count("pending") == calls.count(1), calls.count(1)

@@ -255,18 +255,36 @@ def test_distill_miniature_end_to_end(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-3)
 
     out, models = tmp_path / "run", tmp_path / "models"
-    summary = distill.main(["--out", str(out), "--n-prompts", "6", "--shard", "4", "--max-new", "12", "--topk", "4",
-                            "--epochs", "8", "--max-tokens", "4096", "--lr", "3e-3", "--warmup", "1",
-                            "--val-frac", "0.2", "--soft-weight", "0.5", "--eval-every", "1000", "--no-progress", "--install", "--force",
-                            "--models-dir", str(models)])
+    common = ["--out", str(out), "--n-prompts", "6", "--shard", "4", "--max-new", "12", "--topk", "4", "--samples", "1",
+              "--no-progress"]
+    # a second process's share of the shards (--part 1/2: shard 1 only), then the rest and training in one call
+    part = distill.main(common + ["--stage", "generate", "--part", "1/2"])
+    assert part["generate"]["prompts"] == 2 and [p.name for p in (out / "gen").glob("shard_*.npz")] == ["shard_0001.npz"]
+    assert (out / "summary.generate-1of2.json").exists()
+    with pytest.raises(ValueError, match="--stage generate"):
+        distill.main(common + ["--part", "0/2"])
+    summary = distill.main(common + ["--epochs", "8", "--max-tokens", "4096", "--lr", "3e-3", "--warmup", "1",
+                                     "--val-frac", "0.2", "--soft-weight", "0.5", "--eval-every", "1000", "--install",
+                                     "--force", "--models-dir", str(models)])
     gen = summary["generate"]
-    assert gen["prompts"] == 6 and sorted(p.name for p in (out / "gen").glob("shard_*.npz")) == \
+    assert gen["prompts"] == 4 and sorted(p.name for p in (out / "gen").glob("shard_*.npz")) == \
         ["shard_0000.npz", "shard_0001.npz"]
     # the teacher-forced pass agrees with the greedy tokens it scores (top-1 = the generated token)
-    assert gen["argmax_agree"] == gen["tokens"] > 0
+    assert gen["argmax_agree"] == gen["tokens"] > 0 and gen["sampled_tokens"] > 0
     data = distill.Data(out / "gen")
     assert [sum(e.loss_mask) for e in data.examples] == [len(t) for t in data.topk_ids]
     assert all(torch.all(lp[:, :-1] >= lp[:, 1:]) for lp in data.topk_logp)    # sorted, descending
+    assert data.sampled == [False, True] * 6 and len(set(data.index)) == 6
+    # hard targets are the proposer's argmax after each prefix: on a sampled continuation that is not
+    # always the sampled token (what greedy would say there), on a greedy one it is
+    _, labels, soft_ids, _ = distill._batch_targets(data, list(range(12)), 0)
+    assert torch.equal(labels[labels != IGNORE], soft_ids[:, 0])
+    cont = lambda e: torch.tensor(data.examples[e].ids[-len(data.topk_ids[e]):])
+    assert all(torch.equal(cont(e), data.topk_ids[e][:, 0]) for e in range(0, 12, 2))
+    assert any(not torch.equal(cont(e), data.topk_ids[e][:, 0]) for e in range(1, 12, 2))
+    tr_idx, va_idx = data.split(0.2)
+    assert len(va_idx) == 1 and not data.sampled[va_idx[0]]
+    assert data.index[va_idx[0]] not in {data.index[e] for e in tr_idx}    # a held-out prompt: none of its continuations trained on
     # the loss: hard CE on the greedy token mixed with CE against the renormalised top-k
     h = torch.randn(1, 3, 4)
     labels = torch.tensor([[IGNORE, 2, 0]])
@@ -281,7 +299,7 @@ def test_distill_miniature_end_to_end(tmp_path):
     torch.testing.assert_close(loss, 0.75 * want_hard + 0.25 * want_soft)
 
     tr = summary["train"]
-    assert tr["train_examples"] == 5 and tr["heldout_examples"] == 1 and tr["steps"] == 8
+    assert tr["train_examples"] == 10 and tr["heldout_examples"] == 1 and tr["steps"] == 8
     log = json.loads((out / "curves" / "distill.json").read_text())["log"]
     assert log[-1]["loss"] < log[0]["loss"]                         # it learns its training set
     assert (out / "loss_curve.png").exists()

@@ -130,13 +130,18 @@ def summary_markdown(res: dict) -> str:
               "response length (paper, GSM8K: 6.6 of 16 on average, 4.2 at the start to 8.9 at the end; the τ=0.95 "
               "rule commits 3.0).", "", _table(header, rows), ""]
     if res["auc"]:
-        rows = [[f"`{k}`", stats.fmt(v.get("p"), 3), stats.fmt(v.get("q"), 3), stats.fmt(v.get("pq"), 3),
-                 str(v.get("n_pos", "")), str(v.get("n_neg", ""))] for k, v in res["auc"].items()]
-        rows.append(["paper (GSM8K)", "0.910", "0.960", "0.964", "", ""])
+        def trio(v):
+            return [stats.fmt(v.get(k), 3) for k in ("p", "q", "pq")]
+        rows = [[f"`{k}`"] + trio(v) + [str(v.get("n_pos", "")), str(v.get("n_neg", ""))] + trio(v.get("positional", {}))
+                for k, v in res["auc"].items()]
+        rows.append(["paper (GSM8K)", "0.910", "0.960", "0.964", "", "", "", "", ""])
         L += ["## Detecting \"slot i is on the greedy path\" (AUC)", "",
               "p̃: proposer confidence; q: verifier probability (`prove`), the proposer's own verify-pass probability "
-              "(`lossless`), the target's probability (`spec`).", "",
-              _table(["run", "AUC p̃", "AUC q", "AUC p̃·q", "on path", "off path"], rows), ""]
+              "(`lossless`), the target's probability (`spec`). On path: the block up to and including slot i is the "
+              "greedy path (what a gate decides; q reads the proposed tokens before slot i). Positional: slot i's token "
+              "equals the greedy token at its position, whatever came before it.", "",
+              _table(["run", "AUC p̃", "AUC q", "AUC p̃·q", "on path", "off path",
+                      "positional p̃", "positional q", "positional p̃·q"], rows), ""]
     if res["theta_sweep"]:
         rows = [[stats.fmt(r["theta"], 3), stats.fmt(r["speedup_median"], 2, "×"), stats.fmt(r["speedup_totals"], 2, "×"),
                  stats.fmt(r["projected_speedup_flat"], 2, "×"), stats.fmt(r["tokens_per_cycle"], 2),

@@ -5,6 +5,7 @@ import io
 from pathlib import Path
 
 from ..files import write_atomic
+from ..planner import chosen
 from . import stats
 from .runner import BenchData
 
@@ -138,10 +139,11 @@ def roc_data(data: BenchData, res: dict) -> dict | None:
         for i in range(len(data.prompts)):
             g, ref = by.get((i, name)), by.get((i, ref_name))
             if g and ref:
-                labels += stats.slot_labels(g.cycles, g.tokens, ref.tokens)
+                mode = next(r.settings.mode for r in data.runs if r.name == name)
+                labels += stats.slot_labels([c for c in g.cycles if chosen(mode, c)[0] != "ar"], g.tokens, ref.tokens)
         if not labels:
             continue
-        y = [r["match"] for r in labels]
+        y = [r["on_path"] for r in labels]
         curves = {"p": stats.roc_curve([r["p"] for r in labels], y)}
         if all(r["q"] is not None for r in labels):
             curves["q"] = stats.roc_curve([r["q"] for r in labels], y)

@@ -10,6 +10,7 @@ from . import stats
 from .stats import conditional_slot_rates
 from .data import check_answer
 from .markdown import summary_markdown
+from ..planner import chosen, projection as project
 from .plots import make_plots, roc_data
 from ..modes import MODES
 from .runner import BenchData
@@ -142,12 +143,16 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
             labels, mruns = [], []
             for g in gens_ok:
                 if g.prompt in ref:
-                    labels += stats.slot_labels(g.cycles, g.tokens, ref[g.prompt])
-                    mruns += stats.matched_runs(g.cycles, g.tokens, ref[g.prompt])
+                    # the planner's plain ar cycles propose nothing: they are left out of these analyses
+                    proposing = [c for c in g.cycles if chosen(s.mode, c)[0] != "ar"]
+                    labels += stats.slot_labels(proposing, g.tokens, ref[g.prompt])
+                    mruns += stats.matched_runs(proposing, g.tokens, ref[g.prompt])
             n_slots = max((len(c.proposed) for c in cycles), default=0)
             rate, counts = stats.match_rate_by_slot(labels, n_slots)
             slot_rates[name] = {"rate": [_r(x) for x in rate], "n": counts}
             a = stats.detector_aucs(labels)
+            a["positional"] = {k: (_r(v) if isinstance(v, float) else v)
+                               for k, v in stats.detector_aucs(labels, "match").items()}
             aucs[name] = {k: (_r(v) if isinstance(v, float) else v) for k, v in a.items()}
             bp = stats.matched_by_position(mruns, meta.get("bins", 5))
             bp["mean"] = [_r(x) for x in bp["mean"]]
@@ -193,7 +198,6 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
     # the oracle bound of lossless (full proposals logged at every position of ar's answers)
     oracle = None
     if data.oracle_match:
-        from ..planner import projection as project
         curve = (data.pass_cost or {}).get("proposer")
         match = {i: data.oracle_match[i] for i in sorted(data.oracle_match)}
         runs_all = [m for ms in match.values() for m in ms]
@@ -220,7 +224,6 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
     projection = None
     lossless_stats = (data.planner or {}).get("stats", {}).get("lossless")
     if lossless_stats and data.pass_cost and "proposer" in data.pass_cost:
-        from ..planner import projection as project
         rates = lossless_stats["slot_rate"]
         projection = {"slot_rate": rates,
                       "curve": project(data.pass_cost["proposer"], rates, len(rates)),

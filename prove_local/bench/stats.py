@@ -100,20 +100,26 @@ def tokens_per_cycle_outside_loops(gens: list[tuple[list[int], list]], n: int = 
 # --------------------------------------------------------------------- per-slot greedy labels
 def slot_labels(cycles, generated: list[int], reference: list[int]) -> list[dict]:
     """One record per labelled proposal slot: {"slot" (0-based), "p", "q" (or None), "match",
-    "start", "cycle"}. A cycle is labelled only if the output before it equals the reference
-    (always so for exact modes); slots past the end of the reference are not labelled."""
+    "on_path", "start", "cycle"}. `match`: the slot's token equals the greedy token at its position
+    (the per-slot match rate); `on_path`: the block up to and including this slot is the greedy
+    path (every earlier slot of the cycle matches too), the event the detector AUCs score. A cycle
+    is labelled only if the output before it equals the reference (always so for exact modes);
+    slots past the end of the reference are not labelled."""
     ok_until = common_prefix(generated, reference)
     out = []
     for ci, c in enumerate(cycles):
         if c.start > ok_until:
             break
+        on_path = True
         for i, tok in enumerate(c.proposed):
             pos = c.start + i
             if pos >= len(reference):
                 break
+            match = tok == reference[pos]
+            on_path = on_path and match
             # q exists only for the verified slots (the planner may verify a prefix of the proposal)
             out.append({"slot": i, "p": float(c.p[i]), "q": float(c.q[i]) if c.q is not None and i < len(c.q) else None,
-                        "match": tok == reference[pos], "start": c.start, "cycle": ci})
+                        "match": match, "on_path": on_path, "start": c.start, "cycle": ci})
     return out
 
 
@@ -174,14 +180,21 @@ def matched_by_position(runs: list[dict], n_bins: int = 5) -> dict:
             "overall": float(np.mean([r["matched"] for r in runs])) if runs else None}
 
 
-def detector_aucs(labels: list[dict]) -> dict:
-    """AUC of p̃, q and p̃·q as detectors of "slot i is on the greedy path", over all labelled
-    slots (q and p̃·q over the slots that have a q: a planner may verify only a prefix)."""
-    y = [r["match"] for r in labels]
+def detector_aucs(labels: list[dict], label: str = "on_path") -> dict:
+    """AUC of p̃, q and p̃·q as detectors of "slot i is on the greedy path" over all labelled slots
+    (q and p̃·q over the slots that have a q: a planner may verify only a prefix).
+
+    The label (`on_path`, the default) is the paper's event read literally: the proposed block up to
+    slot i is the greedy path. It is what a gate decides on (the rules commit a leading run: a slot
+    after a wrong one can never be committed correctly) and what q can judge (the verifier reads the
+    proposed tokens before slot i, so after a wrong one it scores a continuation of text that is not
+    on the path). `label="match"` scores the positional event instead (the slot's token equals the
+    greedy token at its position, whatever came before it): reported too, as `positional`."""
+    y = [r[label] for r in labels]
     out = {"p": auc([r["p"] for r in labels], y), "n_pos": sum(map(bool, y)), "n_neg": len(y) - sum(map(bool, y))}
     with_q = [r for r in labels if r["q"] is not None]
     if with_q:                                # over the slots that have a q (verified ones)
-        yq = [r["match"] for r in with_q]
+        yq = [r[label] for r in with_q]
         out["q"] = auc([r["q"] for r in with_q], yq)
         out["pq"] = auc([r["p"] * r["q"] for r in with_q], yq)
     else:

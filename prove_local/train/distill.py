@@ -5,14 +5,19 @@ fine-tuned on the proposer's outputs commits 6-10 % more tokens per cycle at the
 
 Stages (seeded; one torch thread and one llama.cpp thread by default):
 1. generate: the proposer GGUF's greedy continuations (prove_local.engine.Engine, mode "ar") of a
-   seeded random subset of the GSM8K train prompts, written in shards (`gen/shard_*.npz`, resumable).
-   A second, teacher-forced pass of the proposer over prompt + continuation (one batched decode)
-   records its top-k next-token log-probabilities at every continuation position (soft targets).
+   seeded random subset of the GSM8K train prompts, plus `--samples` sampled ones per prompt (at
+   `--temperature`, seeded), written in shards (`gen/shard_*.npz`, resumable; `--part i/n` splits the
+   shards over n processes). A second, teacher-forced pass of the proposer over prompt + continuation
+   (one batched decode) records its top-k next-token log-probabilities at every continuation position.
 2. train: the verifier GGUF's F32 weights, read with gguf-py into the torch model (names through the
    converter's own table, prove_local.convert.export), fine-tuned on those continuations:
    (1 - α) · CE(proposer's greedy token) + α · CE(proposer's top-k distribution, renormalised);
-   α = 0 by default (sequence-level distillation), see --soft-weight.
-   The last `--val-frac` of the prompts are held out: loss and top-1 agreement with the proposer.
+   α = 0 by default (sequence-level distillation), see --soft-weight. The hard target at every position
+   is the proposer's argmax there (its top-1 from the teacher-forced pass): the token itself on a greedy
+   continuation, and on a sampled one what greedy decoding would say after that prefix, so q learns
+   P(token = the proposer's greedy token | prefix) on prefixes that leave the greedy path too.
+   The last `--val-frac` of the prompts are held out: loss and top-1 agreement with the proposer,
+   on their greedy continuations.
 3. export: Hugging Face folder (weights + a tokenizer rebuilt from the GGUF's own vocabulary and
    merges) and an F32 GGUF through prove_local.convert.convert_checkpoint, both written atomically;
    `--install` also replaces prove_local/models/gsm8k-verifier.gguf.
@@ -54,14 +59,17 @@ def parse_args(argv=None):
                         "pre-distillation file from git history; not an already distilled one)")
     p.add_argument("--force", action="store_true", help="start from an already distilled verifier anyway")
     p.add_argument("--train-data", default=str(DEFAULT_TRAIN))
-    p.add_argument("--n-prompts", type=int, default=3000, help="train prompts to continue (seeded subset)")
+    p.add_argument("--n-prompts", type=int, default=10**9, help="train prompts to continue (a seeded subset; default: all)")
     p.add_argument("--max-new", type=int, default=256, help="max new tokens per continuation")
     p.add_argument("--topk", type=int, default=8, help="proposer log-probs kept per position (soft targets)")
     p.add_argument("--shard", type=int, default=250, help="prompts per generation shard")
+    p.add_argument("--samples", type=int, default=1, help="sampled continuations per prompt, besides the greedy one")
+    p.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled continuations")
+    p.add_argument("--part", default="0/1", help="i/n: generate only shards s with s %% n == i (n processes in parallel)")
     p.add_argument("--gen-minutes", type=float, default=0.0,
                    help="stop generating after this many minutes, at a shard boundary (0: no limit)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--epochs", type=float, default=3.0)
+    p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--max-tokens", type=int, default=4096, help="padded tokens per batch")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=20)
@@ -194,17 +202,25 @@ def generate(a) -> dict:
     order = prompt_order(len(rows), a.n_prompts, a.seed)
     gdir = Path(a.out) / "gen"
     gdir.mkdir(parents=True, exist_ok=True)
+    part, n_parts = (int(x) for x in a.part.split("/"))
+    if not 0 <= part < n_parts:
+        raise ValueError(f"--part {a.part}: want i/n with 0 <= i < n")
     _dump(gdir / "spec.json", {"proposer": str(a.proposer), "train_data": str(a.train_data), "order": order,
-                               "max_new": a.max_new, "topk": a.topk, "seed": a.seed})
+                               "max_new": a.max_new, "topk": a.topk, "seed": a.seed, "samples": a.samples,
+                               "temperature": a.temperature})
     prop = Model(a.proposer)
     engine = Engine.load(prop, n_ctx=a.ctx, n_threads=a.threads, type_k="f32", type_v="f32")
     scorer = Context(prop, n_ctx=a.ctx, n_threads=a.threads, type_k="f32", type_v="f32")
-    settings = Settings(mode="ar", max_new=a.max_new)
-    t0, stats = time.time(), {"prompts": 0, "tokens": 0, "argmax_agree": 0, "seconds": 0.0, "stopped_early": False}
+    greedy = Settings(mode="ar", max_new=a.max_new)
+    t0 = time.time()
+    stats = {"prompts": 0, "tokens": 0, "sampled_tokens": 0, "argmax_agree": 0, "seconds": 0.0, "stopped_early": False}
     shards = [order[i:i + a.shard] for i in range(0, len(order), a.shard)]
-    bar = tqdm(total=len(order), desc="generate", unit="prompt", disable=a.no_progress, mininterval=5.0)
+    mine = [s for s in range(len(shards)) if s % n_parts == part]
+    bar = tqdm(total=sum(len(shards[s]) for s in mine), desc="generate", unit="prompt", disable=a.no_progress,
+               mininterval=5.0)
     try:
-        for s, idxs in enumerate(shards):
+        for s in mine:
+            idxs = shards[s]
             path = gdir / f"shard_{s:04d}.npz"
             if path.exists():
                 bar.update(len(idxs))
@@ -212,25 +228,33 @@ def generate(a) -> dict:
             if a.gen_minutes and time.time() - t0 > a.gen_minutes * 60:
                 stats["stopped_early"] = True
                 break
-            plen, clen, toks, tk_ids, tk_lp = [], [], [], [], []
+            index, kind, plen, clen, toks, tk_ids, tk_lp = [], [], [], [], [], [], []
             for i in idxs:
                 prompt = Conversation(prop).prompt_tokens(rows[i]["question"])
-                cont = [t for c in engine.generate(prompt, settings) for t in c.committed]
-                # teacher-forced pass: the row before each continuation token predicts it
-                scorer.truncate(0)
-                seq = prompt + cont
-                logits = scorer.eval(seq, rows=list(range(len(prompt) - 1, len(seq) - 1)))
-                ids, lp = topk_logprobs(logits, a.topk)
-                stats["argmax_agree"] += int((ids[:, 0] == np.array(cont)).sum())
-                plen.append(len(prompt)); clen.append(len(cont)); toks.extend(seq)
-                tk_ids.append(ids.astype(np.int32)); tk_lp.append(lp.astype(np.float32))
+                runs = [(0, greedy)] + [(1, Settings(mode="ar", max_new=a.max_new, temperature=a.temperature,
+                                                     top_k=0, top_p=1.0, min_p=0.0, seed=a.seed * 1_000_003 + i * 101 + j))
+                                        for j in range(a.samples)]
+                for k, settings in runs:
+                    cont = [t for c in engine.generate(prompt, settings) for t in c.committed]
+                    # teacher-forced pass: the row before each continuation token predicts it
+                    scorer.truncate(0)
+                    seq = prompt + cont
+                    logits = scorer.eval(seq, rows=list(range(len(prompt) - 1, len(seq) - 1)))
+                    ids, lp = topk_logprobs(logits, a.topk)
+                    if k == 0:
+                        stats["argmax_agree"] += int((ids[:, 0] == np.array(cont)).sum())
+                        stats["tokens"] += len(cont)
+                    else:
+                        stats["sampled_tokens"] += len(cont)
+                    index.append(i); kind.append(k); plen.append(len(prompt)); clen.append(len(cont)); toks.extend(seq)
+                    tk_ids.append(ids.astype(np.int32)); tk_lp.append(lp.astype(np.float32))
                 stats["prompts"] += 1
-                stats["tokens"] += len(cont)
                 bar.update(1)
-                bar.set_postfix(tok_s=f"{stats['tokens'] / max(time.time() - t0, 1e-9):.0f}", refresh=False)
+                bar.set_postfix(tok_s=f"{(stats['tokens'] + stats['sampled_tokens']) / max(time.time() - t0, 1e-9):.0f}",
+                                refresh=False)
             tmp = path.with_name(path.stem + ".tmp.npz")
             with open(tmp, "wb") as f:
-                np.savez(f, index=np.array(idxs, dtype=np.int32), prompt_len=np.array(plen, dtype=np.int32),
+                np.savez(f, index=np.array(index, dtype=np.int32), kind=np.array(kind, dtype=np.int8), prompt_len=np.array(plen, dtype=np.int32),
                          cont_len=np.array(clen, dtype=np.int32), tokens=np.array(toks, dtype=np.int32),
                          topk_ids=np.concatenate(tk_ids), topk_logp=np.concatenate(tk_lp))
             os.replace(tmp, path)
@@ -240,7 +264,7 @@ def generate(a) -> dict:
         engine.contexts["proposer"].close()
         prop.close()
     stats["seconds"] = round(time.time() - t0, 1)
-    stats["tokens_per_s"] = round(stats["tokens"] / max(stats["seconds"], 1e-9), 1)
+    stats["tokens_per_s"] = round((stats["tokens"] + stats["sampled_tokens"]) / max(stats["seconds"], 1e-9), 1)
     print(f"[generate] {json.dumps(stats)}", flush=True)
     return stats
 
@@ -256,23 +280,31 @@ class Data:
         self.topk_ids: list[torch.Tensor] = []
         self.topk_logp: list[torch.Tensor] = []
         self.index: list[int] = []
+        self.sampled: list[bool] = []
         for path in sorted(gdir.glob("shard_*.npz")):
             if ".tmp" in path.name:
                 continue
             z = np.load(path)
+            kinds = z["kind"] if "kind" in z.files else np.zeros(len(z["index"]), dtype=np.int8)
             t0 = k0 = 0
-            for i, pl, cl in zip(z["index"], z["prompt_len"], z["cont_len"]):
+            for i, k, pl, cl in zip(z["index"], kinds, z["prompt_len"], z["cont_len"]):
                 ids = z["tokens"][t0:t0 + pl + cl].tolist()
                 self.examples.append(Example(ids, [0] * int(pl) + [1] * int(cl)))
                 self.topk_ids.append(torch.from_numpy(z["topk_ids"][k0:k0 + cl].astype(np.int64)))
                 self.topk_logp.append(torch.from_numpy(z["topk_logp"][k0:k0 + cl].astype(np.float32)))
                 self.index.append(int(i))
+                self.sampled.append(bool(k))
                 t0, k0 = t0 + pl + cl, k0 + cl
 
     def split(self, val_frac: float):
-        n_val = max(1, int(round(len(self.examples) * val_frac))) if len(self.examples) > 1 else 0
-        cut = len(self.examples) - n_val
-        return list(range(cut)), list(range(cut, len(self.examples)))
+        """(train, held-out) example indices: the prompts of the last `val_frac` of the prompts, all of their
+        continuations held out; the held-out list has their greedy continuations only."""
+        prompts = list(dict.fromkeys(self.index))
+        n_val = max(1, int(round(len(prompts) * val_frac))) if len(prompts) > 1 else 0
+        held = set(prompts[len(prompts) - n_val:])
+        train = [e for e, i in enumerate(self.index) if i not in held]
+        val = [e for e, i in enumerate(self.index) if i in held and not self.sampled[e]]
+        return train, val
 
 
 def distill_loss(model, h: torch.Tensor, labels: torch.Tensor, soft_ids: torch.Tensor, soft_logp: torch.Tensor,
@@ -294,9 +326,12 @@ def distill_loss(model, h: torch.Tensor, labels: torch.Tensor, soft_ids: torch.T
 
 
 def _batch_targets(data: Data, idx: list[int], pad_id: int):
+    """Inputs, hard targets (the proposer's argmax at every continuation position) and soft targets."""
     ids, lm = collate(data.examples, idx, pad_id)
     labels = shift_targets(ids, lm)
-    return ids, labels, torch.cat([data.topk_ids[i] for i in idx]), torch.cat([data.topk_logp[i] for i in idx])
+    soft_ids = torch.cat([data.topk_ids[i] for i in idx])
+    labels[labels != IGNORE] = soft_ids[:, 0]          # rows in the same order (example, then position)
+    return ids, labels, soft_ids, torch.cat([data.topk_logp[i] for i in idx])
 
 
 @torch.no_grad()
@@ -447,6 +482,11 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     t0 = time.time()
     summary_path = out / "summary.json"
+    if a.part != "0/1":          # parallel generation: one summary per part, no training
+        if a.stage != "generate":
+            raise ValueError(f"--part {a.part} generates a share of the shards: use it with --stage generate, "
+                             "then run --stage train once")
+        summary_path = out / f"summary.generate-{a.part.replace('/', 'of')}.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary["args"] = vars(a)
     if a.stage in ("all", "generate"):
