@@ -575,6 +575,7 @@ def test_ui_sampling_controls_reproduce_the_engine(browser, server, models):
         box.fill(value)
         box.press("Tab")
     send(page, prompt, 0)()
+    assert "T 0.7, seed 3" in page.inner_text("#stats")      # the settings reached the engine (shown to the user)
     spans = answer_spans(page, 0)
     assert "".join(s["text"] for s in spans) == want
     page.click(f'#chat .answer[data-turn="0"] span.cyc[data-pick="{spans[0]["pick"]}"] >> nth=0')

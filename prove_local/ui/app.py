@@ -223,11 +223,13 @@ def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
             return ""
         t = sess.turns[-1]
         passes = ", ".join(f"{r} {n}" for r, n in st["n_passes"].items())
+        # a sampled answer: its temperature and seed (with a fixed block, that seed gives this answer again)
+        sampled = f"T {t.settings.temperature:g}, seed {t.seed} · " if t.settings.temperature > 0 else ""
         ppt = ", ".join(f"{r} {v:.2f}" for r, v in st["passes_per_token"].items())
         return (f'<div class="stats"><b>last answer</b> · {view.esc(view.MODE_LABELS[t.settings.mode])} · '
                 f'{st["n_tokens"]} tokens in {st["n_cycles"]} cycles · <b>{st["tokens_per_cycle"]:.2f} tokens/cycle</b> · '
                 f'<b>{st["tokens_per_second"]:.1f} tokens/s</b> · passes: {passes} · passes/token: {ppt} · '
-                f'stop: {st["stop"] or "running…"}</div>')
+                f'{sampled}stop: {st["stop"] or "running…"}</div>')
 
     def cycle_number(sess):
         return (sess.selected[1] + 1) if sess.selected else 1

@@ -116,6 +116,7 @@ class Turn:
     note: str = ""
     running: bool = True
     compare: dict | None = None
+    seed: int | None = None           # the sampler's seed (the request's, or the one drawn for it)
 
 
 @dataclass
@@ -159,6 +160,7 @@ def run_turn(runtime: Runtime, sess: Session, user: str, settings: Settings):
         with runtime.engine(sess.engine_hint) as (idx, engine):
             sess.engine_hint = idx
             gen = engine.generate(prompt, settings)
+            turn.seed = gen.request.seed
             with contextlib.closing(gen):
                 for cycle in gen:
                     turn.view.add(cycle)
