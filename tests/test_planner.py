@@ -439,3 +439,25 @@ def test_quiet_runs_keep_the_exploration_rate():
     # ~6400 / (4 x 16) replans (an exploration does not age the choice, so a few fewer), and the
     # pending counts are asked for only then
     assert 80 <= calls.count(1) <= 100 and calls.count("pending") == calls.count(1), calls.count(1)
+
+
+def test_the_cycles_after_an_exploration_are_charged_to_it():
+    """A wide pass slows the one-token passes right after it: the regret of an exploration includes the
+    excess time of the AFTER_EXPLORATION cycles that follow it, and nothing after that window."""
+    from prove_local.planner import AFTER_EXPLORATION
+    from prove_local.rules import Cycle
+    pl = planner_with({1: 1.0, 2: 3.0, 64: 200.0}, [1.0] + [0.5] * 15, seed=2)
+    pl.overhead = {"ar": 0.0}
+    pl.plan("lossless", {"proposer": 1}, 16, 100)                  # a replan: ar, at 1 token per second
+    assert pl.current["lossless"].kind == "ar" and pl.current["lossless"].rate == pytest.approx(1.0)
+    pl._quiet.clear()
+    pl.explore, pl.explore_by_rate, pl.explore_budget = 1.0, False, 1e9
+    ex = pl.plan("lossless", {"proposer": 1}, 16, 100)
+    assert ex.mode != "ar" or ex.block > 1 or ex.verify is not None   # an exploration
+    # the exploration itself loses nothing (3 tokens in 3 s), then every ar cycle takes 2 s for 1 token
+    pl.observe("lossless", Cycle([5, 6], [0.9, 0.9], [0.9, 0.9], [5, 6, 7], 2, {"proposer": 2},
+                                 {"proposer": [2, 2]}, {"proposer": 2.9}, 3.0))
+    ar = Cycle([5], [0.9], None, [5], 1, {"proposer": 1}, {"proposer": [1]}, {"proposer": 1.9}, 2.0)
+    for _ in range(AFTER_EXPLORATION + 5):
+        pl.observe("lossless", ar)
+    assert pl.regret == pytest.approx(AFTER_EXPLORATION * 1.0)

@@ -381,6 +381,15 @@ def test_server_killed_mid_generation_then_restarted(tmp_path, paths, models):
             s.kill(signal.SIGTERM)
 
 
+def _stop(p, own) -> None:
+    """Clean-up of a test with a client process `p` (killed if still running) and servers of its own."""
+    if p is not None and p.poll() is None:
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
+    for s in own:
+        s.kill(signal.SIGTERM)
+
+
 def test_server_killed_during_a_pass_ends_the_process_with_one_line(tmp_path, paths):
     """A server that dies while a pass waits for it: ggml aborts in its network thread, which no
     Python code survives; the abort guard turns it into one line naming the server, exit status 3,
@@ -406,11 +415,7 @@ def test_server_killed_during_a_pass_ends_the_process_with_one_line(tmp_path, pa
         assert last.startswith("prove-local: error: ") and own[1].endpoint in last and len(err.splitlines()) <= 3, err
         assert "DONE" not in out and len(lines) == 2
     finally:
-        if p is not None and p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait(timeout=10)
-        for s in own:
-            s.kill(signal.SIGTERM)
+        _stop(p, own)
 
 
 UI_SCRIPT = r"""
@@ -455,11 +460,7 @@ def test_ui_runtime_survives_a_lost_server(tmp_path, paths):
         assert lines[-1] == "ALIVE" and len(lines) == 3, out
         assert all(x.startswith(f"UIERROR llama.cpp error: lost the RPC server {own[0].endpoint}") for x in lines[:2]), out
     finally:
-        if p is not None and p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait(timeout=10)
-        for s in own:
-            s.kill(signal.SIGTERM)
+        _stop(p, own)
 
 
 def test_cli_run_over_rpc_equals_local(tmp_path, paths):
@@ -636,8 +637,4 @@ def test_cli_chat_server_killed_between_answers(tmp_path, paths):
         assert err.strip().splitlines()[-1].startswith(
             f"prove-local: error: lost the RPC server {own[0].endpoint} (it closed the connection)"), err
     finally:
-        if p is not None and p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait(timeout=10)
-        for s in own:
-            s.kill(signal.SIGTERM)
+        _stop(p, own)

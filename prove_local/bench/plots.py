@@ -136,10 +136,10 @@ def roc_data(data: BenchData, res: dict) -> dict | None:
     by = {(g.prompt, g.run): g for g in data.generations}
     for name in candidates:
         labels = []
+        mode = next(r.settings.mode for r in data.runs if r.name == name)
         for i in range(len(data.prompts)):
             g, ref = by.get((i, name)), by.get((i, ref_name))
             if g and ref:
-                mode = next(r.settings.mode for r in data.runs if r.name == name)
                 labels += stats.slot_labels([c for c in g.cycles if chosen(mode, c)[0] != "ar"], g.tokens, ref.tokens)
         if not labels:
             continue
