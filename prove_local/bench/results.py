@@ -127,6 +127,7 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
             "loop_share_by_family": fam_loop,
             "tokens_per_cycle_outside_loops_by_family": fam_tpc_nl,
             "overhead_share": _r(stats.overhead_share(cycles)),
+            "host_ms_per_cycle": _r(stats.host_ms_per_cycle(cycles)),
             "widths": stats.width_histogram(s.mode, cycles),
             "loop_share": _r(stats.loop_share([g.tokens for g in gens_ok])),
             "tokens_per_cycle_outside_loops": _r(stats.tokens_per_cycle_outside_loops(
