@@ -280,6 +280,7 @@ class Context:
         self._tok = np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,))
         self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
         self._out = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
+        self._positions = np.arange(self.n_ctx + self.n_batch, dtype=self._pos.dtype)
         np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self.n_batch,))[:] = 1
         for i in range(self.n_batch):
             self._batch.seq_id[i][0] = 0
@@ -312,18 +313,24 @@ class Context:
         # a view needs every row in the last chunk's outputs, in batch order
         view = not copy and ordered and (not rows or rows[0] >= last)
         out = None if view else np.empty((len(rows), self.n_vocab), dtype=np.float32)
-        wanted = np.zeros(len(tokens), dtype=np.int8)
-        wanted[rows] = 1
-        done = 0
         if self.model.endpoints:        # a server that went away: one line, before ggml aborts on it
             _rpc_check(self.model.endpoints)
-        for start in range(0, len(tokens), self.n_batch):
-            n = min(self.n_batch, len(tokens) - start)
+        if len(tokens) <= self.n_batch:   # one chunk (every pass of a cycle): fill the batch directly
+            chunks = [(0, len(tokens), len(rows))]
+            self._out[:len(tokens)] = 0
+            self._out[rows] = 1
+        else:
+            wanted = np.zeros(len(tokens), dtype=np.int8)
+            wanted[rows] = 1
+            chunks = [(s, min(self.n_batch, len(tokens) - s), None) for s in range(0, len(tokens), self.n_batch)]
+        done = 0
+        for start, n, n_rows in chunks:
             self._batch.n_tokens = n
             self._tok[:n] = tokens[start:start + n]
-            self._pos[:n] = np.arange(self.n_past, self.n_past + n)
-            self._out[:n] = wanted[start:start + n]
-            n_rows = int(wanted[start:start + n].sum())
+            self._pos[:n] = self._positions[self.n_past:self.n_past + n]
+            if n_rows is None:
+                self._out[:n] = wanted[start:start + n]
+                n_rows = int(wanted[start:start + n].sum())
             t0 = time.perf_counter()
             rc = ll.llama_decode(self._ctx, self._batch)
             self.decode_seconds += time.perf_counter() - t0

@@ -9,7 +9,7 @@
 //   g++ -O2 -std=c++17 scripts/ar_loop.cpp -I$LL/include -I$LL/ggml/include \
 //       $LL/build/src/libllama.a $LL/build/ggml/src/libggml.a $LL/build/ggml/src/libggml-cpu.a \
 //       $LL/build/ggml/src/libggml-base.a -fopenmp -lpthread -o ar_loop
-//   ./ar_loop -m MODEL.gguf -t 1 -ctk f32 -n 256 -p "prompt text"
+//   ./ar_loop -m MODEL.gguf -t 1 -ctk f32 -n 256 [-c N_CTX -b N_BATCH] -p "prompt text"
 #include "llama.h"
 
 #include <chrono>
@@ -26,13 +26,15 @@ static ggml_type kv_type(const std::string & s) {
 
 int main(int argc, char ** argv) {
     std::string model_path, prompt = "Hello", ctk = "f16";
-    int n_predict = 256, n_threads = 1;
+    int n_predict = 256, n_threads = 1, n_ctx = 0, n_batch = 0;     // 0: what the prompt needs
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "-m")) model_path = argv[i + 1];
         else if (!strcmp(argv[i], "-p")) prompt = argv[i + 1];
         else if (!strcmp(argv[i], "-n")) n_predict = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "-t")) n_threads = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "-ctk")) ctk = argv[i + 1];
+        else if (!strcmp(argv[i], "-c")) n_ctx = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "-b")) n_batch = atoi(argv[i + 1]);
         else { fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
     }
     llama_log_set([](ggml_log_level, const char *, void *) {}, nullptr);
@@ -46,8 +48,8 @@ int main(int argc, char ** argv) {
     llama_tokenize(vocab, prompt.c_str(), prompt.size(), tokens.data(), tokens.size(), true, true);
 
     llama_context_params cp = llama_context_default_params();
-    cp.n_ctx = n_prompt + n_predict + 8;
-    cp.n_batch = n_prompt;
+    cp.n_ctx = n_ctx ? n_ctx : n_prompt + n_predict + 8;
+    cp.n_batch = cp.n_ubatch = n_batch ? n_batch : n_prompt;
     cp.n_threads = cp.n_threads_batch = n_threads;
     cp.type_k = cp.type_v = kv_type(ctk);
     cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;    // as prove-local's contexts (llama.cpp's default is auto)
