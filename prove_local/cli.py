@@ -101,7 +101,8 @@ def report(engine, model, settings, cycles, seconds, request, interrupted) -> di
         "seconds": s["seconds"], "tokens_per_second": s["tokens_per_second"],
         "prefill": {"tokens": request.prefill[0], "seconds": request.prefill[1]},
         "stop": "interrupted" if interrupted else s["stop"],
-        "widths": planner.widths_histogram(settings.mode, cycles),
+        "widths": planner.widths_histogram(cycles),
+        "planner": engine.explain(settings),      # why auto ran plain ar cycles, if it did
         "settings": {"block": settings.block or engine.block_size, "theta": settings.theta, "tau": settings.tau,
                      "draft_k": settings.draft_k, "max_new": settings.max_new, "temperature": settings.temperature,
                      "top_k": settings.top_k, "top_p": settings.top_p, "min_p": settings.min_p,
@@ -141,7 +142,7 @@ def cmd_run(args) -> int:
         raise UsageError(f"--block {args.block} does not fit the {args.ctx}-token context (--ctx)")
     engine, model = load_engine(args)
     mode = args.mode or engine.default_mode()
-    if args.mode is None and mode == "ar":
+    if args.mode is None and engine.mask_token is None:
         print(f"note: {model.path.name} has no mask token; using --mode ar (pass --mask-token ID for the exact modes)",
               file=sys.stderr)
     settings = Settings(mode=mode, max_new=args.max_new, block=args.block, theta=args.theta, tau=args.tau,
@@ -173,6 +174,8 @@ def cmd_run(args) -> int:
         else:
             print()
             print(summary_line(r), file=sys.stderr)
+            if r["planner"]:
+                print(f"note: {r['planner']}", file=sys.stderr)
         return r, interrupted
 
     if args.prompt is not None:

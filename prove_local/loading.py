@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UsageError
+from .modes import MODES
 
 EMBEDDED = Path(__file__).parent / "models"
 EMBEDDED_PROPOSER = EMBEDDED / "mars-gsm8k-proposer.gguf"
@@ -240,6 +241,7 @@ def rpc_devices(args) -> tuple[list, list[float] | None]:
 def load_engine(args):
     """The engine for one command line (`run`): (engine, proposer model)."""
     mode = getattr(args, "mode", None)
-    loaded = load_models(args, want_verifier=mode == "prove", verifier_required=mode == "prove",
-                         draft_required=mode == "spec")
+    partner = MODES[mode].partner if mode else None
+    loaded = load_models(args, want_verifier=partner == "verifier", verifier_required=partner == "verifier",
+                         draft_required=partner == "draft")
     return loaded.engine(), loaded.proposer

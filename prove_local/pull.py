@@ -17,6 +17,7 @@ from pathlib import Path
 
 from . import registry
 from .memory import estimate
+from .modes import MODES
 from .shapes import GiB, shape_info
 from .registry import Model, Pair, RegistryError
 
@@ -131,11 +132,12 @@ def _q(p: Path | str) -> str:
 def run_command(main: Path | None, partner: Path | None, mode: str) -> str:
     """`prove-local run` for a pair; main None means the embedded default proposer."""
     parts = ["prove-local", "run"]
+    role = MODES[mode].partner                  # "--verifier" or "--draft"
     if main is not None:
         parts.append(_q(main))
-        if mode == "prove" and partner is not None:
+        if role == "verifier" and partner is not None:
             parts += ["--verifier", _q(partner)]
-    if mode == "spec" and partner is not None:
+    if role == "draft" and partner is not None:
         parts += ["--draft", _q(partner)]
     parts += ["--mode", mode]
     return " ".join(parts)

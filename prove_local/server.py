@@ -248,7 +248,7 @@ class Metrics:
                     self.passes[r] = self.passes.get(r, 0) + n
                 for r, t in c.decode_seconds.items():
                     self.decode_seconds[r] = self.decode_seconds.get(r, 0.0) + t
-            d_n, d_acc = draft_counts(job.settings.mode, job.cycles)
+            d_n, d_acc = draft_counts(job.cycles)
             self.draft_n += d_n
             self.draft_n_accepted += d_acc
 
@@ -301,11 +301,11 @@ def _label(value) -> str:
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def draft_counts(mode: str, cycles) -> tuple[int, int]:
+def draft_counts(cycles) -> tuple[int, int]:
     """llama.cpp's draft_n / draft_n_accepted for our cycles: the tokens proposed (MARS block slots,
     or spec's drafts) and those accepted. Plain ar proposes nothing, nor do the plain ar cycles that
     the planner runs inside another mode (--block auto)."""
-    drafted = [c for c in cycles if planner.chosen(mode, c)[0] != "ar"]
+    drafted = [c for c in cycles if c.plan.proposes]
     return sum(len(c.proposed) for c in drafted), sum(c.n_accepted for c in drafted)
 
 
@@ -499,14 +499,14 @@ class Job:
 
         s = summarize(self.cycles, self.seconds)
         mode = modes.MODES[self.settings.mode]
-        d_n, d_acc = draft_counts(self.settings.mode, self.cycles)
+        d_n, d_acc = draft_counts(self.cycles)
         prefill = self.request.prefill if self.request is not None else (0, 0.0)
         return {
             "mode": self.settings.mode,
             "block": (("auto" if self.request.auto else self.request.block)
-                      if self.request is not None and mode.uses_block else None),
-            "widths": planner.widths_histogram(self.settings.mode, self.cycles),
-            "draft_k": self.settings.draft_k if self.settings.mode == "spec" else None,
+                      if self.request is not None and mode.width == "block" else None),
+            "widths": planner.widths_histogram(self.cycles),
+            "draft_k": self.settings.draft_k if mode.width == "draft_k" else None,
             "n_cycles": s["n_cycles"],
             "tokens_per_cycle": round(s["tokens_per_cycle"], 4),
             "passes": s["n_passes"],

@@ -74,7 +74,9 @@ def _broken_mode():
     def cycle(contexts, tokens, plan, s, mask, sampler=None):
         rules.ar_cycle(contexts["proposer"], tokens)
         return rules.Cycle([], [], None, [], 0, {"proposer": 1})
-    return modes.Mode("broken", ("proposer",), False, True, False, "test", cycle, lambda pend, plan: {})
+    return modes.Mode("broken", "broken", "test", ("proposer",), needs_mask=False, exact=True, width=None, gate=None,
+                      gate_text="", q_text="", free_first=True, correction=False, verify_choice=False,
+                      cycle=cycle, widths=lambda pend, plan: {})
 
 
 def test_a_cycle_that_commits_nothing_is_an_error(monkeypatch):

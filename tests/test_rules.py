@@ -278,3 +278,32 @@ def test_greedy_cycles_flag_the_correction_as_residual():
     c = rules.lossless_cycle(FakeContext(proposer(wrong={3}), V), PROMPT, block=5, mask=MASK)
     assert c.residual and c.accept_prob is None
     assert not rules.lossless_cycle(FakeContext(proposer(), V), PROMPT, block=4, mask=MASK).residual
+
+
+# ------------------------------------------------------------------ what a cycle reports it ran
+def test_each_rule_records_its_plan_and_its_gate_per_slot():
+    """`Cycle.plan` is what the rule ran (a planner's verify choice resolved) and `Cycle.gate` what its
+    gate decided per slot: consumers (planner, server, UI, bench) read these instead of re-deriving."""
+    from prove_local.rules import AR_PLAN, Plan
+    c = rules.lossless_cycle(FakeContext(proposer(wrong={3}), V), PROMPT, block=5, mask=MASK)
+    assert c.plan == Plan("lossless", 5, verify=5) and c.gate == [True, True, False, None, None]
+    assert c.plan.label() == "B=5 v=5" and c.residual
+    # a verify width chosen between the passes (as the planner does) is recorded as a number
+    c = rules.lossless_cycle(FakeContext(proposer(), V), PROMPT, block=5, mask=MASK, verify=lambda p: 2)
+    assert c.plan == Plan("lossless", 5, verify=2) and c.gate == [True, True, None, None, None]
+    assert c.committed == [6, 7, 8] and not c.residual and c.plan.tested == 2
+    # prove evaluates its threshold on every slot: slot 3 fails, slot 4 passes after it
+    c = rules.prove_cycle(FakeContext(proposer(), V), FakeContext(verifier(low_at={5}), V), PROMPT, block=4,
+                          mask=MASK, theta=0.05)
+    assert c.plan == Plan("prove", 4) and c.gate == [True, True, False, True]
+    c = rules.mars_cycle(FakeContext(proposer(conf={1: 0.95, 2: 0.5, 3: 0.99}), V), PROMPT, 3, MASK, tau=0.9)
+    assert c.plan == Plan("mars", 3) and c.gate == [True, False, True] and c.committed == [6]
+    # a one-slot mars block is an ar cycle (the same pass, the same token), and so is spec without drafts
+    assert rules.mars_cycle(FakeContext(proposer(), V), PROMPT, 1, MASK, tau=0.9).plan == AR_PLAN
+    assert rules.spec_cycle(FakeContext(ar_model(), V), FakeContext(ar_model(), V), PROMPT, k=0).plan == AR_PLAN
+    def bad_draft(prefix):
+        return onehot(V, 25 if len(prefix) == 4 else successor(prefix))
+    c = rules.spec_cycle(FakeContext(ar_model(), V), FakeContext(bad_draft, V), PROMPT, k=3)
+    assert c.plan == Plan("spec", draft_k=3) and c.gate == [True, False, None] and c.plan.label() == "k=3"
+    c = rules.ar_cycle(FakeContext(ar_model(), V), PROMPT)
+    assert c.plan == AR_PLAN and c.plan.label() == "ar" and c.gate == [True]

@@ -459,10 +459,10 @@ def test_greedy_with_repeat_penalty_equals_ar_with_it(pair, engine, mode):
 
 # ------------------------------------------------------------------ projections: inspector, bench, CLI
 def test_inspector_shows_acceptance_and_residual():
-    from prove_local.rules import Cycle
+    from prove_local.rules import Cycle, Plan
     from prove_local.ui import view
     c = Cycle([1, 2, 3, 4], [.9, .6, .5, .4], [.9, .3, .2, .1], [1, 2, 9], 2, {"proposer": 2},
-              accept_prob=[1.0, 0.5, 0.4, 0.25], residual=True)
+              accept_prob=[1.0, 0.5, 0.4, 0.25], residual=True, plan=Plan("lossless", 4), gate=[True, True, False, None])
     rows = view.inspect_cycle(c, "lossless", token_text=str)
     assert [r.status for r in rows] == ["committed", "committed", "dropped", "dropped", "correction"]
     assert [r.accept for r in rows] == [1.0, 0.5, 0.4, 0.25, None]

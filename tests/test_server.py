@@ -510,10 +510,11 @@ def test_health_is_503_while_loading():
 
 
 def test_draft_counts_leave_out_the_planners_ar_cycles():
-    from prove_local.rules import Cycle
+    from prove_local.rules import Cycle, Plan
     from prove_local.server import draft_counts
-    block = Cycle([1, 2, 3, 4], [.9] * 4, [.9] * 4, [1, 2, 7], 2, {"proposer": 2}, widths={"proposer": [4, 4]})
-    ar = Cycle([5], [.9], None, [5], 1, {"proposer": 1}, widths={"proposer": [1]})
-    assert draft_counts("lossless", [block, ar, ar]) == (4, 2)
-    assert draft_counts("ar", [ar]) == (0, 0)
+    block = Cycle([1, 2, 3, 4], [.9] * 4, [.9] * 4, [1, 2, 7], 2, {"proposer": 2}, widths={"proposer": [4, 4]},
+                  plan=Plan("lossless", 4))
+    ar = Cycle([5], [.9], None, [5], 1, {"proposer": 1}, widths={"proposer": [1]})    # (plan: ar)
+    assert draft_counts([block, ar, ar]) == (4, 2)
+    assert draft_counts([ar]) == (0, 0)
 

@@ -20,7 +20,7 @@ import pytest
 from prove_local.chat import Conversation
 from prove_local.engine import Settings
 from prove_local.llama import Model
-from prove_local.rules import Cycle
+from prove_local.rules import Cycle, Plan
 from tests.reference import chat_reference, greedy_ar
 from tests.tiny import tiny_gguf
 from prove_local.ui import view
@@ -47,8 +47,11 @@ class FakePieces:
         return self.table.get(t, b"") if t < 100 else (b"<|im_end|>" if special else b"")
 
 
-def cyc(proposed, p, q, committed, n_accepted, index=0, stop=None):
-    return Cycle(proposed, p, q, committed, n_accepted, {"proposer": 1}, index=index, stop=stop)
+def cyc(proposed, p, q, committed, n_accepted, index=0, stop=None, plan=None, gate=None, residual=False):
+    """A cycle as a rule reports it: the plan it ran and its gate's outcome per slot are given
+    explicitly (what the rule decided), not derived here."""
+    return Cycle(proposed, p, q, committed, n_accepted, {"proposer": 1}, index=index, stop=stop,
+                 plan=plan or Plan("mars", len(proposed)), gate=gate, residual=residual)
 
 
 def name(t):
@@ -76,7 +79,8 @@ def test_spans_alternate_per_cycle_and_concatenate_to_the_text():
 
 def test_inspector_rows_prove():
     # slots 1-2 pass p*q >= theta, slot 3 fails (the run ends), slot 4 passes after the failure
-    c = cyc([1, 2, 3, 4], [0.5, 0.9, 0.9, 0.9], [0.2, 0.5, 0.01, 0.9], [1, 2], 2)
+    c = cyc([1, 2, 3, 4], [0.5, 0.9, 0.9, 0.9], [0.2, 0.5, 0.01, 0.9], [1, 2], 2, plan=Plan("prove", 4),
+            gate=[True, True, False, True])
     rows = view.inspect_cycle(c, "prove", theta=0.05, token_text=name)
     assert [r.slot for r in rows] == [1, 2, 3, 4]
     assert [r.gate for r in rows] == [True, True, False, True]
@@ -85,41 +89,46 @@ def test_inspector_rows_prove():
     assert "run ends" in rows[2].verdict and "after the first failure" in rows[3].verdict
     assert rows[0].text == "Hel" and rows[2].text == "␣wor"
     # slot 1 fails the gate but is committed anyway: it is the proposer's AR token
-    c = cyc([1, 2], [0.5, 0.9], [0.01, 0.9], [1], 1)
+    c = cyc([1, 2], [0.5, 0.9], [0.01, 0.9], [1], 1, plan=Plan("prove", 2), gate=[False, True])
     rows = view.inspect_cycle(c, "prove", theta=0.05, token_text=name)
     assert [(r.gate, r.status) for r in rows] == [(False, "committed"), (True, "dropped")]
     assert "AR token" in rows[0].verdict and "after the first failure" in rows[1].verdict
 
 
 def test_inspector_rows_mars_and_ar():
-    rows = view.inspect_cycle(cyc([1, 2, 3], [0.99, 0.97, 0.5], None, [1, 2], 2), "mars", tau=0.95, token_text=name)
+    rows = view.inspect_cycle(cyc([1, 2, 3], [0.99, 0.97, 0.5], None, [1, 2], 2, gate=[True, True, False]), "mars",
+                              tau=0.95, token_text=name)
     assert [(r.gate, r.status, r.q, r.pq) for r in rows] == [(True, "committed", None, None)] * 2 + [(False, "dropped", None, None)]
-    rows = view.inspect_cycle(cyc([5], [0.3], None, [5], 1), "ar", token_text=name)
+    rows = view.inspect_cycle(cyc([5], [0.3], None, [5], 1, plan=Plan(), gate=[True]), "ar", token_text=name)
     assert len(rows) == 1 and rows[0].status == "committed" and rows[0].text == "↵"
 
 
 def test_inspector_rows_lossless_correction_and_bonus():
-    c = cyc([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8, .1, .5], [1, 2, 9], 2)
+    c = cyc([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8, .1, .5], [1, 2, 9], 2, plan=Plan("lossless", 4),
+            gate=[True, True, False, None], residual=True)
     rows = view.inspect_cycle(c, "lossless", token_text=name)
     assert [r.status for r in rows] == ["committed", "committed", "dropped", "dropped", "correction"]
     assert [r.gate for r in rows] == [True, True, False, None, None]
     assert "␣!" in rows[2].verdict and rows[4].slot is None and rows[4].text == "␣!"
-    full = view.inspect_cycle(cyc([1, 2], [.9, .9], [.9, .9], [1, 2, 3], 2), "lossless", token_text=name)
+    full = view.inspect_cycle(cyc([1, 2], [.9, .9], [.9, .9], [1, 2, 3], 2, plan=Plan("lossless", 2), gate=[True, True]),
+                              "lossless", token_text=name)
     assert full[-1].status == "bonus"
     # cut by max new tokens inside the accepted run: no correction token, the rest is "cut"
-    cut = view.inspect_cycle(cyc([1, 2, 3], [.9] * 3, [.9] * 3, [1], 1, stop="length"), "lossless", token_text=name)
+    cut = view.inspect_cycle(cyc([1, 2, 3], [.9] * 3, [.9] * 3, [1], 1, stop="length", plan=Plan("lossless", 3),
+                                 gate=[True, True, True]), "lossless", token_text=name)
     assert [r.status for r in cut] == ["committed", "dropped", "dropped"] and "stopped" in cut[1].verdict
 
 
 def test_inspector_rows_spec():
-    c = Cycle([1, 2, 3], [.9, .8, .7], [.6, .1, .2], [1, 4], 1, {"draft": 3, "proposer": 1})
+    c = Cycle([1, 2, 3], [.9, .8, .7], [.6, .1, .2], [1, 4], 1, {"draft": 3, "proposer": 1},
+              plan=Plan("spec", draft_k=3), gate=[True, False, None], residual=True)
     rows = view.inspect_cycle(c, "spec", token_text=name)
     assert [r.status for r in rows] == ["committed", "dropped", "dropped", "correction"]
     assert rows[1].gate is False and "target" in rows[1].verdict
 
 
 def test_inspector_and_compare_html_escape_model_text():
-    c = cyc([8, 2], [.9, .01], [.9, .9], [8], 1, index=4)
+    c = cyc([8, 2], [.9, .01], [.9, .9], [8], 1, index=4, plan=Plan("prove", 2), gate=[True, False])
     rows = view.inspect_cycle(c, "prove", theta=0.05, token_text=name)
     h = view.inspector_html(c, rows, "prove", theta=0.05, tau=0.95, context="<script>x</script>", turn=2, n_cycles=9)
     assert "<script>" not in h and "&lt;b&gt;&amp;" in h and 'data-cycle="2:4"' in h and "cycle 5 of 9" in h
@@ -458,7 +467,8 @@ def test_two_pages_decode_at_the_same_time_with_parallel_2(browser, models, monk
 def test_inspector_sampled_cycle_with_a_verify_prefix():
     """A sampled lossless cycle whose planner verified 2 of 4 slots: slots 3-4 were never tested."""
     c = Cycle([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8], [1, 2, 9], 2, {"proposer": 2},
-              widths={"proposer": [4, 2]}, accept_prob=[1.0, 0.7], residual=False)
+              widths={"proposer": [4, 2]}, accept_prob=[1.0, 0.7], residual=False,
+              plan=Plan("lossless", 4, verify=2), gate=[True, True, None, None])
     rows = view.inspect_cycle(c, "lossless", token_text=name)
     assert [r.status for r in rows[:4]] == ["committed", "committed", "dropped", "dropped"]
     assert all("not verified" in r.verdict for r in rows[2:4]), [r.verdict for r in rows]
@@ -468,7 +478,7 @@ def test_inspector_sampled_cycle_with_a_verify_prefix():
 def test_inspector_shows_the_planners_widths():
     """--block auto: a lossless cycle that verified a prefix, and a plain ar cycle inside a lossless answer."""
     c = Cycle([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8], [1, 2, 9], 2, {"proposer": 2},
-              widths={"proposer": [4, 2]})
+              widths={"proposer": [4, 2]}, plan=Plan("lossless", 4, verify=2), gate=[True, True, None, None])
     rows = view.inspect_cycle(c, "lossless", token_text=name)
     assert [r.status for r in rows] == ["committed", "committed", "dropped", "dropped", "bonus"]
     assert "not verified" in rows[2].verdict and rows[2].q is None
@@ -478,3 +488,10 @@ def test_inspector_shows_the_planners_widths():
     rows = view.inspect_cycle(ar, "lossless", token_text=name)
     assert [r.status for r in rows] == ["committed"] and "AR token" in rows[0].verdict
     assert "(ar)" in view.inspector_html(ar, rows, "lossless", theta=0.05, tau=0.95)
+    # the inspector never shows an empty proposal without saying why, and how to see proposals
+    html = view.inspector_html(ar, rows, "lossless", theta=0.05, tau=0.95, planner_note="auto chose ar: X")
+    assert "no proposal in this cycle" in html and "auto chose ar: X" in html
+    assert "Fix the block length" in view.inspector_html(ar, rows, "lossless", theta=0.05, tau=0.95)
+    assert "no proposal" not in view.inspector_html(ar, rows, "ar", theta=0.05, tau=0.95)   # ar mode itself
+    chat = view.chat_html([view.Message("q", [view.Span("a", 0, "run")], hint="auto chose ar: <why>")])
+    assert '<div class="hint">auto chose ar: &lt;why&gt;</div>' in chat

@@ -10,7 +10,8 @@ from . import stats
 from .stats import conditional_slot_rates
 from .data import check_answer
 from .markdown import summary_markdown
-from ..planner import chosen, projection as project
+from ..planner import projection as project, widths_histogram
+from ..rules import Plan
 from .plots import make_plots, roc_data
 from ..modes import MODES
 from .runner import BenchData
@@ -95,9 +96,9 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
             "sampling": {"top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p, "repeat_penalty": s.repeat_penalty,
                          "repeat_last_n": s.repeat_last_n, "seed": s.seed, "samples": run.samples}
             if s.temperature > 0 or s.repeat_penalty != 1.0 else None,
-            "theta": s.theta if s.mode == "prove" else None,
-            "tau": s.tau if s.mode == "mars" else None,
-            "block": s.block, "draft_k": s.draft_k if s.mode == "spec" else None,
+            "theta": s.theta if MODES[s.mode].gate == "theta" else None,
+            "tau": s.tau if MODES[s.mode].gate == "tau" else None,
+            "block": s.block, "draft_k": s.draft_k if MODES[s.mode].width == "draft_k" else None,
             "n_prompts": len(gens_ok),
             "tokens": sum(len(g.tokens) for g in gens_ok),
             "seconds": _r(sum(g.seconds for g in gens_ok), 3),
@@ -127,24 +128,24 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
             "loop_share_by_family": fam_loop,
             "tokens_per_cycle_outside_loops_by_family": fam_tpc_nl,
             "overhead_share": _r(stats.overhead_share(cycles)),
-            "widths": stats.width_histogram(s.mode, cycles),
+            "widths": widths_histogram(cycles),
             "loop_share": _r(stats.loop_share([g.tokens for g in gens_ok])),
             "tokens_per_cycle_outside_loops": _r(stats.tokens_per_cycle_outside_loops(
                 [(g.tokens, g.cycles) for g in gens_ok])),
         }
         modes[name] = entry
-        if s.mode == "prove":
+        if MODES[s.mode].gate == "theta":                  # the θ sweep
             sweep.append({"run": name, "theta": s.theta, "speedup_median": entry["speedup_vs_ar"]["median"],
                           "speedup_totals": entry["speedup_vs_ar"]["totals"], "tokens_per_cycle": entry["tokens_per_cycle"],
                           "accuracy": entry["accuracy"], "exact_match_vs_ar": entry["exact_match_vs_ar"],
                           "projected_speedup_flat": entry["projected_speedup"]["flat"]})
         # the paper's analyses, for runs that propose blocks (or drafts)
-        if s.mode != "ar" and ref and s.temperature == 0:   # greedy-path analyses
+        if MODES[s.mode].width is not None and ref and s.temperature == 0:   # greedy-path analyses
             labels, mruns = [], []
             for g in gens_ok:
                 if g.prompt in ref:
                     # the planner's plain ar cycles propose nothing: they are left out of these analyses
-                    proposing = [c for c in g.cycles if chosen(s.mode, c)[0] != "ar"]
+                    proposing = [c for c in g.cycles if c.plan.proposes]
                     labels += stats.slot_labels(proposing, g.tokens, ref[g.prompt])
                     mruns += stats.matched_runs(proposing, g.tokens, ref[g.prompt])
             n_slots = max((len(c.proposed) for c in cycles), default=0)
@@ -182,10 +183,10 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
     # auto against the fixed widths of the same mode (and θ), side by side in this run
     auto_vs_fixed = {}
     for name, m in modes.items():
-        if m["block" if m["mode"] != "spec" else "draft_k"] != "auto":
+        if m[MODES[m["mode"]].width or "block"] != "auto":
             continue
         same = {n: e for n, e in modes.items() if e["mode"] == m["mode"] and e["theta"] == m["theta"] and n != name}
-        fixed = {n: e for n, e in same.items() if e["block" if m["mode"] != "spec" else "draft_k"] != "auto"}
+        fixed = {n: e for n, e in same.items() if e[MODES[m["mode"]].width or "block"] != "auto"}
         best = max(fixed, key=lambda n: fixed[n]["tokens_per_second"] or 0.0, default=None)
         auto_vs_fixed[name] = {
             "tokens_per_second": m["tokens_per_second"], "speedup_vs_ar": m["speedup_vs_ar"]["median"],
@@ -289,9 +290,28 @@ def generations_jsonl(data: BenchData) -> str:
                         "residual": c.residual,
                         "n_accepted": c.n_accepted, "passes": c.passes, "seconds": round(c.seconds, 6),
                         "decode_seconds": {k: round(v, 6) for k, v in c.decode_seconds.items()},
-                        "widths": c.widths} for c in g.cycles],
+                        "widths": c.widths, "plan": c.plan.as_dict(), "gate": c.gate} for c in g.cycles],
         }, ensure_ascii=False))
     return "\n".join(lines) + "\n"
+
+
+def _plan_of_old_report(mode: str, c: dict) -> Plan:
+    """The plan of a cycle stored before cycles recorded theirs, from the widths it fed: a planner's
+    plain ar cycle made no proposal pass (lossless: one pass; prove: no verifier pass; spec: no draft;
+    mars: one slot)."""
+    m, w, n = MODES[mode], c.get("widths") or {}, len(c["proposed"])
+    if m.width is None:
+        return Plan(mode)
+    if m.width == "draft_k":
+        k = len(w.get("draft", [])) if w else n
+        return Plan(mode, draft_k=k) if k else Plan()
+    if m.verify_choice:
+        passes = w.get("proposer", [])
+        verify = passes[1] if len(passes) > 1 else (len(c["q"]) if not w and c.get("q") else None)
+        return Plan(mode, n, verify=verify) if verify is not None else Plan()
+    if m.partner:
+        return Plan(mode, n) if not w or m.partner in w else Plan()
+    return Plan(mode, n) if n > 1 else Plan()
 
 
 def load_outputs(out: Path) -> tuple[BenchData, dict]:
@@ -326,6 +346,7 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
                                temperature=m.get("temperature") or 0.0, **sampling(m)),
                 (m.get("sampling") or {}).get("samples", 1))
             for name, m in res["modes"].items()]
+    modes_of = {r.name: r.settings.mode for r in runs}
     gens = []
     for line in lines:
         g = json.loads(line)
@@ -333,7 +354,9 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
         cycles = [Cycle(proposed=c["proposed"], p=c["p"], q=c["q"], committed=toks[c["start"]:c["start"] + c["n_committed"]],
                         n_accepted=c["n_accepted"], passes=c["passes"], decode_seconds=c["decode_seconds"],
                         seconds=c["seconds"], index=k, start=c["start"], accept_prob=c.get("accept_prob"),
-                        residual=c.get("residual", False), widths=c.get("widths") or {})
+                        residual=c.get("residual", False), widths=c.get("widths") or {},
+                        plan=Plan(**c["plan"]) if c.get("plan") else _plan_of_old_report(modes_of[g["run"]], c),
+                        gate=c.get("gate"))
                   for k, c in enumerate(g["cycles"])]
         if cycles:
             cycles[-1].stop = g["stop"] if "stop" in g else stops.get((g["prompt"], g["run"]))

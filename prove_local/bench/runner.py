@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from ..engine import Engine, Settings
 from ..llama import Model
+from ..modes import MODES
 from ..rules import Cycle
 from .data import Prompt
 
@@ -65,9 +66,10 @@ def make_runs(modes: list[str], *, max_new: int, block, thetas: list[float], tau
     runs = []
 
     def tag(mode, b, k):
-        if mode == "spec":
+        width = MODES[mode].width
+        if width == "draft_k":
             return "" if len(ks) == 1 else ("@auto" if k == "auto" else f"@k{k}")
-        if mode == "ar" or len(blocks) == 1:
+        if width is None or len(blocks) == 1:
             return ""
         return "@auto" if b == "auto" else f"@B{b}"
 
@@ -75,14 +77,15 @@ def make_runs(modes: list[str], *, max_new: int, block, thetas: list[float], tau
         suffix = f"@T{t:g}" if t > 0 else ""
         n = samples if t > 0 else 1
         for mode in modes:
-            widths = [(blocks[0], k) for k in ks] if mode == "spec" else \
-                ([(blocks[0], ks[0])] if mode == "ar" else [(b, ks[0]) for b in blocks])
+            width = MODES[mode].width
+            widths = [(blocks[0], k) for k in ks] if width == "draft_k" else \
+                ([(blocks[0], ks[0])] if width is None else [(b, ks[0]) for b in blocks])
             for b, k in widths:
                 common = dict(max_new=max_new, block=b, tau=tau, draft_k=k, temperature=t, **sampling)
-                if mode == "prove":
+                if MODES[mode].gate == "theta":             # one run per θ
                     for th in thetas:
-                        name = ("prove" if len(thetas) == 1 else f"prove@{th:g}") + tag(mode, b, k) + suffix
-                        runs.append(Run(name, Settings(mode="prove", theta=th, **common), n))
+                        name = (mode if len(thetas) == 1 else f"{mode}@{th:g}") + tag(mode, b, k) + suffix
+                        runs.append(Run(name, Settings(mode=mode, theta=th, **common), n))
                 else:
                     runs.append(Run(mode + tag(mode, b, k) + suffix,
                                     Settings(mode=mode, theta=thetas[0] if thetas else 0.05, **common), n))

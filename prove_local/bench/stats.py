@@ -14,6 +14,9 @@ from statistics import median
 
 import numpy as np
 
+from ..modes import cycle_cost, pass_cost
+from ..modes import get as get_mode
+
 # The ProVe paper's GSM8K figures (32B MARS proposer), for the reference rows of tables and plots.
 PAPER_SLOT_MATCH_GSM8K = [0.96, 0.86, 0.79, 0.71, 0.67, 0.59, 0.53, 0.51, 0.47, 0.44, 0.39, 0.34, 0.34, 0.30, 0.28, 0.27]
 PAPER_AUC = {"p": 0.910, "q": 0.960, "pq": 0.964}
@@ -269,53 +272,33 @@ def curve_ratio(curve: dict, n: float) -> float:
     return float(np.interp(n, ns, [curve[k] for k in ns])) / t1
 
 
-def cycle_cost_units(mode: str, n_proposed: int, curves: dict | None, flat: bool = False) -> float:
-    """Cost of one cycle in units of the proposer's 1-token pass, from pass-cost curves
-    {"proposer"|"verifier"|"draft": {n: seconds}}. flat=True: every pass of n tokens costs what
-    its model's 1-token pass costs (the GPU-like regime of the paper's cost model); verifier and
-    draft passes are always scaled by their t(1) relative to the proposer's (the paper's ρ)
-    when those curves exist. Pass shapes: lossless = proposal of B rows + self-verification of
-    B rows; prove = proposal + verifier pass of B tokens; mars = proposal; spec = k one-token
-    draft passes + a target pass of k+1 tokens."""
-    def r(role, n):
-        if flat or not curves or role not in curves:
-            return 1.0
-        return curve_ratio(curves[role], n)
-
-    def rho(role):
-        if not curves or role not in curves or "proposer" not in curves:
-            return 1.0
-        return curves[role][min(curves[role])] / curves["proposer"][min(curves["proposer"])]
-
-    if mode == "ar":
-        return 1.0
-    if mode == "lossless":
-        return 2 * r("proposer", n_proposed)
-    if mode == "mars":
-        return r("proposer", n_proposed)
-    if mode == "prove":
-        return r("proposer", n_proposed) + rho("verifier") * r("verifier", n_proposed)
-    if mode == "spec":
-        return n_proposed * rho("draft") * r("draft", 1) + r("proposer", n_proposed + 1)
-    raise ValueError(f"unknown mode {mode!r}")
-
-
-def cycle_cost_widths(widths: dict, curves: dict | None, flat: bool = False) -> float:
-    """Cost of one cycle in units of the proposer's 1-token pass from the widths actually fed
-    (`Cycle.widths`: {role: [tokens per pass]}; a prove/mars proposal pass is pending + B - 1 wide,
-    spec's first draft pass catches up on the pending tokens). Other roles' passes are scaled by
-    their t(1) relative to the proposer's (the paper's rho); flat=True: every pass costs its model's
-    one-token pass."""
+def _unit_cost(curves: dict | None, flat: bool = False):
+    """t(role, n) in units of the proposer's 1-token pass, from pass-cost curves
+    {"proposer"|"verifier"|"draft": {n: seconds}}: the curve's t(n)/t(1), times the role's t(1)
+    relative to the proposer's (the paper's ρ) when those curves exist. flat=True: every pass of n
+    tokens costs what its model's 1-token pass costs (the GPU-like regime of the paper's cost model)."""
     def rho(role):
         if not curves or role not in curves or "proposer" not in curves or role == "proposer":
             return 1.0
         return curves[role][min(curves[role])] / curves["proposer"][min(curves["proposer"])]
 
-    total = 0.0
-    for role, ws in widths.items():
-        for w in ws:
-            total += rho(role) * (1.0 if flat or not curves or role not in curves else curve_ratio(curves[role], w))
-    return total
+    def t(role, n):
+        return rho(role) * (1.0 if flat or not curves or role not in curves else curve_ratio(curves[role], n))
+    return t
+
+
+def cycle_cost_units(mode: str, n_proposed: int, curves: dict | None, flat: bool = False) -> float:
+    """Cost of one cycle of `mode` proposing n tokens (B slots, or k drafts), nothing pending, in
+    units of the proposer's 1-token pass: modes.cycle_cost (the planner's cost model) over the curves."""
+    m = get_mode(mode)                  # (an unknown mode: ModeError, a ValueError)
+    return cycle_cost(_unit_cost(curves, flat), {r: 1 for r in m.roles}, m.plan(n_proposed, n_proposed))
+
+
+def cycle_cost_widths(widths: dict, curves: dict | None, flat: bool = False) -> float:
+    """Cost of one cycle in units of the proposer's 1-token pass from the widths actually fed
+    (`Cycle.widths`: {role: [tokens per pass]}; a prove/mars proposal pass is pending + B - 1 wide,
+    spec's first draft pass catches up on the pending tokens)."""
+    return pass_cost(_unit_cost(curves, flat), widths)
 
 
 def _cycle_cost(mode: str, c, curves, flat: bool = False) -> float:
@@ -334,13 +317,6 @@ def projected(mode: str, cycles, curves: dict | None) -> dict:
     flat = sum(_cycle_cost(mode, c, curves, flat=True) for c in cycles)
     n = len(cycles)
     return {"cycle_cost": cost / n, "speedup": tokens / cost, "cycle_cost_flat": flat / n, "speedup_flat": tokens / flat}
-
-
-def width_histogram(mode: str, cycles) -> dict:
-    """How often each width was run (planner.label: 'ar', 'B=4 v=2', 'k=3'), most frequent first."""
-    from collections import Counter
-    from ..planner import label
-    return dict(Counter(label(mode, c) for c in cycles).most_common())
 
 
 def oracle_cost(match_runs: list[int], curve: dict | None) -> float:

@@ -16,13 +16,6 @@ from prove_local.loading import MAX_NEW, PARALLEL, PORT, add_model_args, add_wid
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
-MODE_CHOICES = {
-    "ar": "ar · greedy, one token per pass",
-    "lossless": "lossless · ProVe-lossless (exact)",
-    "prove": "prove · ProVe with the verifier (p̃·q ≥ θ)",
-    "mars": "mars · MARS confidence rule (p̃ ≥ τ)",
-    "spec": "spec · speculative decoding (exact)",
-}
 STREAM_INTERVAL = 0.1       # seconds between page updates while an answer streams
 
 CSS = """
@@ -43,6 +36,7 @@ CSS = """
 .answer .footer, .compare .footer {margin-top: 6px; font-size: 0.78em; color: var(--body-text-color-subdued);
   white-space: normal; font-family: var(--font);}
 .answer .note {margin-top: 6px; font-size: 0.85em; color: #b91c1c; white-space: normal;}
+.answer .hint {margin-top: 6px; font-size: 0.8em; color: var(--body-text-color-subdued); white-space: normal;}
 .cyc {border-radius: 3px; cursor: pointer; padding: 1px 0;}
 .cyc.c0, .tok.c0 {background: #dbeafe; color: #1e3a8a;}
 .cyc.c1, .tok.c1 {background: #fde68a; color: #78350f;}
@@ -188,8 +182,8 @@ def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
 
     # ------------------------------------------------------------------ rendering helpers
     def messages_of(sess):
-        return [view.Message(t.user, t.view.spans, view.stats_line(live_stats(t), t.settings.mode), t.running, t.note)
-                for t in sess.turns]
+        return [view.Message(t.user, t.view.spans, view.stats_line(live_stats(t), t.settings.mode), t.running, t.note,
+                             t.planner_note or "") for t in sess.turns]
 
     def live_stats(t):
         """The finished answer's statistics, or those of the cycles so far while it streams."""
@@ -215,7 +209,7 @@ def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
         rows = view.inspect_cycle(cycle, s.mode, s.theta, s.tau, runtime.token_text)
         context = "".join(sp.text for sp in turn.view.spans if sp.cycle < c) or turn.user
         return view.inspector_html(cycle, rows, s.mode, theta=s.theta, tau=s.tau, context=context,
-                                   turn=t, n_cycles=len(cycles))
+                                   turn=t, n_cycles=len(cycles), planner_note=turn.planner_note)
 
     def stats(sess):
         st = live_stats(sess.turns[-1]) if sess.turns else None
@@ -226,7 +220,7 @@ def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
         # a sampled answer: its temperature and seed (with a fixed block, that seed gives this answer again)
         sampled = f"T {t.settings.temperature:g}, seed {t.seed} · " if t.settings.temperature > 0 else ""
         ppt = ", ".join(f"{r} {v:.2f}" for r, v in st["passes_per_token"].items())
-        return (f'<div class="stats"><b>last answer</b> · {view.esc(view.MODE_LABELS[t.settings.mode])} · '
+        return (f'<div class="stats"><b>last answer</b> · {view.esc(view.title(t.settings.mode))} · '
                 f'{st["n_tokens"]} tokens in {st["n_cycles"]} cycles · <b>{st["tokens_per_cycle"]:.2f} tokens/cycle</b> · '
                 f'<b>{st["tokens_per_second"]:.1f} tokens/s</b> · passes: {passes} · passes/token: {ppt} · '
                 f'{sampled}stop: {st["stop"] or "running…"}</div>')
@@ -329,8 +323,9 @@ def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
         return compare_panel(sess), "", sess
 
     def mode_changed(mode):
-        return (gr.update(visible=mode == "prove"), gr.update(visible=mode == "mars"),
-                gr.update(visible=mode in ("lossless", "prove", "mars")), gr.update(visible=mode == "spec"))
+        m = MODES[mode]
+        return (gr.update(visible=m.gate == "theta"), gr.update(visible=m.gate == "tau"),
+                gr.update(visible=m.width == "block"), gr.update(visible=m.width == "draft_k"))
 
     # ------------------------------------------------------------------ layout
     names = runtime.names()
@@ -340,7 +335,8 @@ def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
     def why(m, msg):
         if "mask token" in msg:
             return "the proposer has no mask token"
-        return {"prove": "needs --verifier V.gguf", "spec": "needs --draft D.gguf"}.get(m, msg)
+        partner = MODES[m].partner
+        return f"needs --{partner} {partner[0].upper()}.gguf" if partner else msg
     reasons: dict[str, list[str]] = {}
     for m, msg in runtime.mode_errors.items():
         reasons.setdefault(why(m, msg), []).append(m)
@@ -363,17 +359,17 @@ def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
                         stop_btn = gr.Button("Stop", size="sm", elem_id="stop")
                 stats_box = gr.HTML("", elem_id="stats", padding=False)
             with gr.Column(scale=2, min_width=260):
-                mode = gr.Dropdown([(MODE_CHOICES[m], m) for m in (modes or MODES)], value=default_mode,
+                mode = gr.Dropdown([(view.mode_choice(m), m) for m in (modes or MODES)], value=default_mode,
                                    label="mode", elem_id="mode",
                                    info=("not available with these models: " + unavailable) if unavailable else None)
                 theta = gr.Slider(0.0, 1.0, value=0.05, step=0.005, label="θ (ProVe gate: commit while p̃·q ≥ θ)",
-                                  visible=default_mode == "prove", elem_id="theta")
+                                  visible=MODES[default_mode].gate == "theta", elem_id="theta")
                 tau = gr.Slider(0.0, 1.0, value=0.95, step=0.01, label="τ (MARS rule: commit while p̃ ≥ τ)",
-                                visible=default_mode == "mars", elem_id="tau")
+                                visible=MODES[default_mode].gate == "tau", elem_id="tau")
                 block = gr.Slider(0, 64, value=0 if block == "auto" else block, step=1, label="block length (0 = auto: chosen per cycle)",
-                                  visible=default_mode in ("lossless", "prove", "mars"), elem_id="block")
+                                  visible=MODES[default_mode].width == "block", elem_id="block")
                 draft_k = gr.Slider(0, 16, value=0 if draft_k == "auto" else draft_k, step=1, label="draft tokens per cycle (spec; 0 = auto)",
-                                    visible=default_mode == "spec", elem_id="draft_k")
+                                    visible=MODES[default_mode].width == "draft_k", elem_id="draft_k")
                 max_new = gr.Slider(1, 2048, value=max_new, step=1, label="max new tokens", elem_id="max_new")
                 with gr.Accordion("sampling", open=False, elem_id="sampling"):
                     temp = gr.Slider(0.0, 2.0, value=0.0, step=0.05, elem_id="temp",

@@ -117,6 +117,7 @@ class Turn:
     running: bool = True
     compare: dict | None = None
     seed: int | None = None           # the sampler's seed (the request's, or the one drawn for it)
+    planner_note: str | None = None   # why --block auto ran plain ar cycles (Engine.explain), if it did
 
 
 @dataclass
@@ -168,6 +169,7 @@ def run_turn(runtime: Runtime, sess: Session, user: str, settings: Settings):
                         turn.note = "stopped"
                         break
                     yield turn
+            turn.planner_note = engine.explain(settings, fix="set the block length (draft k) to {width}")
     except (LlamaError, ModeError) as e:
         error = _error_text(e, runtime)
     except GeneratorExit:       # the page went away mid-answer: the engine was released above
