@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import rules
+from .errors import ModeError
 
 
 @dataclass(frozen=True)
@@ -78,5 +79,4 @@ def get(name: str) -> Mode:
     try:
         return MODES[name]
     except KeyError:
-        from .errors import ModeError
         raise ModeError(f"unknown mode {name!r}; choose from {', '.join(NAMES)}") from None

@@ -14,6 +14,9 @@ from statistics import median
 
 import numpy as np
 
+from ..engine import tokens_per_second
+from ..planner import label
+
 # The ProVe paper's GSM8K figures (32B MARS proposer), for the reference rows of tables and plots.
 PAPER_SLOT_MATCH_GSM8K = [0.96, 0.86, 0.79, 0.71, 0.67, 0.59, 0.53, 0.51, 0.47, 0.44, 0.39, 0.34, 0.34, 0.30, 0.28, 0.27]
 PAPER_AUC = {"p": 0.910, "q": 0.960, "pq": 0.964}
@@ -217,8 +220,9 @@ def speedups(mode_runs: list[tuple[int, float]], ar_runs: list[tuple[int, float]
 
 
 def throughput(runs: list[tuple[int, float]]) -> float | None:
+    """Tokens/s over several generations (engine.tokens_per_second of the totals); None without time."""
     tokens, seconds = sum(n for n, _ in runs), sum(s for _, s in runs)
-    return tokens / seconds if seconds > 0 else None
+    return tokens_per_second(tokens, seconds) if seconds > 0 else None
 
 
 def passes_per_token(cycles) -> dict:
@@ -339,7 +343,6 @@ def projected(mode: str, cycles, curves: dict | None) -> dict:
 def width_histogram(mode: str, cycles) -> dict:
     """How often each width was run (planner.label: 'ar', 'B=4 v=2', 'k=3'), most frequent first."""
     from collections import Counter
-    from ..planner import label
     return dict(Counter(label(mode, c) for c in cycles).most_common())
 
 
