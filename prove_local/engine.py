@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from . import modes, rules, sampling
+from .calibrate import calibrate, recheck_threads
 from .errors import ContextFull, EngineBusy, ModeError
 from .llama import Context, Model
 from .modes import DEFAULT_BLOCK, DEFAULT_DRAFT_K, MODES, Plan
@@ -23,18 +24,18 @@ from .planner import Costs, Planner
 class Settings:
     mode: str = "lossless"
     max_new: int = 256
-    block: int | str | None = None  # "auto": the planner's choice per cycle; None: the GGUF's prove.block_size, else 16
+    block: int | str | None = None  # "auto": the planner's choice per cycle; None: the GGUF's prove.block_size, else DEFAULT_BLOCK
     theta: float = 0.05
     tau: float = 0.95
     draft_k: int | str = DEFAULT_DRAFT_K   # "auto": the planner's choice per cycle
     # sampling (llama.cpp's names and, except temperature, its defaults); temperature 0 is greedy.
-    # The chain and its order: sampling.py. repeat_last_n -1 = the whole context, 0 = no penalty.
-    temperature: float = 0.0
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    # The chain, its order and these defaults: sampling.py.
+    temperature: float = sampling.TEMPERATURE
+    top_k: int = sampling.TOP_K
+    top_p: float = sampling.TOP_P
+    min_p: float = sampling.MIN_P
+    repeat_penalty: float = sampling.REPEAT_PENALTY
+    repeat_last_n: int = sampling.REPEAT_LAST_N
     seed: int | None = None
 
 
@@ -102,7 +103,6 @@ class Engine:
         if self.context_options is None:
             self.planner.costs = Costs({r: {1: 1e-3, 64: 64e-3} for r in self.contexts})
             return
-        from .calibrate import calibrate
         curves = {}
         for role, ctx in self.contexts.items():
             cal = calibrate(ctx.model, self.context_options, refresh=refresh)
@@ -115,7 +115,6 @@ class Engine:
     def _recheck_threads(self) -> None:
         """Passes cost many times their calibrated t(n): choose the thread count again on the live
         contexts, among those calibration measured (only where the user did not fix it)."""
-        from .calibrate import recheck_threads
         for role, ctx in self.contexts.items():
             options = sorted(self._thread_curves.get(role, {}))
             if len(options) > 1:
@@ -285,12 +284,25 @@ class Request:
     seed: int | None = None                    # the seed of `sampler`'s generator (settings.seed or drawn)
     sampler: sampling.Sampler | None = field(default=None, repr=False)   # None: greedy
     key: str = ""                              # the planner's statistics key (Mode.key)
+    decode_start: float | None = None          # time.perf_counter() when the first cycle started,
+    decode_end: float = 0.0                    # and when the last one ended (decode_seconds)
 
     @property
     def n_prompt(self) -> int:
         return len(self.prompt)
 
+    @property
+    def decode_seconds(self) -> float:
+        """Seconds from the start of the first cycle to the end of the last: what tokens/s divides
+        by (`tokens_per_second`). The prompt's prefill is not in it (`prefill` holds it); the time
+        between cycles (the planner, a front end's work on each cycle) is."""
+        return self.decode_end - self.decode_start if self.decode_start is not None else 0.0
+
     def count(self, cycle: rules.Cycle) -> None:
+        now = time.perf_counter()
+        if self.decode_start is None:
+            self.decode_start = now - cycle.seconds
+        self.decode_end = now
         self.n_tokens += len(cycle.committed)
         self.n_cycles += 1
         for role, n in cycle.passes.items():
@@ -341,8 +353,16 @@ class TextStream:
         return self._dec.decode(b"", final=True)
 
 
+def tokens_per_second(n_tokens: int, decode_seconds: float) -> float:
+    """The one definition of tokens/s, in every front end (run, serve, ui, bench; README
+    "Tokens per second"): generated tokens ÷ `Request.decode_seconds`, the time from the start of
+    the first cycle to the end of the last, the prompt's prefill excluded (reported on its own).
+    llama-server's `predicted_per_second` is the same measure."""
+    return n_tokens / decode_seconds if decode_seconds > 0 else 0.0
+
+
 def summarize(cycles: list[rules.Cycle], seconds: float) -> dict:
-    """Per-answer statistics from its cycle events."""
+    """Per-answer statistics from its cycle events; `seconds`: the request's decode_seconds."""
     n_tokens = sum(len(c.committed) for c in cycles)
     passes: dict[str, int] = {}
     decode: dict[str, float] = {}
@@ -359,7 +379,7 @@ def summarize(cycles: list[rules.Cycle], seconds: float) -> dict:
         "n_passes": passes,
         "passes_per_token": {r: n / n_tokens for r, n in passes.items()} if n_tokens else {},
         "seconds": seconds,
-        "tokens_per_second": n_tokens / seconds if seconds > 0 else 0.0,
+        "tokens_per_second": tokens_per_second(n_tokens, seconds),
         "decode_seconds": decode,
         "overhead_share": 1.0 - sum(decode.values()) / cycle_seconds if cycle_seconds > 0 else 0.0,
         "stop": cycles[-1].stop if cycles else None,

@@ -17,6 +17,7 @@ import numpy as np
 
 import llama_cpp as ll
 
+from . import rpc
 from .errors import ContextFull, LlamaError  # noqa: F401  (raised here, caught by the front ends)
 
 
@@ -91,11 +92,6 @@ def default_threads(model: "Model") -> int:
 
 
 SMALL_MODEL_PARAMS = 30_000_000
-
-
-def _rpc_check(endpoints: list[str]) -> None:
-    from .rpc import check
-    check(endpoints)
 
 
 def _rpc_lost(endpoints: list[str]) -> bool:
@@ -300,7 +296,7 @@ class Context:
         wanted[rows] = 1
         done = 0
         if self.model.endpoints:        # a server that went away: one line, before ggml aborts on it
-            _rpc_check(self.model.endpoints)
+            rpc.check(self.model.endpoints)
         for start in range(0, len(tokens), self.n_batch):
             n = min(self.n_batch, len(tokens) - start)
             self._batch.n_tokens = n

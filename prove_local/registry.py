@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .shapes import SHAPES
+
 PACKAGED = Path(__file__).with_name("models.txt")
 
 ROLES = ("proposer", "verifier", "draft", "target")
@@ -97,8 +99,6 @@ def parse_size(text: str) -> int:
 
 
 def parse(text: str, path: str = "models.txt") -> Registry:
-    from .shapes import SHAPES
-
     models: dict[str, Model] = {}
     pairs: dict[str, Pair] = {}
     pair_lines: list[tuple[int, list[str]]] = []

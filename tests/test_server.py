@@ -500,7 +500,8 @@ def test_pool_queue_is_bounded_fifo_and_cancellable():
 def test_health_is_503_while_loading():
     from fastapi.testclient import TestClient
 
-    from prove_local.server import State, create_app
+    from prove_local.server import State
+    from prove_local.server.app import create_app
 
     with TestClient(create_app(State(keys=[KEY]))) as c:
         r = c.get("/health")

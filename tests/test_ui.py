@@ -432,7 +432,7 @@ def test_two_pages_decode_at_the_same_time_with_parallel_2(browser, models, monk
     other, the barrier would break and the answers would carry an error instead of the reference."""
     import threading
 
-    from prove_local.ui import runtime as runtime_mod
+    from prove_local.ui import app as app_mod, runtime as runtime_mod
     from prove_local.ui.app import build_app, launch
 
     both_started = threading.Barrier(2, timeout=60)
@@ -445,7 +445,7 @@ def test_two_pages_decode_at_the_same_time_with_parallel_2(browser, models, monk
                 both_started.wait()
                 met.append(user)
             yield turn
-    monkeypatch.setattr(runtime_mod, "run_turn", run_turn_meeting)
+    monkeypatch.setattr(app_mod, "run_turn", run_turn_meeting)      # where the page looks it up
     rt = Runtime(Loaded(*models, context_options=F32), parallel=2)
     port = free_port()
     demo = build_app(rt, max_new=MAX_NEW)

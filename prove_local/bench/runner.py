@@ -7,10 +7,11 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
+from ..calibrate import measure
 from ..engine import Engine, Settings
-from ..llama import Model
+from ..llama import Model, gpu_offload_supported
 from ..modes import MODES
-from ..rules import Cycle
+from ..rules import Cycle, propose
 from .data import Prompt
 
 PASS_COST_NS = tuple(range(1, 17)) + tuple(range(20, 65, 4))
@@ -30,7 +31,7 @@ class Generation:
     run: str
     tokens: list[int]             # generated token ids (committed, including a final EOG)
     cycles: list[Cycle]
-    seconds: float                # wall time of the generation without the prompt prefill
+    seconds: float                # decode time: first cycle's start to last cycle's end (Request.decode_seconds)
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     text: str = ""
@@ -97,14 +98,12 @@ def measure_pass_cost(model: Model, context_options: dict, fill: list[int], *, n
     """Median seconds inside llama_decode of one pass of n tokens (logits on every row) after a
     context of `n_fill` tokens: calibrate.measure (the planner's method) with `reps` repetitions
     and no time budget."""
-    from ..calibrate import measure
     return measure(model, context_options, fill, ns=ns, n_fill=n_fill, budget_s=float("inf"), reps=reps, seed=seed)[1]
 
 
 def oracle_runs(engine: Engine, tokens: list[int], reference: list[int], block: int) -> list[int]:
     """For the oracle bound: at every generated position s of the greedy `reference`, a full
     `block`-slot proposal of the proposer, and how many of its leading slots equal reference[s:]."""
-    from ..rules import propose
     ctx = engine.contexts["proposer"]
     engine.tokens = []
     ctx.truncate(0)
@@ -126,12 +125,11 @@ def oracle_runs(engine: Engine, tokens: list[int], reference: list[int], block: 
 
 
 def generate_once(engine: Engine, tokens: list[int], settings: Settings) -> tuple[list[Cycle], float, tuple]:
+    """(cycles, decode seconds, prefill): the seconds of engine.tokens_per_second, prefill apart."""
     gc.collect()
-    t0 = time.perf_counter()
     gen = engine.generate(tokens, settings)
     cycles = list(gen)
-    wall = time.perf_counter() - t0
-    return cycles, max(0.0, wall - gen.prefill[1]), gen.prefill
+    return cycles, gen.request.decode_seconds, gen.prefill
 
 
 def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], prompt_tokens: list[list[int]],
@@ -269,8 +267,6 @@ def machine_info(threads: int | None) -> dict:
         pass
     try:
         import llama_cpp
-
-        from ..llama import gpu_offload_supported
         info["llama_cpp_python"] = llama_cpp.__version__
         info["gpu_offload"] = gpu_offload_supported()     # a local GPU, not only a GPU-capable (RPC) build
     except Exception:  # pragma: no cover

@@ -14,6 +14,7 @@ from statistics import median
 
 import numpy as np
 
+from ..engine import tokens_per_second
 from ..modes import cycle_cost, pass_cost
 from ..modes import get as get_mode
 
@@ -220,8 +221,9 @@ def speedups(mode_runs: list[tuple[int, float]], ar_runs: list[tuple[int, float]
 
 
 def throughput(runs: list[tuple[int, float]]) -> float | None:
+    """Tokens/s over several generations (engine.tokens_per_second of the totals); None without time."""
     tokens, seconds = sum(n for n, _ in runs), sum(s for _, s in runs)
-    return tokens / seconds if seconds > 0 else None
+    return tokens_per_second(tokens, seconds) if seconds > 0 else None
 
 
 def passes_per_token(cycles) -> dict:

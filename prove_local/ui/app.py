@@ -3,16 +3,23 @@
 The page streams each answer as colored runs (one color per cycle, alternating; the lossless /
 spec correction or bonus token in its own color). Clicking a run opens that cycle in the
 inspector: every proposed slot with p̃, q, p̃·q, the gate's verdict, committed or dropped.
-Gradio is imported only when the command runs.
+Gradio (the `ui` extra) is imported only when the command runs: in `launch` and `build_app`.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
 
+from prove_local.engine import Settings, summarize
+from prove_local.errors import MissingExtra
 from prove_local.loading import MAX_NEW, PARALLEL, PORT, add_model_args, add_width_args
+from prove_local.modes import MODES
+
+from . import view
+from .runtime import Runtime, Session, UIError, compare_with_ar, run_turn
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
@@ -122,16 +129,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def require_gradio() -> None:
     """Checked before any model is loaded: without the extra, one line naming it."""
-    import importlib.util
-
-    from prove_local.errors import MissingExtra
     if importlib.util.find_spec("gradio") is None:
         raise MissingExtra("ui", "gradio")
 
 
 def cmd_ui(args) -> int:
-    from .runtime import Runtime
-
     require_gradio()
     runtime = Runtime.from_args(args)
     if runtime.error:
@@ -168,12 +170,6 @@ def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     import gradio as gr
 
-    from prove_local.engine import Settings, summarize
-    from prove_local.modes import MODES
-
-    from . import view
-    from .runtime import Session, UIError, compare_with_ar, run_turn
-
     parallel = runtime.parallel
     modes = runtime.modes
     default_mode = runtime.default_mode if runtime.default_mode in modes else (modes[0] if modes else "ar")
@@ -189,8 +185,7 @@ def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
         """The finished answer's statistics, or those of the cycles so far while it streams."""
         if t.stats or not t.view.cycles:
             return t.stats
-        cycles = list(t.view.cycles)
-        return summarize(cycles, sum(c.seconds for c in cycles))
+        return summarize(list(t.view.cycles), t.decode_seconds)
 
     def chat(sess):
         return view.chat_html(messages_of(sess), sess.selected, placeholder)
