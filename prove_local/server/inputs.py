@@ -8,7 +8,7 @@ from pathlib import Path
 from jinja2 import TemplateError
 
 from .. import modes
-from ..chat import render
+from ..chat import chat_tokens
 from ..engine import Settings, seed_note
 from ..errors import ModeError
 from .errors import ApiError
@@ -88,8 +88,8 @@ def stop_list(body) -> list[str]:
 
 
 def chat_prompt(model, messages) -> list[int]:
-    """Messages rendered by the GGUF's chat template, tokenized as chat.Conversation.prompt_tokens
-    does (BOS added unless the template wrote it)."""
+    """Messages rendered by the GGUF's chat template and tokenized as the CLI and the UI do
+    (chat.chat_tokens: a message cannot forge a turn boundary with "<|im_end|>")."""
     template = model.chat_template
     if not template:
         raise ApiError(400, f"{Path(model.path).name} has no chat template (tokenizer.chat_template): "
@@ -98,12 +98,10 @@ def chat_prompt(model, messages) -> list[int]:
     for m in messages:
         content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
         msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
-    bos = model.special_text("bos")
-    try:
-        text = render(template, msgs, add_generation_prompt=True, bos_token=bos, eos_token=model.special_text("eos"))
+    try:      # special-token strings inside message contents stay text (chat.tokenize_chat)
+        return chat_tokens(model, template, msgs)
     except TemplateError as e:
         raise ApiError(400, f"the chat template refused the messages: {e}", param="messages") from None
-    return model.tokenize(text, add_special=not (bos and text.startswith(bos)), parse_special=True)
 
 
 def completion_prompt(model, body) -> list[int]:
