@@ -43,7 +43,7 @@ def one_line_error(stderr: str) -> str:
     (["run", "--threads", "999"], "--threads: 999 is out of range"),
     (["run", "--ctx", "0"], "--ctx: 0 is out of range"),
     (["run", "--draft-k", "x"], "--draft-k: 'x' is not an integer"),
-    (["ui", "--port", "99999"], "--port: 99999 is out of range: must be between 1 and 65535"),
+    (["ui", "--port", "99999"], "--port: 99999 is out of range: must be between 0 and 65535"),
     (["ui", "--parallel", "0"], "--parallel: 0 is out of range"),
     (["bench", "--out", "o", "--tau", "nan"], "--tau: 'nan': must be a finite number"),
     (["bench", "--out", "o", "--block", "0"], "--block: 0 is out of range"),

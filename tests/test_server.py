@@ -2,8 +2,8 @@
 client (and curl / http.client for the raw wire format), on tiny random-weight F32 models.
 
 One server process for the whole module (--parallel 2 --queue 2, an API key file); the answers are
-checked against the engine run in this process on the same GGUF (greedy `ar`), so the server is
-tested for exactness, not only for shape.
+checked against greedy decoding by hand in this process on the same GGUF (tests/reference.py, no
+engine), so the server is tested for exactness, not only for shape.
 """
 import http.client
 import json
@@ -25,8 +25,8 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from prove_local.chat import Conversation  # noqa: E402
-from prove_local.engine import Engine, Settings  # noqa: E402
 from prove_local.llama import Model  # noqa: E402
+from tests.reference import greedy_ar  # noqa: E402
 from tests.tiny import tiny_gguf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,12 +83,20 @@ def paths(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local(paths):
-    """The same proposer in this process: the reference answers (greedy ar)."""
+    """The same proposer in this process: the reference answers, greedy decoding by hand on a fresh
+    context (tests/reference.py: no engine, no decoding rule)."""
     model = Model(paths[0])
-    engine = Engine.load(model, n_ctx=CTX, n_threads=1, type_k="f32", type_v="f32")
+
+    runs: dict[tuple, tuple[list[int], int]] = {}       # prompt -> (its longest greedy run, max_new asked)
 
     def greedy(tokens, max_new):
-        out = [t for c in engine.generate(tokens, Settings(mode="ar", max_new=max_new)) for t in c.committed]
+        # a greedy run is a prefix of every longer one: a longer run, or one that ended early, answers
+        key = tuple(tokens)
+        run, asked = runs.get(key, ([], 0))
+        if asked < max_new and len(run) == asked:
+            run, asked = greedy_ar(model, tokens, max_new, n_ctx=CTX), max_new
+            runs[key] = (run, asked)
+        out = run[:max_new]
         return out, model.detokenize([t for t in out if not model.is_eog(t)])
 
     def chat(user, max_new):
