@@ -498,6 +498,10 @@ def test_oracle_lossless_shortest_path():
     assert oracle_lossless([6, 1, 1, 1, 1, 1, 1], flat) == pytest.approx(7 / 2)
     steep = {1: 1.0, 2: 2.0, 64: 64.0}                                      # width costs linearly: ar ties
     assert oracle_lossless([6, 1, 1, 1, 1, 1, 1], steep) == pytest.approx(1.0)
+    # a measured curve on which a 2-token pass is cheaper than a 1-token one (noise, load): a block of
+    # 2 verified whole commits 2 tokens (slot 1 and the correction) for 2 * 0.5, and the oracle knows it
+    dip = {1: 1.0, 2: 0.5, 64: 64.0}
+    assert oracle_lossless([1, 1, 1, 1], dip) == pytest.approx(2.0)
 
 
 def test_cycle_cost_from_the_widths_actually_fed():

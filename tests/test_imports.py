@@ -19,6 +19,8 @@ PKG = ROOT / "prove_local"
 DEFERRED = {
     ("prove_local.server.cli", "prove_local.server.app"):
         "the FastAPI app imports fastapi at its top (the `server` extra): loaded only when `serve` runs",
+    ("prove_local.ui.app", "prove_local.ui.page"):
+        "the page imports gradio at its top (the `ui` extra): loaded only when `ui` runs",
 }
 # The optional extras: `prove-local` must start (and every other command run) without them.
 EXTRAS = ("gradio", "fastapi", "starlette", "uvicorn", "pydantic", "torch", "matplotlib")
