@@ -71,9 +71,6 @@ class Mode:
             out.append(base + run)
         return out
 
-    def describe_gate(self, settings) -> str:
-        return self.gate_text.format(theta=settings.theta, tau=settings.tau)
-
 
 def _lossless(c, t, plan, s, mask, sampler=None):
     verify = plan.choose_verify if plan.choose_verify is not None else plan.verify
@@ -121,7 +118,6 @@ MODES: dict[str, Mode] = {m.name: m for m in (
 )}
 
 NAMES = tuple(MODES)
-EXACT = tuple(m.name for m in MODES.values() if m.exact)
 
 
 def get(name: str) -> Mode:

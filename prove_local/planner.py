@@ -504,10 +504,12 @@ class Planner:
         best = max(props, key=lambda o: o.rate)
         plan = Plan(mode, best.width, verify=best.verify) if m.verify_choice else m.plan(best.width, best.width)
         how = fix.format(flag="--block" if m.width == "block" else "--draft-k", width=best.width)
+        speed = best.rate / ar.rate
+        why = (f"{speed:.2f}x ar's speed" if speed < 1.0 else
+               f"{speed:.2f}x ar's speed, short of the {self.ar_margin:.0%} a width must win by")
         return (f"auto chose ar: on this machine a {plan.label()} {m.title} cycle costs {best.seconds / ar.seconds:.1f} "
-                f"one-token passes and is expected to commit {best.tokens:.1f} tokens, {best.rate / ar.rate:.2f}x ar's "
-                f"speed. To watch {m.title} cycles anyway, fix the width ({how}: about "
-                f"{best.rate / ar.rate:.2f}x ar's tokens/s)")
+                f"one-token passes and is expected to commit {best.tokens:.1f} tokens, {why}. To watch {m.title} "
+                f"cycles anyway, fix the width ({how}: about {speed:.2f}x ar's tokens/s)")
 
     def summary(self) -> dict:
         return {"current": {m: {"kind": c.kind, "width": c.width, "tokens_per_second": round(c.rate, 1)}

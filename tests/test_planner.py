@@ -521,6 +521,11 @@ def test_explain_says_why_ar_was_chosen_and_how_to_watch_proposals():
     assert "auto chose ar" in line and "B=2 v=1 ProVe-lossless cycle costs 4.0 one-token passes" in line
     assert "commit 2.0 tokens, 0.50x ar's speed" in line and "(--block 2: about 0.50x" in line
     assert "(the block length 2" in pl.explain("lossless", fix="the block length {width}")
+    # a block a little faster than ar (B=2 v=2: 2.9 tokens for 2 x 1.42 passes, 1.02x) is not enough
+    near = planner_with({1: 1.0, 2: 1.42, 64: 200.0}, [1.0, 0.9] + [0.5] * 14)
+    assert near.plan("lossless", {"proposer": 1}, 16, 100).kind == "ar"
+    assert "B=2 v=2 ProVe-lossless cycle costs 2.8" in near.explain("lossless")
+    assert "1.02x ar's speed, short of the 5% a width must win by" in near.explain("lossless")
     flat = planner_with({1: 1.0, 64: 1.0}, [1.0] + [0.9] * 15)
     assert flat.plan("lossless", {"proposer": 1}, 16, 100).kind == "lossless" and flat.explain("lossless") is None
 
