@@ -110,7 +110,7 @@ def report(engine, model, settings, cycles, request, interrupted) -> dict:
         "mode": settings.mode, "text": model.detokenize([t for t in ids if not model.is_eog(t)]),
         "token_ids": ids, "prompt_tokens": request.n_prompt, "n_cycles": s["n_cycles"], "n_passes": s["n_passes"],
         "tokens_per_cycle": s["tokens_per_cycle"], "passes_per_token": s["passes_per_token"],
-        "seconds": s["seconds"], "tokens_per_second": s["tokens_per_second"],
+        "seconds": s["seconds"], "host_seconds": s["host_seconds"], "tokens_per_second": s["tokens_per_second"],
         "prefill": {"tokens": request.prefill[0], "seconds": request.prefill[1]},
         "stop": "interrupted" if interrupted else s["stop"],
         "widths": planner.widths_histogram(cycles),

@@ -372,6 +372,7 @@ def summarize(cycles: list[rules.Cycle], seconds: float) -> dict:
         for role, t in c.decode_seconds.items():
             decode[role] = decode.get(role, 0.0) + t
     cycle_seconds = sum(c.seconds for c in cycles)
+    host = cycle_seconds - sum(decode.values())         # Python and numpy: the cycles' time outside llama_decode
     return {
         "n_tokens": n_tokens,
         "n_cycles": len(cycles),
@@ -379,6 +380,7 @@ def summarize(cycles: list[rules.Cycle], seconds: float) -> dict:
         "n_passes": passes,
         "passes_per_token": {r: n / n_tokens for r, n in passes.items()} if n_tokens else {},
         "seconds": seconds,
+        "host_seconds": host,
         "tokens_per_second": tokens_per_second(n_tokens, seconds),
         "decode_seconds": decode,
         "overhead_share": 1.0 - sum(decode.values()) / cycle_seconds if cycle_seconds > 0 else 0.0,

@@ -1,7 +1,7 @@
 """Thin owners of llama.cpp resources (models, contexts), over llama-cpp-python's low-level API.
 
-This is the only module that calls llama.cpp. The decoding rules see a `Context` through three
-members: `n_past`, `eval(tokens, rows)` and `truncate(n)`.
+This is the only module that calls llama.cpp. The decoding rules see a `Context` through
+`n_past`, `eval(tokens, rows)` and `truncate(n)`, and `eval_view` (the same rows, without a copy).
 """
 from __future__ import annotations
 
@@ -242,8 +242,9 @@ class Model:
 class Context:
     """One KV cache (sequence 0) on a model: `n_past` tokens evaluated so far.
 
-    `eval` appends tokens at `n_past` and returns the logits of the requested rows;
-    `truncate(n)` drops the KV cells at positions >= n.
+    `eval` appends tokens at `n_past` and returns the logits of the requested rows (`eval_view`:
+    the same rows without a copy, valid until the next pass); `truncate(n)` drops the KV cells at
+    positions >= n.
     """
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_threads: int | None = None,
@@ -282,16 +283,31 @@ class Context:
         self.n_past = 0
         self.n_decode = 0          # llama_decode calls, i.e. forward passes
         self.decode_seconds = 0.0  # time spent inside llama_decode
+        self._view: tuple[int, np.ndarray] | None = None   # (buffer address, array over it)
 
     def eval(self, tokens: list[int], rows: list[int] | None = None) -> np.ndarray:
         """Append `tokens` at `n_past`; return float32 logits [len(rows), n_vocab] for the
-        requested rows (indices into `tokens`; default: the last one). One decode per
-        `n_batch` tokens."""
+        requested rows (indices into `tokens`; default: the last one), a copy the caller owns.
+        One decode per `n_batch` tokens."""
+        return self._eval(tokens, rows, copy=True)
+
+    def eval_view(self, tokens: list[int], rows: list[int] | None = None) -> np.ndarray:
+        """As `eval`, but the rows are a view into llama.cpp's output buffer (not to be written to) where they
+        are all in it (ascending rows of the last `n_batch` chunk; a copy otherwise): valid until
+        this context's next pass. The decoding rules read rows this way (a 152k-token row is 600 kB
+        to copy, and a rule needs two numbers from it)."""
+        return self._eval(tokens, rows, copy=False)
+
+    def _eval(self, tokens: list[int], rows: list[int] | None, copy: bool) -> np.ndarray:
         if rows is None:
             rows = [len(tokens) - 1] if tokens else []
         if self.n_past + len(tokens) > self.n_ctx:
             raise ContextFull(f"{self.n_past} + {len(tokens)} tokens do not fit the {self.n_ctx}-token context")
-        out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
+        last = (len(tokens) - 1) // self.n_batch * self.n_batch if tokens else 0
+        ordered = all(a < b for a, b in zip(rows, rows[1:]))
+        # a view needs every row in the last chunk's outputs, in batch order
+        view = not copy and ordered and (not rows or rows[0] >= last)
+        out = None if view else np.empty((len(rows), self.n_vocab), dtype=np.float32)
         wanted = np.zeros(len(tokens), dtype=np.int8)
         wanted[rows] = 1
         done = 0
@@ -313,13 +329,29 @@ class Context:
                 raise LlamaError(f"llama_decode failed with code {rc} at position {self.n_past} "
                                  f"({'no KV slot' if rc == 1 else _last_log()})")
             self.n_past += n
-            if n_rows:
-                ptr = ll.llama_get_logits(self._ctx)
-                out[done:done + n_rows] = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
+            if n_rows and out is not None:
+                out[done:done + n_rows] = self._logits_view(n_rows)
                 done += n_rows
-        if rows != sorted(rows):  # rows come back in batch order
+        if out is None:
+            return self._logits_view(len(rows))
+        if not ordered:          # rows come back in batch order
             out = out[np.argsort(np.argsort(rows))]
         return out
+
+    def _logits_view(self, n_rows: int) -> np.ndarray:
+        """The first n_rows rows of llama.cpp's logits buffer, without a copy (not to be written to:
+        it is not marked read-only because numpy's argmax copies a read-only array first, which
+        costs more than the argmax). The array over the buffer is kept while the buffer stays where
+        it is (llama.cpp reallocates it only to grow it), so a pass does not pay for building one."""
+        if n_rows == 0:
+            return np.zeros((0, self.n_vocab), dtype=np.float32)
+        ptr = ll.llama_get_logits(self._ctx)
+        addr = ctypes.cast(ptr, ctypes.c_void_p).value
+        cached = self._view
+        if cached is None or cached[0] != addr or cached[1].shape[0] < n_rows:
+            arr = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
+            self._view = cached = (addr, arr)
+        return cached[1][:n_rows]
 
     def set_threads(self, n: int) -> None:
         """Change the CPU threads of later passes (the planner's thread re-check, calibrate.py)."""

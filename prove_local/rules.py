@@ -1,7 +1,9 @@
 """The decoding rules: one cycle each, as pure functions over contexts.
 
 A context is anything with `n_past`, `eval(tokens, rows) -> logits[len(rows), vocab]` and
-`truncate(n)` (see llama.py; tests use a fake). `tokens` is the committed sequence so far
+`truncate(n)` (see llama.py; tests use a fake); a context that also has `eval_view` (llama.Context)
+lends its rows without a copy. The rules read from the rows only what they decide with (argmax,
+p̃, the probability of a proposed token, a sampled row's surviving candidates): logits.py. `tokens` is the committed sequence so far
 (prompt + generated). On entry and on return, every context holds a prefix of `tokens` in its
 KV cache; the tokens after its `n_past` are pending and go at the front of its next eval.
 A cycle never mutates `tokens`; it returns a `Cycle` whose `committed` run the caller appends.
@@ -18,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+
+from .logits import probs_at, row_stats
+from .sampling import stack
 
 
 @dataclass(frozen=True)
@@ -107,28 +112,31 @@ def _gate(ok, tested: int, n_slots: int, stop_at_failure: bool) -> list:
 
 
 def top1(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Argmax per row and its softmax probability, vectorised over rows."""
-    ids = logits.argmax(axis=1)
-    z = logits - logits[np.arange(len(ids)), ids][:, None]
-    np.exp(z, out=z)
-    return ids, 1.0 / z.sum(axis=1)
+    """Argmax per row and its softmax probability (p̃): one argmax pass and one exp pass per row
+    (logits.row_stats), no copy of the rows."""
+    ids, _, sums = row_stats(logits)
+    return ids, (1.0 / sums).astype(np.float32)
 
 
 def prob_of(logits: np.ndarray, ids) -> np.ndarray:
     """Softmax probability of ids[i] under row i."""
-    z = logits - logits.max(axis=1, keepdims=True)
-    np.exp(z, out=z)
-    return z[np.arange(len(ids)), ids] / z.sum(axis=1)
+    _, maxes, sums = row_stats(logits)
+    return probs_at(logits, maxes, sums, ids)
 
 
 def greedy_and_prob(logits: np.ndarray, ids) -> tuple[np.ndarray, np.ndarray]:
     """Argmax of every row, and the probability of ids[i] under row i for the first len(ids)
-    rows: one softmax for the verify pass (a 152k-vocab softmax costs real time next to a pass)."""
-    g = logits.argmax(axis=1)
-    k = len(ids)
-    z = logits[:k] - logits[np.arange(k), g[:k]][:, None]   # the row max is at the argmax
-    np.exp(z, out=z)
-    return g, z[np.arange(k), ids] / z.sum(axis=1)
+    rows: an exp pass only over those rows (the last row of a verify pass needs its argmax only)."""
+    g, maxes, sums = row_stats(logits, exp_rows=range(len(ids)))
+    return g, probs_at(logits, maxes, sums, ids)
+
+
+def _logits(ctx, tokens: list[int], rows: list[int] | None = None) -> np.ndarray:
+    """ctx.eval's logits, as a view into the context's output buffer where the context offers one
+    (llama.Context.eval_view: valid until its next pass, which is all a rule needs: it reads the
+    rows before evaluating again); a copy from contexts that have only `eval` (the tests' fakes)."""
+    view = getattr(ctx, "eval_view", None)
+    return view(tokens, rows) if view is not None else ctx.eval(tokens, rows)
 
 
 def _pending(ctx, tokens: list[int]) -> list[int]:
@@ -142,7 +150,7 @@ def proposal_logits(ctx, tokens: list[int], block: int, mask: int) -> np.ndarray
     """MARS proposal pass: [pending..., <mask> x (block-1)]. The last pending row is slot 1 (the
     ordinary next-token distribution); the j-th mask's row is slot j+1. Masks are removed after."""
     pending = _pending(ctx, tokens)
-    logits = ctx.eval(pending + [mask] * (block - 1), rows=list(range(len(pending) - 1, len(pending) + block - 1)))
+    logits = _logits(ctx, pending + [mask] * (block - 1), rows=list(range(len(pending) - 1, len(pending) + block - 1)))
     ctx.truncate(len(tokens))
     return logits
 
@@ -175,7 +183,7 @@ def ar_cycle(ctx, tokens: list[int], sampler=None) -> Cycle:
     if sampler is not None:
         return _ar_sampled(ctx, tokens, sampler)
     pending = _pending(ctx, tokens)
-    ids, p = top1(ctx.eval(pending))
+    ids, p = top1(_logits(ctx, pending))
     return Cycle([int(ids[0])], [float(p[0])], None, [int(ids[0])], 1, {"proposer": 1},
                  {"proposer": [len(pending)]}, plan=AR_PLAN, gate=[True])
 
@@ -195,7 +203,7 @@ def lossless_cycle(ctx, tokens: list[int], block: int, mask: int, verify=None, s
     if callable(verify):
         verify = verify(p)
     v = block if verify is None else max(1, min(int(verify), block))
-    logits = ctx.eval(d[:v].tolist(), rows=list(range(v)))
+    logits = _logits(ctx, d[:v].tolist(), rows=list(range(v)))
     g, q = greedy_and_prob(logits, d[1:v])
     ok = np.concatenate([[True], d[1:v] == g[:-1]])
     n = leading_run(ok)
@@ -216,7 +224,7 @@ def prove_cycle(ctx_prop, ctx_ver, tokens: list[int], block: int, mask: int, the
     d, p = propose(ctx_prop, tokens, block, mask)
     pending = _pending(ctx_ver, tokens)
     feed = pending + d[:-1].tolist()
-    logits = ctx_ver.eval(feed, rows=list(range(len(pending) - 1, len(feed))))
+    logits = _logits(ctx_ver, feed, rows=list(range(len(pending) - 1, len(feed))))
     q = prob_of(logits, d)
     ok = p * q >= theta
     n = max(1, leading_run(ok))
@@ -246,12 +254,12 @@ def spec_cycle(ctx_tgt, ctx_draft, tokens: list[int], k: int, sampler=None) -> C
     x, px, draft_widths = [], [], []
     feed = _pending(ctx_draft, tokens)
     for _ in range(k):
-        ids, p = top1(ctx_draft.eval(feed))
+        ids, p = top1(_logits(ctx_draft, feed))
         draft_widths.append(len(feed))
         x.append(int(ids[0])), px.append(float(p[0]))
         feed = x[-1:]
     pending = _pending(ctx_tgt, tokens)
-    logits = ctx_tgt.eval(pending + x, rows=list(range(len(pending) - 1, len(pending) + k)))
+    logits = _logits(ctx_tgt, pending + x, rows=list(range(len(pending) - 1, len(pending) + k)))
     g, q = greedy_and_prob(logits, x)
     ok = np.array(x, dtype=np.int64) == g[:k]
     n = leading_run(ok)
@@ -268,7 +276,7 @@ def spec_cycle(ctx_tgt, ctx_draft, tokens: list[int], k: int, sampler=None) -> C
 
 def _ar_sampled(ctx, tokens, sampler) -> Cycle:
     pending = _pending(ctx, tokens)
-    p = sampler.dist(ctx.eval(pending), tokens)
+    p = sampler.dists(_logits(ctx, pending), tokens)
     x = sampler.draw(p[0])
     return Cycle([x], [float(p[0, x])], None, [x], 1, {"proposer": 1}, {"proposer": [len(pending)]},
                  plan=AR_PLAN, gate=[True])
@@ -288,7 +296,7 @@ def _lossless_sampled(ctx, tokens, block, mask, verify, sampler) -> Cycle:
         verify = verify(conf)
     v = block if verify is None else max(1, min(int(verify), block))
     # row i of the verify pass: the target after tokens + d[:i+1]
-    p = sampler.dist(ctx.eval(d[:v], rows=list(range(v))), tokens + d[:1], d[1:v])
+    p = sampler.dists(_logits(ctx, d[:v], rows=list(range(v))), tokens + d[:1], d[1:v])
     n, nxt, accept, residual = sampler.verify(p, q[1:v], d[1:v])
     n += 1                                           # slot 1 (exact)
     ctx.truncate(len(tokens) + n)                    # keep d[:n]; nxt stays pending
@@ -304,14 +312,14 @@ def _spec_sampled(ctx_tgt, ctx_draft, tokens, k, sampler) -> Cycle:
     x, q, draft_widths = [], [], []
     feed = _pending(ctx_draft, tokens)
     for _ in range(k):
-        (xj,), qj = sampler.propose(ctx_draft.eval(feed), tokens + x)
+        (xj,), qj = sampler.propose(_logits(ctx_draft, feed), tokens + x)
         draft_widths.append(len(feed))
         x.append(xj), q.append(qj[0])
         feed = x[-1:]
     pending = _pending(ctx_tgt, tokens)
-    logits = ctx_tgt.eval(pending + x, rows=list(range(len(pending) - 1, len(pending) + k)))
-    p = sampler.dist(logits, tokens, x)              # row j: the target after tokens + x[:j]
-    q = np.array(q).reshape(k, p.shape[1])
+    logits = _logits(ctx_tgt, pending + x, rows=list(range(len(pending) - 1, len(pending) + k)))
+    p = sampler.dists(logits, tokens, x)              # row j: the target after tokens + x[:j]
+    q = stack(q, p.shape[1])
     n, nxt, accept, residual = sampler.verify(p, q, x)
     ctx_tgt.truncate(len(tokens) + n)
     ctx_draft.truncate(min(ctx_draft.n_past, len(tokens) + n))
@@ -330,7 +338,7 @@ def _prove_sampled(ctx_prop, ctx_ver, tokens, block, mask, theta, sampler) -> Cy
     conf = qp[np.arange(block), d]
     pending = _pending(ctx_ver, tokens)
     feed = pending + d[:-1]
-    pv = sampler.dist(ctx_ver.eval(feed, rows=list(range(len(pending) - 1, len(feed)))), tokens, d)
+    pv = sampler.dists(_logits(ctx_ver, feed, rows=list(range(len(pending) - 1, len(feed)))), tokens, d)
     q = pv[np.arange(block), d]
     ok = conf * q >= theta
     n = max(1, leading_run(ok))

@@ -3,7 +3,8 @@
 Chain, per row of logits (one row = the distribution of one position):
     repetition penalty over the last `repeat_last_n` tokens of the growing prefix (committed tokens
     and the drafted tokens before that position: vLLM #6718) -> temperature -> top-k -> top-p -> min-p
-giving the *processed* distribution, in float64. This is the order of vLLM's sampler and HF's
+giving the *processed* distribution, in float64, over the tokens that survive the chain only (a
+`Row`: ids and probabilities; every other token has probability 0). This is the order of vLLM's sampler and HF's
 logits processors (llama.cpp applies temperature after its filters; its defaults are kept:
 top_k 40, top_p 0.95, min_p 0.05, repeat_penalty 1.0 over 64 tokens, and the CTRL penalty rule
 logit/penalty if positive else logit*penalty, once per distinct token in the window).
@@ -16,6 +17,13 @@ place and returns one token; it exposes no per-position distribution for an arbi
 would mean copying and rewinding sampler state per slot. Float64 because the ratio p/q of small
 probabilities must not underflow (a float16 q auto-accepts: lablup/mlxcel PR #992), and q must be
 the processed one the token was drawn from (raw q: HF transformers bug #47932, TV error 0.05).
+
+Cost per row (issue 20): with top-k on, the row is read twice (a comparison against a threshold
+from a strided sample, logits.top_candidates) and only the k candidates (k + the penalised tokens
+with a repetition penalty) are converted to float64, sorted and normalised; drawing, the ratio test
+and the residual work on those few. Only top-k off (0) needs the normaliser of the whole vocabulary:
+one float64 pass over the row, in a reused buffer. The rows are read, never written (they may be a
+view into llama.cpp's output buffer).
 
 Random numbers: one `numpy.random.Generator` per request (`Sampler.rng`), consumed only here, one
 uniform per call, in this documented order within a cycle:
@@ -32,6 +40,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from .logits import _buffer, top_candidates
 
 # The defaults of every front end (engine.Settings, `run`, `serve`, `bench`, the UI) and of `Sampler`:
 # llama.cpp's, except the temperature (0: greedy, so that the exact modes equal ar token for token;
@@ -61,6 +71,90 @@ def check(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
     if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2 ** 64):
         return f"seed must be an integer in [0, 2^64), not {seed!r}"
     return None
+
+
+class Row:
+    """One processed distribution: `ids` (ascending) and their probabilities `probs` (float64);
+    every other token of the `vocab`-token vocabulary has probability 0. Reads like a dense row:
+    `row[x]`, `len(row)`, and `np.asarray(row)` gives the dense vector (for tests and closed forms)."""
+    __slots__ = ("ids", "probs", "vocab", "_lookup")
+
+    def __init__(self, ids: np.ndarray, probs: np.ndarray, vocab: int):
+        order = np.argsort(ids, kind="stable")
+        self.ids, self.probs, self.vocab = np.asarray(ids, dtype=np.int64)[order], np.asarray(probs, dtype=np.float64)[order], int(vocab)
+        self._lookup: dict | None = None
+
+    def __getitem__(self, x):
+        if isinstance(x, (int, np.integer)):          # one token: a dict (the rows are short)
+            if self._lookup is None:
+                self._lookup = dict(zip(self.ids.tolist(), self.probs.tolist()))
+            return self._lookup.get(int(x), 0.0)
+        x = np.asarray(x, dtype=np.int64)
+        j = np.minimum(np.searchsorted(self.ids, x), max(len(self.ids) - 1, 0))
+        hit = (self.ids[j] == x) if len(self.ids) else np.zeros(x.shape, dtype=bool)
+        out = np.where(hit, self.probs[j] if len(self.ids) else 0.0, 0.0)
+        return float(out) if out.ndim == 0 else out
+
+    def __len__(self) -> int:
+        return self.vocab
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.vocab,)
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.zeros(self.vocab, dtype=np.float64)
+        out[self.ids] = self.probs
+        return out if dtype is None else out.astype(dtype)
+
+
+class Dists:
+    """Processed distributions of several rows (row i: the distribution of one position): `d[i]`
+    is a Row, `d[i, x]` a probability, `d[rows, ids]` an array of them; `np.asarray(d)` the dense
+    [rows, vocab] matrix."""
+    __slots__ = ("rows", "vocab")
+
+    def __init__(self, rows: list[Row], vocab: int):
+        self.rows, self.vocab = list(rows), int(vocab)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self.rows), self.vocab)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __getitem__(self, key):
+        if isinstance(key, tuple):
+            i, x = key
+            if np.ndim(i) == 0 and np.ndim(x) == 0:
+                return self.rows[int(i)][int(x)]
+            i, x = np.broadcast_arrays(np.asarray(i, dtype=np.int64), np.asarray(x, dtype=np.int64))
+            return np.array([self.rows[a][b] for a, b in zip(i.ravel(), x.ravel())], dtype=np.float64).reshape(i.shape)
+        if isinstance(key, slice):
+            return Dists(self.rows[key], self.vocab)
+        return self.rows[int(key)]
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.zeros(self.shape, dtype=np.float64)
+        for i, r in enumerate(self.rows):
+            out[i, r.ids] = r.probs
+        return out if dtype is None else out.astype(dtype)
+
+
+def stack(rows: list, vocab: int):
+    """Rows (of `propose` results) as one matrix: a Dists when they are all Rows, else dense (a
+    sampler subclass may return dense rows)."""
+    if all(isinstance(r, Row) for r in rows):
+        return Dists(rows, vocab)
+    return np.array([np.asarray(r, dtype=np.float64) for r in rows]).reshape(len(rows), vocab)
+
+
+def _dense_pair(p, q):
+    return np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
 
 
 class Sampler:
@@ -95,25 +189,43 @@ class Sampler:
         return seq[-n:] if n > 0 else seq
 
     def process(self, row: np.ndarray, window) -> tuple[np.ndarray, np.ndarray]:
-        """One row of logits through the chain: (token ids, probabilities), most probable first."""
-        x = row
-        if len(window):
-            x = np.array(row, dtype=np.float64)
-            ids = np.unique(np.asarray(window, dtype=np.int64))
-            ids = ids[(ids >= 0) & (ids < len(x))]
-            v = x[ids]
-            x[ids] = np.where(v > 0, v / self.repeat_penalty, v * self.repeat_penalty)
-        if self.temperature == 0:
-            return np.array([int(np.argmax(x))]), np.ones(1)
-        k, n_vocab = self.top_k, len(x)
+        """One row of logits through the chain: (token ids, probabilities), most probable first.
+        The row is not modified. Only candidates are converted: with top-k on, the k largest of the
+        penalised row are among the k + |window| largest raw logits and the window's tokens (a
+        penalty changes only the window's logits), so those are the only ones penalised and ranked."""
+        n_vocab = row.shape[0]
+        w = np.empty(0, dtype=np.int64)
+        if len(window) and self.repeat_penalty != 1.0:
+            w = np.unique(np.asarray(window, dtype=np.int64))
+            w = w[(w >= 0) & (w < n_vocab)]
+        k = self.top_k if self.temperature > 0 else 1
+        if self.temperature == 0 and not len(w):
+            return np.array([int(np.argmax(row))]), np.ones(1)
         if 0 < k < n_vocab:
-            cand = np.argpartition(x, n_vocab - k)[n_vocab - k:]
-            z = np.asarray(x[cand], dtype=np.float64) / self.temperature
+            cand = top_candidates(row, min(n_vocab, k + len(w)))
+            if len(w):
+                cand = np.union1d(cand, w)
+            cand = np.sort(cand)                       # ties below are broken by token id
+            x = np.asarray(row[cand], dtype=np.float64)
+            if len(w):
+                self._penalise(x, np.isin(cand, w))
+            if self.temperature == 0:                  # greedy on the penalised logits (first id among equals)
+                return np.array([int(cand[int(np.argmax(x))])]), np.ones(1)
+            if len(cand) > k:
+                keep = np.sort(np.argsort(-x, kind="stable")[:k])
+                cand, x = cand[keep], x[keep]
+            z = x / self.temperature
             norm = None
         else:
             # no top-k: the normaliser is the whole vocabulary's; with min-p, only tokens within
             # ln(min_p) of the best (and a margin) can survive, so only they are sorted
-            z_all = np.asarray(x, dtype=np.float64) / self.temperature
+            z_all = _buffer(n_vocab, np.float64)
+            z_all[:] = row
+            if len(w):
+                v = z_all[w]
+                self._penalise(v, np.ones(len(w), dtype=bool))
+                z_all[w] = v
+            z_all /= self.temperature
             z_max = z_all.max()
             norm = np.exp(z_all - z_max).sum()
             if self.min_p > 0.0:
@@ -133,36 +245,57 @@ class Sampler:
         prob = prob[:max(n, 1)]              # (n is at most len(cand): the min-p candidates suffice)
         return cand[:len(prob)], prob / prob.sum()
 
-    def dist(self, logits: np.ndarray, prefix, drafted=()) -> np.ndarray:
-        """Processed distributions [rows, vocab] (float64): row i is the distribution of the token
+    def _penalise(self, x: np.ndarray, mask: np.ndarray) -> None:
+        """The CTRL penalty on the entries of x (float64 logits) where mask is set, in place."""
+        if mask.any():
+            v = x[mask]
+            x[mask] = np.where(v > 0, v / self.repeat_penalty, v * self.repeat_penalty)
+
+    def row(self, logits_row: np.ndarray, window) -> Row:
+        ids, prob = self.process(logits_row, window)
+        return Row(ids, prob, logits_row.shape[0])
+
+    def dists(self, logits: np.ndarray, prefix, drafted=()) -> Dists:
+        """Processed distributions of the rows (sparse): row i is the distribution of the token
         after prefix + drafted[:i] (penalties see that growing prefix)."""
-        out = np.zeros(logits.shape, dtype=np.float64)
-        for i in range(len(logits)):
-            ids, prob = self.process(logits[i], self._window(prefix, drafted, i))
-            out[i, ids] = prob
-        return out
+        return Dists([self.row(logits[i], self._window(prefix, drafted, i)) for i in range(len(logits))],
+                     logits.shape[1])
+
+    def dist(self, logits: np.ndarray, prefix, drafted=()) -> np.ndarray:
+        """`dists` as a dense float64 [rows, vocab] matrix (for closed forms and tests; the rules
+        use the sparse rows)."""
+        return np.asarray(self.dists(logits, prefix, drafted))
 
     # ------------------------------------------------------------------ drawing
-    def draw(self, probs: np.ndarray) -> int:
-        """One token from a distribution (inverse CDF, one uniform)."""
+    def draw(self, probs) -> int:
+        """One token from a distribution (inverse CDF over the tokens in id order, one uniform):
+        a Row, or a dense vector. Both give the same token for the same uniform."""
+        if isinstance(probs, Row):
+            c = np.cumsum(probs.probs)
+            i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
+            return int(probs.ids[i]) if i < len(c) else int(probs.ids[np.flatnonzero(probs.probs)[-1]])
         c = np.cumsum(probs)
         i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
         return i if i < len(probs) else int(np.flatnonzero(probs)[-1])
 
-    def propose(self, logits: np.ndarray, prefix) -> tuple[list[int], np.ndarray]:
+    def propose(self, logits: np.ndarray, prefix) -> tuple[list[int], Dists]:
         """Draw one token per row in order (slot tokens of a MARS block, or one draft token): row
         i's processed distribution q_i sees the tokens drawn for rows < i. Returns (tokens, q)."""
         tokens: list[int] = []
-        q = np.zeros(logits.shape, dtype=np.float64)
+        rows = []
         for i in range(len(logits)):
-            ids, prob = self.process(logits[i], self._window(prefix, tokens, i))
-            q[i, ids] = prob
-            tokens.append(self.draw(q[i]))
-        return tokens, q
+            rows.append(self.row(logits[i], self._window(prefix, tokens, i)))
+            tokens.append(self.draw(rows[-1]))
+        return tokens, Dists(rows, logits.shape[1])
 
-    def residual(self, p: np.ndarray, q: np.ndarray) -> int:
+    def residual(self, p, q) -> int:
         """The token after a rejection: a draw from norm(max(0, p - q)). If that has no mass (p <= q
         everywhere, i.e. p == q up to rounding, when a rejection has probability ~0), from p."""
+        if isinstance(p, Row) and isinstance(q, Row):
+            ids = np.union1d(p.ids, q.ids)
+            r = np.maximum(p[ids] - q[ids], 0.0)
+            return self.draw(Row(ids, r, p.vocab) if r.sum() > 0 else p)
+        p, q = _dense_pair(p, q)
         r = np.maximum(p - q, 0.0)
         return self.draw(r if r.sum() > 0 else p)
 

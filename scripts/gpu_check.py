@@ -2,7 +2,10 @@
 Qwen2.5-7B and Qwen2.5-32B at Q4_K_M, the embedded pair in ar / lossless / prove, and a stand-in: the
 embedded proposer inflated to the 7B shape (scripts/inflate.py: same logits, a 7B's pass cost) with the
 embedded verifier as verifier and draft, in ar / lossless auto / lossless B=16 / prove / spec auto, so
-that wall-clock is measured with real acceptance; writes JSON.
+that wall-clock is measured with real acceptance; writes JSON. Every run records its host milliseconds
+per cycle (time outside llama_decode: Python and numpy) beside its decode milliseconds, and a stage
+`vocab_host` times the host work per cycle at Qwen2.5's 151,936-token vocabulary
+(scripts/overhead_bench.py --vocab-table, with the layers offloaded).
 
     python scripts/gpu_check.py --out gpu_check.json            # GPU: full offload, real shapes
     python scripts/gpu_check.py --cpu --out cpu_check.json      # CPU: small shapes, about a minute
@@ -202,6 +205,7 @@ def run_modes(engine, prompts: list[list[int]], runs: list[tuple[str, object]], 
             break
         list(engine.generate(prompts[0], settings))      # warm-up (and the planner's calibration)
         seconds, tokens, cycles, outputs, widths = 0.0, 0, 0, [], {}
+        cycle_s = decode_s = 0.0
         passes: dict[str, int] = {}
         for p in prompts:
             engine.tokens = []                 # no KV reuse between prompts: each one from scratch
@@ -213,6 +217,8 @@ def run_modes(engine, prompts: list[list[int]], runs: list[tuple[str, object]], 
             seconds += dt
             tokens += s["n_tokens"]
             cycles += s["n_cycles"]
+            cycle_s += sum(c.seconds for c in cyc)
+            decode_s += sum(sum(c.decode_seconds.values()) for c in cyc)
             for k, v in s["n_passes"].items():
                 passes[k] = passes.get(k, 0) + v
             for c in cyc:
@@ -222,6 +228,9 @@ def run_modes(engine, prompts: list[list[int]], runs: list[tuple[str, object]], 
         out[name] = {"mode": settings.mode, "seconds": round(seconds, 4), "tokens": tokens, "cycles": cycles,
                      "tokens_per_cycle": round(tokens / cycles, 3) if cycles else 0.0,
                      "tokens_per_second": round(tokens / seconds, 2) if seconds else 0.0, "passes": passes,
+                     # per cycle: time outside llama_decode (Python, numpy: the host) beside time inside it
+                     "host_ms_per_cycle": round(1e3 * (cycle_s - decode_s) / cycles, 4) if cycles else None,
+                     "decode_ms_per_cycle": round(1e3 * decode_s / cycles, 4) if cycles else None,
                      "widths": dict(sorted(widths.items(), key=lambda kv: -kv[1])[:8])}
         if name == "ar":
             ar_tokens = outputs
@@ -454,11 +463,28 @@ def main(argv=None) -> int:
         else:
             try:
                 result["pair"] = run_pair(proposer, verifier, ngl, a.threads, a.max_new, deadline)
-                log("pair: " + ", ".join(f"{m} {r['tokens_per_second']} tok/s ({r.get('speed_vs_ar', 1)}x)"
-                                         for m, r in result["pair"]["modes"].items()))
+                log("pair: " + ", ".join(f"{m} {r['tokens_per_second']} tok/s ({r.get('speed_vs_ar', 1)}x, host "
+                                         f"{r['host_ms_per_cycle']} / decode {r['decode_ms_per_cycle']} ms per cycle)"
+                                         for m, r in result["pair"]["modes"].items() if isinstance(r, dict)))
             except (LlamaError, OSError, ValueError) as e:
                 result["pair"] = {"error": f"{type(e).__name__}: {e}"}
                 log(result["pair"]["error"])
+        save()
+
+        # host time per cycle at Qwen2.5's 151,936-token vocabulary (issue 20): small random models, so
+        # the decode is short and the share outside llama_decode shows (scripts/overhead_bench.py)
+        if deadline - time.monotonic() < 60:
+            result["vocab_host"] = {"skipped": f"{deadline - time.monotonic():.0f} s left, about 60 needed"}
+        else:
+            try:
+                sys.path.insert(0, str(ROOT / "scripts"))
+                import overhead_bench
+                result["vocab_host"] = overhead_bench.vocab_table(threads=a.threads, cycles=24, n_gpu_layers=ngl, quiet=True)
+                log("vocab_host: " + ", ".join(f"{r['run']} host {r['host_ms_per_cycle']:.3f} / decode "
+                                               f"{r['decode_ms_per_cycle']:.3f} ms" for r in result["vocab_host"]["rows"]))
+            except (LlamaError, OSError, ValueError) as e:
+                result["vocab_host"] = {"error": f"{type(e).__name__}: {e}"}
+                log(result["vocab_host"]["error"])
         save()
 
         shape = a.inflate_shape or (None if a.cpu else "qwen2.5-7b")
@@ -472,7 +498,8 @@ def main(argv=None) -> int:
             try:
                 result["inflated"] = run_inflated(proposer, verifier, shape, a.inflate_outtype, work, ngl, a.threads,
                                                   a.max_new, deadline, a.keep, log)
-                log("inflated: " + ", ".join(f"{m} {r['tokens_per_second']} tok/s ({r.get('speed_vs_ar', 1)}x)"
+                log("inflated: " + ", ".join(f"{m} {r['tokens_per_second']} tok/s ({r.get('speed_vs_ar', 1)}x, host "
+                                             f"{r['host_ms_per_cycle']} / decode {r['decode_ms_per_cycle']} ms per cycle)"
                                              for m, r in result["inflated"]["modes"].items() if isinstance(r, dict)))
             except (LlamaError, OSError, ValueError) as e:
                 result["inflated"] = {"error": f"{type(e).__name__}: {e}"}

@@ -141,6 +141,7 @@ def test_passes_tokens_per_cycle_and_measured_cost():
     assert stats.measured_cycle_cost(ll, ar) == pytest.approx(4.0)
     assert stats.measured_cycle_cost(ll, ar, decode_only=True) == pytest.approx(0.0315 / 0.009)
     assert stats.overhead_share(ll) == pytest.approx(1 - 0.063 / 0.08)
+    assert stats.host_ms_per_cycle(ll) == pytest.approx(1e3 * (0.005 + 0.012) / 2) and stats.host_ms_per_cycle([]) is None
     assert stats.measured_cycle_cost(ll, []) is None
 
 

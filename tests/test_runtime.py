@@ -232,6 +232,8 @@ def test_cli_json_and_errors(models, tmp_path):
     for key in ("mode", "text", "token_ids", "n_cycles", "n_passes", "tokens_per_cycle", "seconds", "tokens_per_second"):
         assert key in out
     assert out["mode"] == "lossless" and 0 < len(out["token_ids"]) <= 20
+    # host time: the cycles' time outside llama_decode (the prefill is not a cycle)
+    assert 0 < out["host_seconds"] < out["seconds"]
     r2 = cli("run", str(prop.path), "-p", "Hello there", "-n", "20", "--json", "--mode", "ar", "--threads", "1", "--kv-type", "f32")
     assert json.loads(r2.stdout)["token_ids"] == out["token_ids"]
 
@@ -246,3 +248,66 @@ def test_cli_json_and_errors(models, tmp_path):
 
 
 # the interactive Ctrl-C test, bounded, is tests/test_cli_hardening.py::test_interactive_chat_survives_ctrl_c
+
+
+# ------------------------------------------------------------------ what the rules read from a row
+def _softmax64(row):
+    z = np.exp(row.astype(np.float64) - row.max())
+    return z / z.sum()
+
+
+def _chain64(row, T, top_k, top_p, min_p):
+    """The sampler chain (no penalty) written plainly in float64 over the whole row."""
+    x = row.astype(np.float64)
+    order = np.argsort(-x, kind="stable")
+    if top_k > 0:
+        order = order[:top_k]
+    p = _softmax64(x[order] / T)
+    if top_p < 1:
+        p = p[:np.searchsorted(np.cumsum(p), top_p) + 1]
+    p = p / p.sum()
+    if min_p > 0:
+        p = p[p >= min_p * p[0]]
+    out = np.zeros(len(row))
+    out[order[:len(p)]] = p / p.sum()
+    return out
+
+
+def test_rows_read_in_place_match_a_float64_reference(tmp_path):
+    """Real logits of a 40,000-row vocabulary: the rows the rules read without a copy (eval_view) are
+    eval's rows bit for bit; the argmax, p̃ and the probability of a given token (logits.py: one exp
+    pass, the subtraction skipped for a maximum in [0, 87 - ln n]) equal a float64 softmax to float32
+    rounding, on both sides of that range; the sampler's candidates-only chain equals the plain
+    float64 chain over the whole row."""
+    from prove_local import rules
+    from prove_local.logits import top_candidates
+    from prove_local.sampling import Sampler
+    m = Model(tiny_gguf(tmp_path, seed=3, vocab_rows=40000))
+    ctx = Context(m, **F32)
+    toks = m.tokenize("Natalia sold clips to 48 of her friends in April.")
+    ctx.eval(toks[:-6], rows=[])
+    copy = ctx.eval(toks[-6:], rows=[0, 2, 3, 5])
+    ctx.truncate(len(toks) - 6)
+    view = ctx.eval_view(toks[-6:], rows=[0, 2, 3, 5])
+    assert view.shape == (4, 40000) and np.array_equal(view, copy) and not view.flags.owndata
+    rng = np.random.default_rng(0)
+    for shift in (0.0, 40.0, -40.0, 95.0):           # 40: the skipped subtraction; -40 and 95: the full one
+        logits = (np.asarray(view, dtype=np.float32) * 4 + np.float32(shift)).astype(np.float32)
+        ref = np.array([_softmax64(r) for r in logits])
+        ids, p = rules.top1(logits)
+        assert np.array_equal(ids, ref.argmax(axis=1))
+        np.testing.assert_allclose(p, ref.max(axis=1), rtol=2e-6)
+        x = rng.integers(0, 40000, 4)
+        np.testing.assert_allclose(rules.prob_of(logits, x), ref[np.arange(4), x], rtol=2e-6, atol=1e-12)
+        g, q = rules.greedy_and_prob(logits, x[:3])
+        assert np.array_equal(g, ids)
+        np.testing.assert_allclose(q, ref[np.arange(3), x[:3]], rtol=2e-6, atol=1e-12)
+    row = np.asarray(view[1])
+    for k in (1, 5, 40, 200, 39999):               # the k largest values (equal logits may swap ids)
+        cand = top_candidates(row, k)
+        assert len(set(cand.tolist())) == k and np.array_equal(np.sort(row[cand]), np.sort(row)[-k:])
+    for T, top_k, top_p, min_p in ((0.8, 40, 0.95, 0.05), (1.0, 0, 1.0, 0.0), (0.6, 0, 0.9, 0.05), (1.5, 200, 0.5, 0.0)):
+        got = Sampler(None, T, top_k, top_p, min_p).dist(view, [])
+        for i in range(4):
+            np.testing.assert_allclose(got[i], _chain64(view[i], T, top_k, top_p, min_p), rtol=1e-9, atol=1e-15)
+    ctx.close(), m.close()

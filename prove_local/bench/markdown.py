@@ -28,10 +28,11 @@ def modes_table(res: dict) -> str:
                      stats.fmt(m["projected_speedup"]["curve"], 2, "×"), stats.fmt(m["projected_speedup"]["flat"], 2, "×"),
                      _pct(m["exact_match_vs_ar"]),
                      _pct(m["accuracy"]) + (f" (n={m['n_checkable']})" if m["n_checkable"] else ""),
-                     _pct(m.get("loop_share"))])
+                     _pct(m.get("loop_share")), stats.fmt(m.get("host_ms_per_cycle"), 3),
+                     _pct(m.get("overhead_share"))])
     return _table(["run", "tokens/s", "speedup (median)", "speedup (totals)", "tokens/cycle", "passes/token",
                    "cycle cost", "cycle cost (curve)", "projected speedup", "flat-curve speedup",
-                   "= ar output", "accuracy", "in loops"], rows)
+                   "= ar output", "accuracy", "in loops", "host ms/cycle", "host share"], rows)
 
 
 def summary_markdown(res: dict) -> str:

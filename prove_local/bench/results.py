@@ -171,6 +171,7 @@ def mode_entry(ix: Index, name: str, run) -> dict:
         "n_checkable": sum(c is not None for c in checkable),
         **family_stats(ix, name, gens),
         "overhead_share": _r(stats.overhead_share(cycles)),
+        "host_ms_per_cycle": _r(stats.host_ms_per_cycle(cycles)),
         "widths": widths_histogram(cycles),
         "loop_share": _r(stats.loop_share([g.tokens for g in gens_ok])),
         "tokens_per_cycle_outside_loops": _r(stats.tokens_per_cycle_outside_loops(

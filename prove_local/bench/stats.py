@@ -257,6 +257,13 @@ def overhead_share(cycles) -> float | None:
     return 1.0 - sum(sum(c.decode_seconds.values()) for c in cycles) / total if total > 0 else None
 
 
+def host_ms_per_cycle(cycles) -> float | None:
+    """Milliseconds per cycle outside llama_decode (Python and numpy: the host's work)."""
+    if not cycles:
+        return None
+    return 1e3 * sum(c.seconds - sum(c.decode_seconds.values()) for c in cycles) / len(cycles)
+
+
 # ------------------------------------------------------------------- pass cost and projection
 def curve_ratio(curve: dict, n: float) -> float:
     """t(n)/t(1) from a measured curve {n: seconds}, linear interpolation (and extrapolation past
