@@ -16,6 +16,9 @@ $PROVE_LOCAL_CACHE/calibration.json (default ~/.cache/prove-local/; XDG_CACHE_HO
 Threads by measurement (issue 11): for a small model whose thread count the user did not fix, both
 1 thread and all cores are measured and the faster t(1)+t(4) wins; `recheck_threads` repeats that
 choice on a live context when passes suddenly cost many times their t(n) (a loaded machine).
+
+The `prove-local calibrate` command is in cli.py: it reads the embedded models and the KV cache types
+of loading.py, a layer above this one (the engine imports this module; loading imports the engine).
 """
 from __future__ import annotations
 
@@ -26,6 +29,9 @@ import sys
 import time
 from pathlib import Path
 from statistics import median
+
+from .files import write_atomic
+from .llama import Context, default_threads
 
 CACHE_VERSION = 2
 DEFAULT_NS = tuple(range(1, 17)) + (20, 24, 32)
@@ -87,7 +93,6 @@ def _prune(data: dict) -> None:
 
 
 def _save_cache(path: Path, data: dict) -> None:
-    from .files import write_atomic
     _prune(data)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,8 +145,6 @@ def measure(model, options: dict, fill: list[int] | None = None, *, ns=DEFAULT_N
             budget_s: float = 0.5, threads: int | None = None, reps: int = 3, seed: int = 0) -> tuple[dict, dict, dict]:
     """(fastest, median, mean) t(n) on a fresh context of `model` with the context options of decoding (`Context`'s keyword
     arguments), after a context of `n_fill` tokens."""
-    from .llama import Context
-
     opts = dict(options)
     opts["n_ctx"] = n_fill + max(ns) + 16
     opts["n_batch"] = max(512, max(ns))
@@ -169,8 +172,6 @@ def calibrate(model, options: dict, *, refresh: bool = False, budget_s: float = 
     Returns {"threads": chosen, "curves": {threads: {n: seconds}}, "measured": bool}.
     Threads are chosen by measurement only when options["n_threads"] is None and the model is small
     (llama.default_threads would give it 1 thread); otherwise the configured count is measured."""
-    from .llama import default_threads
-
     fixed = options.get("n_threads")
     candidates = [fixed] if fixed else sorted({default_threads(model), cores()} if default_threads(model) == 1
                                               else {default_threads(model)})
@@ -218,53 +219,3 @@ def recheck_threads(ctx, candidates: list[int], *, reps: int = 5) -> int:
             best, best_t = th, t
     ctx.set_threads(best)
     return best
-
-
-# ------------------------------------------------------------------------------- command line
-def add_parser(sub) -> None:
-    from .loading import KV_TYPES
-    p = sub.add_parser("calibrate", help="measure (or show) the pass-cost curve t(n) of models as configured",
-                       description="Measure t(n), the seconds of one llama_decode of n tokens, for each model "
-                                   "with the given configuration, and cache it (the planner of --block auto "
-                                   "reads it). Cached curves are shown unless --refresh.")
-    p.add_argument("models", nargs="*", metavar="MODEL.gguf", help="GGUF files (default: the embedded pair)")
-    p.add_argument("--refresh", action="store_true", help="measure again even when a cached curve exists")
-    p.add_argument("--budget", type=float, default=0.8,
-                   help="seconds per model, shared by the thread counts tried (default 0.8)")
-    p.add_argument("--threads", type=int, help="CPU threads (default: chosen by measurement for small models)")
-    p.add_argument("--n-gpu-layers", type=int, help="layers to offload (default: all when llama.cpp has a GPU backend)")
-    p.add_argument("--flash-attn", action="store_true")
-    p.add_argument("--kv-type", choices=KV_TYPES, help="KV cache type (default: f32 for F32 models, else f16)")
-    p.add_argument("--json", action="store_true", help="print the curves as JSON")
-    p.set_defaults(func=cmd_calibrate)
-
-
-def cmd_calibrate(args) -> int:
-    from .errors import UsageError
-    from .llama import Model, gpu_offload_supported
-    from .loading import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER
-
-    paths = [Path(m) for m in args.models] or [EMBEDDED_PROPOSER, EMBEDDED_VERIFIER]
-    if args.budget <= 0:
-        raise UsageError("--budget must be > 0")
-    ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (-1 if gpu_offload_supported() else 0)
-    out = {}
-    for path in paths:
-        model = Model(path, n_gpu_layers=ngl)
-        kv = args.kv_type or ("f32" if model.meta("general.file_type") == "0" else "f16")
-        opts = dict(n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
-        cal = calibrate(model, opts, refresh=args.refresh, budget_s=args.budget, verbose=not args.json)
-        out[str(path)] = {"threads": cal["threads"], "measured_now": cal["measured"],
-                          "curves": {str(th): c for th, c in cal["curves"].items()}}
-        if not args.json:
-            for th, c in cal["curves"].items():
-                t1 = c[1]
-                ratios = ", ".join(f"{n}:{c[n] / t1:.2f}" for n in (2, 3, 4, 8, 16, 32) if n in c)
-                mark = " (chosen)" if th == cal["threads"] and len(cal["curves"]) > 1 else ""
-                print(f"{path.name}: {th} thread(s){mark}: t(1) {t1 * 1e3:.3f} ms; t(n)/t(1) {ratios}")
-        model.close()
-    if args.json:
-        print(json.dumps(out, indent=1))
-    else:
-        print(f"cache: {cache_path()}", file=sys.stderr)
-    return 0

@@ -120,6 +120,20 @@ def _special_strings(model: Model, text: str) -> set[str]:
     return found
 
 
+def chat_tokens(model: Model, template: str, messages: list[dict]) -> list[int]:
+    """Messages rendered with the generation prompt and tokenized (`tokenize_chat`: message text stays
+    text), with the BOS token added as llama_tokenize's add_special would, unless the template wrote
+    it already. The chat of `run`, the UI and the server's /v1/chat/completions all tokenize here."""
+    bos = model.special_text("bos")
+    ids = tokenize_chat(model, template, messages, add_generation_prompt=True,
+                        bos_token=bos, eos_token=model.special_text("eos"))
+    head = model.tokenize("", add_special=True)
+    bos_id = model.tokenize(bos, parse_special=True) if bos else []
+    if head and bos_id and head[0] == bos_id[0] and ids[:1] != bos_id:
+        ids = bos_id + ids
+    return ids
+
+
 class Conversation:
     """Messages so far; `prompt_tokens()` renders and tokenizes the whole conversation. The engine
     reuses the KV cache of the longest common token prefix, so only new tokens are evaluated."""
@@ -137,15 +151,7 @@ class Conversation:
 
     def tokens(self) -> list[int]:
         """The conversation so far, rendered with the generation prompt, tokenized."""
-        bos = self.model.special_text("bos")
-        ids = tokenize_chat(self.model, self.template, self.messages, add_generation_prompt=True,
-                            bos_token=bos, eos_token=self.model.special_text("eos"))
-        # add the BOS token (as llama_tokenize's add_special would) unless the template wrote it already
-        head = self.model.tokenize("", add_special=True)
-        bos_id = self.model.tokenize(bos, parse_special=True) if bos else []
-        if head and bos_id and head[0] == bos_id[0] and ids[:1] != bos_id:
-            ids = bos_id + ids
-        return ids
+        return chat_tokens(self.model, self.template, self.messages)
 
     def forget_last_user(self) -> None:
         """Undo `prompt_tokens` (a turn that was refused)."""

@@ -1,4 +1,5 @@
-"""`prove-local` command line: run (one prompt or an interactive chat) and convert."""
+"""`prove-local` command line: `run` (one prompt or an interactive chat) and `calibrate`; every other
+command registers its own parser (convert, ui, pull, bench, serve, rpc-server)."""
 from __future__ import annotations
 
 import argparse
@@ -8,11 +9,22 @@ import json
 import math
 import os
 import sys
-import time
+from pathlib import Path
 
-from . import modes, planner
-from .errors import ProveError
-from .loading import MAX_NEW, TAU, THETA, add_model_args, add_width_args, load_engine
+from . import modes, planner, sampling
+from .bench import add_parser as add_bench
+from .calibrate import cache_path, calibrate
+from .chat import Conversation, clean_text
+from .convert.cli import add_parser as add_convert
+from .engine import Settings, TextStream, seed_note, summarize
+from .errors import ContextFull, ProveError, UsageError
+from .llama import Model, gpu_offload_supported
+from .loading import (EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, KV_TYPES, MAX_NEW, TAU, THETA, add_model_args,
+                      add_width_args, load_engine)
+from .pull import add_parser as add_pull
+from .rpc import add_parser as add_rpc_server
+from .server import add_parser as add_serve      # FastAPI is imported only when `serve` runs
+from .ui.app import add_parser as add_ui         # gradio likewise, when `ui` runs
 
 # alternating colors per cycle; the lossless correction / bonus token is underlined
 COLORS = ("\x1b[38;5;39m", "\x1b[38;5;214m")
@@ -44,14 +56,19 @@ def add_sampling_args(p) -> None:
     """The sampler chain's options (llama.cpp's names and defaults, except temperature: 0 = greedy)."""
     g = p.add_argument_group("sampling", "penalties -> temperature -> top-k -> top-p -> min-p; the exact modes "
                              "(lossless, spec) stay distributed exactly as ar sampling")
-    g.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.0,
-                   help="temperature (default 0: greedy, every exact mode equals ar token for token)")
-    g.add_argument("--top-k", type=int, default=40, help="keep the k most probable tokens (default 40; 0: off)")
-    g.add_argument("--top-p", type=float, default=0.95, help="keep the smallest head with this mass (default 0.95; 1: off)")
-    g.add_argument("--min-p", type=float, default=0.05, help="keep tokens with p >= min_p * p_max (default 0.05; 0: off)")
-    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty on recent tokens (default 1.0: off)")
-    g.add_argument("--repeat-last-n", type=int, default=64,
-                   help="tokens the penalty looks back over (default 64; -1: the whole context)")
+    d = sampling
+    g.add_argument("--temp", "--temperature", dest="temperature", type=float, default=d.TEMPERATURE,
+                   help=f"temperature (default {d.TEMPERATURE:g}: greedy, every exact mode equals ar token for token)")
+    g.add_argument("--top-k", type=int, default=d.TOP_K,
+                   help=f"keep the k most probable tokens (default {d.TOP_K}; 0: off)")
+    g.add_argument("--top-p", type=float, default=d.TOP_P,
+                   help=f"keep the smallest head with this mass (default {d.TOP_P}; 1: off)")
+    g.add_argument("--min-p", type=float, default=d.MIN_P,
+                   help=f"keep tokens with p >= min_p * p_max (default {d.MIN_P}; 0: off)")
+    g.add_argument("--repeat-penalty", type=float, default=d.REPEAT_PENALTY,
+                   help=f"penalty on recent tokens (default {d.REPEAT_PENALTY}: off)")
+    g.add_argument("--repeat-last-n", type=int, default=d.REPEAT_LAST_N,
+                   help=f"tokens the penalty looks back over (default {d.REPEAT_LAST_N}; -1: the whole context)")
     g.add_argument("--seed", type=int, help="random seed (default: a fresh one, reported in --json)")
 
 
@@ -61,12 +78,9 @@ def sampling_settings(args) -> dict:
 
 
 def answer(engine, model, prompt_tokens, settings, out, color: bool):
-    """Run one request, streaming committed text to `out`. Returns (cycles, seconds, interrupted)."""
-    from .engine import TextStream
-
+    """Run one request, streaming committed text to `out`. Returns (cycles, interrupted, the engine's Request)."""
     stream = TextStream(model)
     cycles, interrupted = [], False
-    t0 = time.perf_counter()
     gen = engine.generate(prompt_tokens, settings)
     request = gen.request
     with contextlib.closing(gen):
@@ -83,17 +97,15 @@ def answer(engine, model, prompt_tokens, settings, out, color: bool):
                 out.flush()
         except KeyboardInterrupt:
             interrupted = True
-    seconds = time.perf_counter() - t0
     if out is not None:
         out.write(stream.flush())
-    return cycles, seconds, interrupted, request
+    return cycles, interrupted, request
 
 
-def report(engine, model, settings, cycles, seconds, request, interrupted) -> dict:
-    from .engine import summarize
-
+def report(engine, model, settings, cycles, request, interrupted) -> dict:
+    """The --json object of one answer; `seconds` and tokens/s are the decode time's (prefill apart)."""
     ids = [t for c in cycles for t in c.committed]
-    s = summarize(cycles, seconds)
+    s = summarize(cycles, request.decode_seconds)
     return {
         "mode": settings.mode, "text": model.detokenize([t for t in ids if not model.is_eog(t)]),
         "token_ids": ids, "prompt_tokens": request.n_prompt, "n_cycles": s["n_cycles"], "n_passes": s["n_passes"],
@@ -101,7 +113,8 @@ def report(engine, model, settings, cycles, seconds, request, interrupted) -> di
         "seconds": s["seconds"], "host_seconds": s["host_seconds"], "tokens_per_second": s["tokens_per_second"],
         "prefill": {"tokens": request.prefill[0], "seconds": request.prefill[1]},
         "stop": "interrupted" if interrupted else s["stop"],
-        "widths": planner.widths_histogram(settings.mode, cycles),
+        "widths": planner.widths_histogram(cycles),
+        "planner": engine.explain(settings),      # why auto ran plain ar cycles, if it did
         "settings": {"block": settings.block or engine.block_size, "theta": settings.theta, "tau": settings.tau,
                      "draft_k": settings.draft_k, "max_new": settings.max_new, "temperature": settings.temperature,
                      "top_k": settings.top_k, "top_p": settings.top_p, "min_p": settings.min_p,
@@ -133,15 +146,11 @@ def summary_line(r: dict) -> str:
 
 
 def cmd_run(args) -> int:
-    from .chat import Conversation, clean_text
-    from .engine import Settings, seed_note
-    from .errors import ContextFull, UsageError
-
     if isinstance(args.block, int) and args.block >= args.ctx:     # before loading anything
         raise UsageError(f"--block {args.block} does not fit the {args.ctx}-token context (--ctx)")
     engine, model = load_engine(args)
     mode = args.mode or engine.default_mode()
-    if args.mode is None and mode == "ar":
+    if args.mode is None and engine.mask_token is None:
         print(f"note: {model.path.name} has no mask token; using --mode ar (pass --mask-token ID for the exact modes)",
               file=sys.stderr)
     settings = Settings(mode=mode, max_new=args.max_new, block=args.block, theta=args.theta, tau=args.tau,
@@ -159,13 +168,13 @@ def cmd_run(args) -> int:
         text = clean_text(text)
         tokens = model.tokenize(text, add_special=True) if conv is None else conv.prompt_tokens(text)
         try:
-            cycles, seconds, interrupted, request = answer(engine, model, tokens, settings,
-                                                           None if args.json else sys.stdout, color)
+            cycles, interrupted, request = answer(engine, model, tokens, settings,
+                                                  None if args.json else sys.stdout, color)
         except BaseException:
             if conv is not None:    # the turn did not happen: the conversation stays as it was
                 conv.forget_last_user()
             raise
-        r = report(engine, model, settings, cycles, seconds, request, interrupted)
+        r = report(engine, model, settings, cycles, request, interrupted)
         if conv is not None:
             conv.add_reply(r["text"])
         if args.json:
@@ -173,6 +182,8 @@ def cmd_run(args) -> int:
         else:
             print()
             print(summary_line(r), file=sys.stderr)
+            if r["planner"]:
+                print(f"note: {r['planner']}", file=sys.stderr)
         return r, interrupted
 
     if args.prompt is not None:
@@ -197,6 +208,52 @@ def cmd_run(args) -> int:
         except ContextFull as e:   # refuse this turn, keep the conversation
             print(f"prove-local: this turn does not fit: {e}; the conversation is kept "
                   "(/reset starts over, or raise --ctx)", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------- calibrate
+def add_calibrate_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure (or show) the pass-cost curve t(n) of models as configured",
+                       description="Measure t(n), the seconds of one llama_decode of n tokens, for each model "
+                                   "with the given configuration, and cache it (the planner of --block auto "
+                                   "reads it). Cached curves are shown unless --refresh.")
+    p.add_argument("models", nargs="*", metavar="MODEL.gguf", help="GGUF files (default: the embedded pair)")
+    p.add_argument("--refresh", action="store_true", help="measure again even when a cached curve exists")
+    p.add_argument("--budget", type=float, default=0.8,
+                   help="seconds per model, shared by the thread counts tried (default 0.8)")
+    p.add_argument("--threads", type=int, help="CPU threads (default: chosen by measurement for small models)")
+    p.add_argument("--n-gpu-layers", type=int, help="layers to offload (default: all when llama.cpp has a GPU backend)")
+    p.add_argument("--flash-attn", action="store_true")
+    p.add_argument("--kv-type", choices=KV_TYPES, help="KV cache type (default: f32 for F32 models, else f16)")
+    p.add_argument("--json", action="store_true", help="print the curves as JSON")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args) -> int:
+    """Measure (or show the cached) t(n) of each model: calibrate.py."""
+    paths = [Path(m) for m in args.models] or [EMBEDDED_PROPOSER, EMBEDDED_VERIFIER]
+    if args.budget <= 0:
+        raise UsageError("--budget must be > 0")
+    ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (-1 if gpu_offload_supported() else 0)
+    out = {}
+    for path in paths:
+        model = Model(path, n_gpu_layers=ngl)
+        kv = args.kv_type or ("f32" if model.meta("general.file_type") == "0" else "f16")
+        opts = dict(n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
+        cal = calibrate(model, opts, refresh=args.refresh, budget_s=args.budget, verbose=not args.json)
+        out[str(path)] = {"threads": cal["threads"], "measured_now": cal["measured"],
+                          "curves": {str(th): c for th, c in cal["curves"].items()}}
+        if not args.json:
+            for th, c in cal["curves"].items():
+                t1 = c[1]
+                ratios = ", ".join(f"{n}:{c[n] / t1:.2f}" for n in (2, 3, 4, 8, 16, 32) if n in c)
+                mark = " (chosen)" if th == cal["threads"] and len(cal["curves"]) > 1 else ""
+                print(f"{path.name}: {th} thread(s){mark}: t(1) {t1 * 1e3:.3f} ms; t(n)/t(1) {ratios}")
+        model.close()
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"cache: {cache_path()}", file=sys.stderr)
+    return 0
 
 
 class Parser(argparse.ArgumentParser):
@@ -237,20 +294,13 @@ def _main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="prove-local", description="Proposer-verifier decoding on llama.cpp.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
-    from prove_local.convert.cli import add_parser as add_convert
     add_convert(sub)
-    from prove_local.ui.app import add_parser as add_ui
     add_ui(sub)
-    from prove_local.pull import add_parser as add_pull
     add_pull(sub)
-    from prove_local.bench import add_parser as add_bench
     add_bench(sub)
-    from prove_local.server import add_parser as add_serve   # FastAPI is imported only when `serve` runs
     add_serve(sub)
-    from prove_local.rpc import add_parser as add_rpc_server
     add_rpc_server(sub)
-    from prove_local.calibrate import add_parser as add_calibrate
-    add_calibrate(sub)
+    add_calibrate_parser(sub)
 
     args = parser.parse_args(argv)
     try:

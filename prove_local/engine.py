@@ -13,37 +13,37 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from . import modes, rules, sampling
+from .calibrate import calibrate, recheck_threads
 from .errors import ContextFull, EngineBusy, ModeError
 from .llama import Context, Model
-from .modes import MODES, Plan
+from .modes import DEFAULT_BLOCK, DEFAULT_DRAFT_K, MODES, Plan
 from .planner import Costs, Planner
-
-DEFAULT_BLOCK = 16
 
 
 @dataclass
 class Settings:
     mode: str = "lossless"
     max_new: int = 256
-    block: int | str | None = None  # "auto": the planner's choice per cycle; None: the GGUF's prove.block_size, else 16
+    block: int | str | None = None  # "auto": the planner's choice per cycle; None: the GGUF's prove.block_size, else DEFAULT_BLOCK
     theta: float = 0.05
     tau: float = 0.95
-    draft_k: int | str = 4          # "auto": the planner's choice per cycle
+    draft_k: int | str = DEFAULT_DRAFT_K   # "auto": the planner's choice per cycle
     # sampling (llama.cpp's names and, except temperature, its defaults); temperature 0 is greedy.
-    # The chain and its order: sampling.py. repeat_last_n -1 = the whole context, 0 = no penalty.
-    temperature: float = 0.0
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    # The chain, its order and these defaults: sampling.py.
+    temperature: float = sampling.TEMPERATURE
+    top_k: int = sampling.TOP_K
+    top_p: float = sampling.TOP_P
+    min_p: float = sampling.MIN_P
+    repeat_penalty: float = sampling.REPEAT_PENALTY
+    repeat_last_n: int = sampling.REPEAT_LAST_N
     seed: int | None = None
 
 
 def planned(s: Settings) -> bool:
-    """Whether the planner decides the widths of these settings: only what the mode has (spec's
-    draft length, the others' block)."""
-    return s.draft_k == "auto" if s.mode == "spec" else (s.block == "auto" and MODES[s.mode].uses_block)
+    """Whether the planner decides the widths of these settings: only the width the mode takes
+    (spec's draft length, the others' block; ar has none)."""
+    width = MODES[s.mode].width
+    return width is not None and getattr(s, width) == "auto"
 
 
 def seed_note(s: Settings) -> str | None:
@@ -103,7 +103,6 @@ class Engine:
         if self.context_options is None:
             self.planner.costs = Costs({r: {1: 1e-3, 64: 64e-3} for r in self.contexts})
             return
-        from .calibrate import calibrate
         curves = {}
         for role, ctx in self.contexts.items():
             cal = calibrate(ctx.model, self.context_options, refresh=refresh)
@@ -116,13 +115,18 @@ class Engine:
     def _recheck_threads(self) -> None:
         """Passes cost many times their calibrated t(n): choose the thread count again on the live
         contexts, among those calibration measured (only where the user did not fix it)."""
-        from .calibrate import recheck_threads
-        self.planner.recheck = False
         for role, ctx in self.contexts.items():
             options = sorted(self._thread_curves.get(role, {}))
             if len(options) > 1:
                 th = recheck_threads(ctx, options)
-                self.planner.costs.set_curve(role, self._thread_curves[role][th])
+                self.planner.set_curve(role, self._thread_curves[role][th])
+
+    def explain(self, s: Settings, fix: str = "{flag} {width}") -> str | None:
+        """Why the planner is running plain ar cycles for these settings, in one line (None if it is
+        not, or the widths are fixed): see Planner.explain."""
+        if not planned(s) or self.planner.costs is None:
+            return None
+        return self.planner.explain(s.mode, MODES[s.mode].key(s), fix)
 
     def default_mode(self) -> str:
         return "lossless" if self.mask_token is not None else "ar"
@@ -148,11 +152,10 @@ class Engine:
         """The widths of the next cycle: the planner's (planner.py) for an auto request, else the
         request's fixed settings; cut to the room left in the context."""
         room = self.n_ctx - len(self.tokens)
-        mode = req.settings.mode
         if req.auto:
-            return self.planner.plan(mode, self._pending, req.block, room, key=req.key)
-        k = req.settings.draft_k if req.settings.draft_k != "auto" else 4
-        return Plan(block=max(1, min(req.block, room)), draft_k=max(0, min(k, room)))
+            return self.planner.plan(req.settings.mode, self._pending(), req.block, room, key=req.key)
+        k = req.settings.draft_k if req.settings.draft_k != "auto" else DEFAULT_DRAFT_K
+        return MODES[req.settings.mode].plan(max(1, min(req.block, room)), max(0, min(k, room)))
 
     def _pending(self) -> dict[str, int]:
         """Tokens each context will be fed before its new ones (at least the last: rules._pending)."""
@@ -188,7 +191,7 @@ class Engine:
         seed = s.seed if s.seed is not None else secrets.randbits(63)
         auto = self.prepare(s)
         self.active = Request(list(prompt), s, s.block if isinstance(s.block, int) else self.block_size, auto=auto,
-                              seed=seed, sampler=sampling.Sampler.for_settings(s, seed), key=_stats_key(s))
+                              seed=seed, sampler=sampling.Sampler.for_settings(s, seed), key=MODES[s.mode].key(s))
         return Generation(self, self.active)
 
     def prepare(self, s: Settings) -> bool:
@@ -232,8 +235,7 @@ class Engine:
             before = {r: (c.n_decode, c.decode_seconds) for r, c in self.contexts.items()}
             t0 = time.perf_counter()        # the planner's time counts as the cycle's
             plan = self.plan(req)
-            run_mode = MODES[plan.mode] if plan.mode else mode
-            cycle = run_mode.cycle(self.contexts, self.tokens, plan, s, self.mask_token, sampler=req.sampler)
+            cycle = modes.of(plan).cycle(self.contexts, self.tokens, plan, s, self.mask_token, sampler=req.sampler)
             cycle.seconds = time.perf_counter() - t0
             # passes are counted, not declared: llama_decode calls made during this cycle
             cycle.passes = {r: c.n_decode - before[r][0] for r, c in self.contexts.items() if c.n_decode > before[r][0]}
@@ -241,10 +243,9 @@ class Engine:
                                     if c.n_decode > before[r][0]}
             if not cycle.committed:
                 raise RuntimeError(f"mode {s.mode}: a cycle committed no token (a decoding rule is broken)")
-            if s.mode != "ar":                       # acceptance statistics and costs, every cycle
-                self.planner.observe(s.mode, cycle, req.key, planned=req.auto)  # (plain ar: nothing to learn)
-                if self.planner.recheck:
-                    self._recheck_threads()
+            if mode.width is not None:               # acceptance statistics and costs, every cycle
+                if self.planner.observe(cycle, req.key, planned=req.auto):   # (plain ar: nothing to learn)
+                    self._recheck_threads()          # passes far slower than calibrated
             run, stop = cycle.committed, None
             for i, tok in enumerate(run):
                 if self.is_eog(tok):
@@ -268,11 +269,6 @@ class Engine:
                 return
 
 
-def _stats_key(s: Settings) -> str:
-    """The planner keeps acceptance per mode, and per gate for the lossy rules (prove@θ, mars@τ)."""
-    return f"prove@{s.theta:g}" if s.mode == "prove" else (f"mars@{s.tau:g}" if s.mode == "mars" else s.mode)
-
-
 @dataclass
 class Request:
     """Everything about one generation: prompt, settings, and what it has done so far."""
@@ -287,13 +283,26 @@ class Request:
     stop: str | None = None
     seed: int | None = None                    # the seed of `sampler`'s generator (settings.seed or drawn)
     sampler: sampling.Sampler | None = field(default=None, repr=False)   # None: greedy
-    key: str = ""                              # the planner's statistics key (_stats_key)
+    key: str = ""                              # the planner's statistics key (Mode.key)
+    decode_start: float | None = None          # time.perf_counter() when the first cycle started,
+    decode_end: float = 0.0                    # and when the last one ended (decode_seconds)
 
     @property
     def n_prompt(self) -> int:
         return len(self.prompt)
 
+    @property
+    def decode_seconds(self) -> float:
+        """Seconds from the start of the first cycle to the end of the last: what tokens/s divides
+        by (`tokens_per_second`). The prompt's prefill is not in it (`prefill` holds it); the time
+        between cycles (the planner, a front end's work on each cycle) is."""
+        return self.decode_end - self.decode_start if self.decode_start is not None else 0.0
+
     def count(self, cycle: rules.Cycle) -> None:
+        now = time.perf_counter()
+        if self.decode_start is None:
+            self.decode_start = now - cycle.seconds
+        self.decode_end = now
         self.n_tokens += len(cycle.committed)
         self.n_cycles += 1
         for role, n in cycle.passes.items():
@@ -344,8 +353,16 @@ class TextStream:
         return self._dec.decode(b"", final=True)
 
 
+def tokens_per_second(n_tokens: int, decode_seconds: float) -> float:
+    """The one definition of tokens/s, in every front end (run, serve, ui, bench; README
+    "Tokens per second"): generated tokens ÷ `Request.decode_seconds`, the time from the start of
+    the first cycle to the end of the last, the prompt's prefill excluded (reported on its own).
+    llama-server's `predicted_per_second` is the same measure."""
+    return n_tokens / decode_seconds if decode_seconds > 0 else 0.0
+
+
 def summarize(cycles: list[rules.Cycle], seconds: float) -> dict:
-    """Per-answer statistics from its cycle events."""
+    """Per-answer statistics from its cycle events; `seconds`: the request's decode_seconds."""
     n_tokens = sum(len(c.committed) for c in cycles)
     passes: dict[str, int] = {}
     decode: dict[str, float] = {}
@@ -364,7 +381,7 @@ def summarize(cycles: list[rules.Cycle], seconds: float) -> dict:
         "passes_per_token": {r: n / n_tokens for r, n in passes.items()} if n_tokens else {},
         "seconds": seconds,
         "host_seconds": host,
-        "tokens_per_second": n_tokens / seconds if seconds > 0 else 0.0,
+        "tokens_per_second": tokens_per_second(n_tokens, seconds),
         "decode_seconds": decode,
         "overhead_share": 1.0 - sum(decode.values()) / cycle_seconds if cycle_seconds > 0 else 0.0,
         "stop": cycles[-1].stop if cycles else None,

@@ -17,6 +17,7 @@ import numpy as np
 
 import llama_cpp as ll
 
+from . import rpc
 from .errors import ContextFull, LlamaError  # noqa: F401  (raised here, caught by the front ends)
 
 
@@ -91,11 +92,6 @@ def default_threads(model: "Model") -> int:
 
 
 SMALL_MODEL_PARAMS = 30_000_000
-
-
-def _rpc_check(endpoints: list[str]) -> None:
-    from .rpc import check
-    check(endpoints)
 
 
 def _rpc_lost(endpoints: list[str]) -> bool:
@@ -314,7 +310,7 @@ class Context:
         view = not copy and ordered and (not rows or rows[0] >= last)
         out = None if view else np.empty((len(rows), self.n_vocab), dtype=np.float32)
         if self.model.endpoints:        # a server that went away: one line, before ggml aborts on it
-            _rpc_check(self.model.endpoints)
+            rpc.check(self.model.endpoints)
         if len(tokens) <= self.n_batch:   # one chunk (every pass of a cycle): fill the batch directly
             chunks = [(0, len(tokens), len(rows))]
             self._out[:len(tokens)] = 0

@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import rpc
+from .engine import Engine
 from .errors import UsageError
+from .modes import MODES
+from .llama import Model, gpu_offload_supported
+from .memory import Offload, check_fits
 
 EMBEDDED = Path(__file__).parent / "models"
 EMBEDDED_PROPOSER = EMBEDDED / "mars-gsm8k-proposer.gguf"
@@ -72,7 +78,7 @@ MAX_NEW = int_in(1)
 THREADS = int_in(1, max_threads, " (the CPUs this process may use)")
 CTX = int_in(1, MAX_CTX)
 PARALLEL = int_in(1, MAX_PARALLEL)
-PORT = int_in(1, 65535)
+PORT = int_in(0, 65535, " (0: a free port)")
 GPU_LAYERS = int_in(-1, None, " (-1: all)")
 TOKEN_ID = int_in(0)
 THETA = finite_float(0.0)     # p*q >= theta; above 1 the gate never passes (one token per cycle)
@@ -148,7 +154,6 @@ class Loaded:
     mask_token: int | None = None
 
     def engine(self):
-        from .engine import Engine
         return Engine.load(self.proposer, self.verifier, self.draft, mask_token=self.mask_token,
                            **self.context_options)
 
@@ -168,9 +173,6 @@ def model_paths(args, *, want_verifier: bool | None = None) -> tuple[Path, Path 
 def load_models(args, *, parallel: int = 1, want_verifier: bool | None = None,
                 verifier_required: bool = False, draft_required: bool = False) -> Loaded:
     """Check that the models fit in memory (`parallel` contexts each), then load them."""
-    from .llama import Model, gpu_offload_supported
-    from .memory import check_fits
-
     proposer, verifier, draft = model_paths(args, want_verifier=want_verifier)
     if verifier_required and verifier is None:
         raise UsageError("--mode prove needs --verifier V.gguf")
@@ -180,7 +182,6 @@ def load_models(args, *, parallel: int = 1, want_verifier: bool | None = None,
     devices, split = rpc_devices(args)
     if devices:   # the proposer goes to the RPC servers (+ local GPUs); the other models stay local
         prop_ngl = -1 if args.n_gpu_layers is None else args.n_gpu_layers
-        from .memory import Offload
         offload = Offload(proposer, max(1, parallel), prop_ngl, [(d.label, d.memory()[0]) for d in devices], split,
                           [d.endpoint is None for d in devices])
         check_fits([verifier, draft] * max(1, parallel), args.ctx, args.kv_type, ngl, flash_attn=args.flash_attn,
@@ -208,7 +209,6 @@ def load_models(args, *, parallel: int = 1, want_verifier: bool | None = None,
 
 def placement_note(model) -> None:
     """One stderr line: where llama.cpp put the weights (after --rpc)."""
-    import sys
     print(f"note: {model.path.name}: weights " + ", ".join(f"{k} {v:.0f} MiB" for k, v in model.placement.items()),
           file=sys.stderr)
 
@@ -228,7 +228,6 @@ def rpc_devices(args) -> tuple[list, list[float] | None]:
         return [], split
     if getattr(args, "n_gpu_layers", None) == 0:
         raise UsageError("--rpc with --n-gpu-layers 0 would put nothing on the servers (leave it out: all layers)")
-    from . import rpc
     endpoints = rpc.parse_endpoints(args.rpc)
     devices = rpc.add_servers(endpoints) + rpc.local_gpus()
     if split is not None and len(split) > len(devices):
@@ -240,6 +239,7 @@ def rpc_devices(args) -> tuple[list, list[float] | None]:
 def load_engine(args):
     """The engine for one command line (`run`): (engine, proposer model)."""
     mode = getattr(args, "mode", None)
-    loaded = load_models(args, want_verifier=mode == "prove", verifier_required=mode == "prove",
-                         draft_required=mode == "spec")
+    partner = MODES[mode].partner if mode else None
+    loaded = load_models(args, want_verifier=partner == "verifier", verifier_required=partner == "verifier",
+                         draft_required=partner == "draft")
     return loaded.engine(), loaded.proposer

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .gguf_info import read_gguf_info
-from .llama import LlamaError
+from .llama import LlamaError, gpu_offload_supported
 from .shapes import GiB, MiB, ModelInfo
 from .system import available_ram_bytes, free_gpu_bytes
 
@@ -202,7 +202,6 @@ def check_fits(paths, n_ctx: int, kv_type: str | None = "f16", n_gpu_layers: int
     if kv_type is None:
         kv_type = "f32" if infos[0].file_type == 0 else "f16"
     if gpu is None:
-        from .llama import gpu_offload_supported
         gpu = gpu_offload_supported()
     ngl = n_gpu_layers if gpu else 0
     est = estimate(infos, n_ctx, kv_type, ngl, n_batch=n_batch, flash_attn=flash_attn, shared=shared)

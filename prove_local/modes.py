@@ -1,9 +1,11 @@
-"""The decoding modes, declared once. The engine, the command lines, the UI, the server, the bench
-and the cost model read this table instead of keeping mode lists of their own.
+"""The decoding modes, declared once. The engine, the planner, the command lines, the UI, the server
+and the bench read this table instead of keeping mode lists or comparing mode names.
 
 A mode names the contexts it decodes with, whether it needs a mask token, whether its output is
-exactly ar's (greedy: token for token), the cycle function of rules.py it runs, and the width of
-every pass that cycle makes (what a pass costs depends on its width: t(n)).
+exactly ar's, which width it takes (`block` or `draft_k`), which setting its gate reads (θ, τ), how
+its cycles commit (the AR token free in slot 1, a correction token after the run), the cycle function
+of rules.py it runs, and the width of every pass that cycle makes. What a cycle costs is one
+function of those widths (`cycle_cost`): the planner, the bench and the UI's explanation use it.
 """
 from __future__ import annotations
 
@@ -11,64 +13,108 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import rules
+from .errors import ModeError
+from .rules import AR_PLAN, Plan
 
-
-@dataclass(frozen=True)
-class Plan:
-    """The widths of one cycle: chosen from the request's settings, or by a planner."""
-    block: int = 16                 # proposal slots (lossless, prove, mars)
-    verify: object = None           # lossless: proposed tokens verified, 1..block (None: all), or a
-                                    # function of the slot confidences p returning that number
-    draft_k: int = 4                # spec: tokens drafted
-    mode: str | None = None         # run this cycle as another mode ("ar": the planner's fallback)
+DEFAULT_BLOCK = 16          # proposal slots when neither the request nor the GGUF (prove.block_size) says
+DEFAULT_DRAFT_K = 4         # spec's drafted tokens per cycle when fixed widths are asked for
 
 
 @dataclass(frozen=True)
 class Mode:
     name: str
+    title: str                      # for people: "ProVe-lossless"
+    summary: str
     roles: tuple[str, ...]          # contexts the mode decodes with; "proposer" first
     needs_mask: bool
     exact: bool                     # greedy output equals ar's token for token; sampled output is
                                     # distributed exactly as ar sampling with the same settings
-    uses_block: bool
-    summary: str
-    # run one cycle: (contexts by role, committed tokens, plan, settings, mask token, sampler=None) -> Cycle
-    # (sampler: the request's sampling.Sampler; None = greedy)
+    width: str | None               # the width the mode takes: "block", "draft_k" or None (ar)
+    gate: str | None                # the setting its gate reads: "theta", "tau", or None (an equality test)
+    gate_text: str                  # the gate, for people ({theta}/{tau} filled in)
+    q_text: str                     # what p̃ and q are in this mode, for people
+    free_first: bool                # slot 1 is the proposer's own AR token: always committed
+    correction: bool                # commits the target's own token after the accepted run
+    verify_choice: bool             # the verify pass reads a chosen number of the proposed tokens
+    # run one cycle: (contexts by role, committed tokens, plan, settings, mask token, sampler) -> Cycle
     cycle: Callable
     # widths of its passes per role, given the tokens pending in each context: {role: [n, ...]}
     widths: Callable[[dict, Plan], dict]
 
+    @property
+    def partner(self) -> str | None:
+        """The second model's role ("verifier", "draft"), if the mode needs one."""
+        return self.roles[1] if len(self.roles) > 1 else None
 
-def _verify(plan: Plan) -> int:
-    """Verify width of a lossless cycle (a planner's function of p counts as the whole block)."""
-    return plan.block if plan.verify is None or callable(plan.verify) else plan.verify
+    def plan(self, block: int, draft_k: int) -> Plan:
+        """The plan of a cycle at fixed widths."""
+        if self.width is None:
+            return Plan(self.name)                  # (ar: AR_PLAN)
+        return Plan(self.name, block=block if self.width == "block" else 1,
+                    draft_k=draft_k if self.width == "draft_k" else 0)
+
+    def key(self, settings) -> str:
+        """The planner's statistics key: acceptance depends on the gate's setting (prove@0.05)."""
+        return f"{self.name}@{getattr(settings, self.gate):g}" if self.gate else self.name
+
+    def expected_tokens(self, slot_rates, n_max: int) -> list[float]:
+        """Expected tokens committed by a cycle testing n = 0..n_max proposed tokens whose
+        (conditional) acceptance per slot is slot_rates (slot 1 included; ignored where it is free):
+        the expected accepted run, plus the free first slot and the correction token where the mode
+        has them."""
+        first = 1 if self.free_first else 0
+        base = first + (1.0 if self.correction else 0.0)
+        out, prod, run = [base] * min(first + 1, n_max + 1), 1.0, 0.0
+        for r in slot_rates[first:n_max]:
+            prod *= r
+            run += prod
+            out.append(base + run)
+        return out
+
+
+def _lossless(c, t, plan, s, mask, sampler=None):
+    verify = plan.choose_verify if plan.choose_verify is not None else plan.verify
+    return rules.lossless_cycle(c["proposer"], t, plan.block, mask, verify=verify, sampler=sampler)
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("ar", ("proposer",), False, True, False, "plain decoding (greedy, or sampled), one token per pass",
-         lambda c, t, plan, s, mask, sampler=None: rules.ar_cycle(c["proposer"], t, sampler=sampler),
-         lambda pend, plan: {"proposer": [pend["proposer"]]}),
-    Mode("lossless", ("proposer",), True, True, True,
+    Mode("ar", "AR (greedy)", "plain decoding (greedy, or sampled), one token per pass",
+         ("proposer",), needs_mask=False, exact=True, width=None, gate=None,
+         gate_text="no gate: one token per cycle", q_text="no verifier", free_first=True, correction=False,
+         verify_choice=False,
+         cycle=lambda c, t, plan, s, mask, sampler=None: rules.ar_cycle(c["proposer"], t, sampler=sampler),
+         widths=lambda pend, plan: {"proposer": [pend["proposer"]]}),
+    Mode("lossless", "ProVe-lossless",
          "ProVe-lossless: the proposer verifies its own block; output identical to ar (in distribution when sampling)",
-         lambda c, t, plan, s, mask, sampler=None: rules.lossless_cycle(c["proposer"], t, plan.block, mask,
-                                                                     verify=plan.verify, sampler=sampler),
-         lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1, _verify(plan)]}),
-    Mode("prove", ("proposer", "verifier"), True, False, True,
-         "ProVe: a stock verifier gates the block, commit while p*q >= theta (lossy)",
-         lambda c, t, plan, s, mask, sampler=None: rules.prove_cycle(c["proposer"], c["verifier"], t, plan.block, mask,
-                                                                  s.theta, sampler=sampler),
-         lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1],
-                             "verifier": [pend["verifier"] + plan.block - 1]}),
-    Mode("mars", ("proposer",), True, False, True, "MARS confidence rule, commit while p >= tau (lossy)",
-         lambda c, t, plan, s, mask, sampler=None: rules.mars_cycle(c["proposer"], t, plan.block, mask, s.tau,
-                                                                 sampler=sampler),
-         lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1]}),
-    Mode("spec", ("proposer", "draft"), False, True, False,
-         "speculative decoding with a draft model; output identical to ar (in distribution when sampling)",
-         lambda c, t, plan, s, mask, sampler=None: rules.spec_cycle(c["proposer"], c["draft"], t, plan.draft_k,
-                                                                 sampler=sampler),
-         lambda pend, plan: {"draft": ([pend["draft"]] + [1] * (plan.draft_k - 1)) if plan.draft_k else [],
-                             "proposer": [pend["proposer"] + plan.draft_k]}),
+         ("proposer",), needs_mask=True, exact=True, width="block", gate=None,
+         gate_text="gate: proposed token = the proposer's greedy token (verify pass)",
+         q_text="q: the proposer's own probability of the token in its verify pass",
+         free_first=True, correction=True, verify_choice=True, cycle=_lossless,
+         widths=lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1, plan.tested]}),
+    Mode("prove", "ProVe", "ProVe: a stock verifier gates the block, commit while p*q >= theta (lossy)",
+         ("proposer", "verifier"), needs_mask=True, exact=False, width="block", gate="theta",
+         gate_text="gate: p̃·q ≥ θ = {theta:g}", q_text="q: the verifier's probability of the token, teacher-forced",
+         free_first=True, correction=False, verify_choice=False,
+         cycle=lambda c, t, plan, s, mask, sampler=None: rules.prove_cycle(
+             c["proposer"], c["verifier"], t, plan.block, mask, s.theta, sampler=sampler),
+         widths=lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1],
+                                    "verifier": [pend["verifier"] + plan.block - 1]}),
+    Mode("mars", "MARS rule", "MARS confidence rule, commit while p >= tau (lossy)",
+         ("proposer",), needs_mask=True, exact=False, width="block", gate="tau",
+         gate_text="gate: p̃ ≥ τ = {tau:g}", q_text="no verifier: the rule looks at p̃ only",
+         free_first=True, correction=False, verify_choice=False,
+         cycle=lambda c, t, plan, s, mask, sampler=None: rules.mars_cycle(
+             c["proposer"], t, plan.block, mask, s.tau, sampler=sampler),
+         widths=lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1]}),
+    Mode("spec", "speculative", "speculative decoding with a draft model; output identical to ar (in distribution when sampling)",
+         ("proposer", "draft"), needs_mask=False, exact=True, width="draft_k", gate=None,
+         gate_text="gate: drafted token = the target's greedy token",
+         q_text="p̃: the draft's confidence; q: the target's probability of the drafted token",
+         free_first=False, correction=True, verify_choice=False,
+         cycle=lambda c, t, plan, s, mask, sampler=None: rules.spec_cycle(
+             c["proposer"], c["draft"], t, plan.draft_k, sampler=sampler),
+         widths=lambda pend, plan: {"draft": ([pend["draft"]] + [1] * (plan.draft_k - 1)) if plan.draft_k else [],
+                                    "proposer": [pend["proposer"] + plan.draft_k]}),
 )}
 
 NAMES = tuple(MODES)
@@ -78,5 +124,20 @@ def get(name: str) -> Mode:
     try:
         return MODES[name]
     except KeyError:
-        from .errors import ModeError
         raise ModeError(f"unknown mode {name!r}; choose from {', '.join(NAMES)}") from None
+
+
+def of(plan: Plan) -> Mode:
+    """The mode a plan runs (an "ar" plan: a plain ar cycle, whatever the request's mode)."""
+    return MODES[plan.kind]
+
+
+def cycle_cost(t: Callable[[str, int], float], pending: dict, plan: Plan) -> float:
+    """What one cycle of `plan` costs: the sum of t(role, n) over the passes it makes (the one cost
+    model: the planner's rates, the bench's projections and the UI's explanation call it)."""
+    return pass_cost(t, of(plan).widths(pending, plan))
+
+
+def pass_cost(t: Callable[[str, int], float], widths: dict) -> float:
+    """The cost of passes {role: [tokens fed per pass]}: the sum of t(role, n)."""
+    return sum(t(role, n) for role, ws in widths.items() for n in ws)

@@ -32,28 +32,20 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
-from .modes import Plan
+from .modes import MODES, cycle_cost
+from .rules import AR_PLAN, Plan
 
 N_SLOTS = 64
 
 
-_UPPER: dict[int, np.ndarray] = {}
-
-
 AR_SAMPLE = 8                                   # ar cycles per one whose cost the planner records
 AFTER_EXPLORATION = 8                           # cycles after an exploration whose excess time is charged to it
-AR_PLAN = Plan(block=1, draft_k=0, mode="ar")   # the fallback: a plain ar cycle
-
-
-def _upper(n: int) -> np.ndarray:
-    """Mask of the entries above the diagonal of an n x n matrix (v > B), cached."""
-    if n not in _UPPER:
-        _UPPER[n] = np.triu(np.ones((n, n), dtype=bool), 1)
-    return _UPPER[n]
+CATCH_UP = 2                                    # a partner's pending tokens counted in its planned pass
 
 
 class Costs:
@@ -162,34 +154,14 @@ class SlotStats:
                 "p_tested": [round(float(x), 1) for x in self.bin_tested]}
 
 
-def chosen(mode: str, cycle) -> tuple[str, int, int]:
-    """What a cycle ran, from its widths: ("ar", 1, 1), (mode, B, verified) or ("spec", k, k).
-    (A mars cycle of one slot is an ar cycle: same pass, same token.)"""
-    w = cycle.widths or {}
-    if not w:                                   # a cycle from before widths were recorded
-        n = len(cycle.proposed)
-        v = len(cycle.q) if mode == "lossless" and cycle.q else n
-        return (mode, n, v) if mode != "ar" else ("ar", 1, 1)
-    if mode == "spec":
-        k = len(w.get("draft", []))
-        return ("spec", k, k) if k else ("ar", 1, 1)
-    if mode == "lossless":
-        prop = w.get("proposer", [])
-        return ("lossless", len(cycle.proposed), prop[1]) if len(prop) > 1 else ("ar", 1, 1)
-    if mode == "prove":
-        return ("prove", len(cycle.proposed), len(cycle.proposed)) if "verifier" in w else ("ar", 1, 1)
-    if mode == "mars":
-        return ("mars", len(cycle.proposed), len(cycle.proposed)) if len(cycle.proposed) > 1 else ("ar", 1, 1)
-    return (mode, 1, 1)
-
-
-def label(mode: str, cycle) -> str:
-    kind, b, v = chosen(mode, cycle)
-    if kind == "ar":
-        return "ar"
-    if kind == "spec":
-        return f"k={b}"
-    return f"B={b} v={v}" if kind == "lossless" else f"B={b}"
+@dataclass
+class _Layout:
+    """The options of one mode for the planner's rates: width and tested tokens of each plan, where
+    each width's plans start, and per role the passes (option index, widths fed)."""
+    width: np.ndarray
+    tested: np.ndarray
+    starts: np.ndarray
+    passes: dict
 
 
 @dataclass
@@ -197,6 +169,9 @@ class Choice:
     kind: str          # "ar" or the mode
     width: int         # B, or k for spec
     rate: float        # expected tokens per second
+    tokens: float = 1.0          # expected tokens committed per cycle
+    seconds: float = 0.0         # expected seconds per cycle (passes + Python overhead)
+    verify: int | None = None    # the best verify width of a block (lossless)
 
 
 class Planner:
@@ -240,10 +215,10 @@ class Planner:
         self.overhead: dict = {}                      # seconds outside llama_decode: per kind, per (kind, width)
         self.current: dict[str, Choice] = {}
         self.age: dict[str, int] = {}
-        self._bin_rates: list | None = None           # p̃-bin acceptance and t(n), cached between replans
-        self._t_list: list = []
+        self._bin_rates: list | None = None           # p̃-bin acceptance, cached between replans
+        self._layouts: dict = {}                      # the options' passes per (mode, pending, width cap)
+        self._vcosts: dict = {}                       # cycle costs per verify width, between replans
         self.slow_streak = 0                          # consecutive cycles far slower than predicted
-        self.recheck = False                          # the engine re-checks threads when set
 
     # ---------------------------------------------------------------------- statistics
     def stats_for(self, mode: str) -> SlotStats:
@@ -251,42 +226,51 @@ class Planner:
             self.stats[mode] = SlotStats()
         return self.stats[mode]
 
-    def observe(self, mode: str, cycle, key: str | None = None, planned: bool = True) -> None:
-        """Update the statistics from one cycle (any mode, fixed or planned widths). `key` names the
-        statistics and choice when a mode's acceptance depends on a setting (prove@θ, mars@τ);
-        `planned`: the planner chose its widths (only those cycles count for the regret budget)."""
+    def observe(self, cycle, key: str | None = None, planned: bool = True) -> bool:
+        """Update the statistics from one cycle (any mode, fixed or planned widths; `cycle.plan` says
+        what it ran). `key` names the statistics and choice when a mode's acceptance depends on a
+        setting (prove@θ, mars@τ: Mode.key); `planned`: the planner chose its widths (only those
+        cycles count for the regret budget). Returns True when passes have been costing many times
+        their calibrated t(n) for a while (a loaded machine): the caller may re-check its threads
+        and hand the planner new curves (`set_curve`)."""
         if planned:
             self.elapsed += cycle.seconds
             if self._displaced is not None:
                 self._account(cycle)
-        kind, b, v = chosen(mode, cycle)
+        plan = cycle.plan
+        kind, b = plan.kind, plan.width
         if kind == "ar":
             # an ar cycle has no acceptance to learn; its cost and overhead are sampled (1 in
             # AR_SAMPLE), which keeps the planner's own time per ar cycle near nothing (a 0.35 ms
             # pass of the embedded proposer leaves no room for ~20 us of bookkeeping on every cycle)
             self._ar_seen += 1
             if self._ar_seen % AR_SAMPLE:
-                return
-        if kind == "lossless":
-            self.stats_for("lossless").record(cycle.p, 1, v, cycle.n_accepted)
-        elif kind == "spec":
-            self.stats_for("spec").record(cycle.p, 0, b, cycle.n_accepted)
-        elif kind in ("prove", "mars"):
-            self.stats_for(key or kind).record(cycle.p, 1, b, cycle.n_accepted)
+                return False
+        else:
+            lo = 1 if MODES[kind].free_first else 0     # a free first slot teaches nothing
+            self.stats_for(key or kind).record(cycle.p, lo, plan.tested, cycle.n_accepted)
         decode = sum(cycle.decode_seconds.values())
         over = max(0.0, cycle.seconds - decode)
         for key in (kind, (kind, b)):      # per kind, and per kind and width (wider blocks cost more Python)
             old = self.overhead.get(key)
             self.overhead[key] = over if old is None else 0.9 * old + 0.1 * min(over, 4 * old + 1e-4)
-        if self.costs is not None:
-            worst = 0.0
-            for role, secs in cycle.decode_seconds.items():
-                r = self.costs.observe(role, cycle.widths.get(role, []), secs)
-                worst = max(worst, r or 0.0)
-            # a pass that suddenly costs many times its t(n): a loaded machine, re-check the threads
-            self.slow_streak = self.slow_streak + 1 if worst > 4.0 else 0
-            if self.slow_streak >= 8:
-                self.recheck, self.slow_streak = True, 0
+        if self.costs is None:
+            return False
+        worst = 0.0
+        for role, secs in cycle.decode_seconds.items():
+            r = self.costs.observe(role, cycle.widths.get(role, []), secs)
+            worst = max(worst, r or 0.0)
+        # a pass that suddenly costs many times its t(n): a loaded machine, re-check the threads
+        self.slow_streak = self.slow_streak + 1 if worst > 4.0 else 0
+        if self.slow_streak >= 8:
+            self.slow_streak = 0
+            return True
+        return False
+
+    def set_curve(self, role: str, curve: dict[int, float]) -> None:
+        """New calibrated t(n) of a role (after the caller changed its thread count)."""
+        self.costs.set_curve(role, curve)
+        self._vcosts.clear()
 
     def _account(self, cycle) -> None:
         """The regret budget's books for an exploration, or one of the cycles after it: what it lost."""
@@ -306,46 +290,70 @@ class Planner:
         return self.overhead.get(kind, 0.0)
 
     def rates(self, mode: str, pending: dict, block_max: int, key: str | None = None) -> list[Choice]:
-        """Expected tokens per second of ar and of every width of `mode`."""
-        c = self.costs
-        pp = pending.get("proposer", 1)
-        out = [Choice("ar", 1, 1.0 / max(1e-12, c.t("proposer", pp) + self._oh("ar")))]
-        if mode == "spec":
-            s = self.stats_for("spec").slot_rates(self.k_max)
-            gain = np.cumsum(np.cumprod(s))                          # E[accepted] for k = 1..k_max
-            # a draft that fell behind during ar cycles catches up once, in its next pass: a one-off,
-            # not the steady cost of drafting (1-2 pending tokens), or ar would never be left again
-            pd = min(pending.get("draft", 1), 2)
-            for k in range(1, self.k_max + 1):
-                cost = c.t("draft", pd) + (k - 1) * c.t("draft", 1) + c.t("proposer", pp + k) + self._oh("spec", k)
-                out.append(Choice("spec", k, (1.0 + gain[k - 1]) / cost))
-            return out
-        s = self.stats_for(key or mode).slot_rates(block_max)
-        run = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(s[1:]))])   # E[run] verifying v = 1..block_max
-        tp = c.table("proposer")
-        widths = np.minimum(pp + np.arange(block_max), len(tp) - 1)       # proposal pass of B = 1..block_max
-        prop = tp[widths]
-        oh = np.array([self._oh(mode, b) for b in range(1, block_max + 1)])
-        if mode == "lossless":
-            # rate[B, v] for v <= B: (E[run](v) + 1 correction token) / (t(pending+B-1) + t(v) + overhead)
-            v = np.arange(1, block_max + 1)
-            r = (run[None, :] + 1.0) / (prop[:, None] + tp[v][None, :] + oh[:, None])
-            r[_upper(block_max)] = 0.0
-            rates = r.max(axis=1)
-        elif mode == "prove":
-            tv = c.table("verifier")
-            pv = min(pending.get("verifier", 1), block_max)   # (the same one-off catch-up as spec's draft)
-            rates = run / (prop + tv[np.minimum(pv + np.arange(block_max), len(tv) - 1)] + oh)
-        else:
-            rates = run / (prop + oh)
-        out += [Choice(mode, b + 1, float(x)) for b, x in enumerate(rates)]
+        """Expected tokens per second of ar and of every width of `mode`: expected tokens committed
+        (Mode.expected_tokens, from the per-slot acceptance) over the cycle's cost (modes.cycle_cost:
+        t(n) of every pass the mode's widths make, over the measured curves) plus the measured Python
+        overhead of that kind and width. Where the mode chooses its verify width (lossless), a
+        block's rate is that of its best verify width."""
+        m = MODES[mode]
+        t = self.costs.t
+        # a partner that fell behind during ar cycles catches up once, in its next pass: a one-off,
+        # not the steady cost of proposing with it, or ar would never be left again
+        pend = {r: (pending.get(r, 1) if r == "proposer" else min(pending.get(r, 1), CATCH_UP)) for r in m.roles}
+        t_ar = max(1e-12, cycle_cost(t, pend, AR_PLAN) + self._oh("ar"))
+        out = [Choice("ar", 1, 1.0 / t_ar, 1.0, t_ar)]
+        n_max = self.k_max if m.width == "draft_k" else block_max
+        lay = self._layout(mode, pend, n_max)
+        cost = np.zeros(len(lay.tested))
+        for role, (idx, ns, inv) in lay.passes.items():      # modes.cycle_cost of every option at once
+            table = self.costs.table(role)
+            ts = table[ns] if ns[-1] < len(table) else np.array([t(role, n) for n in ns])
+            cost += np.bincount(idx, weights=ts[inv], minlength=len(cost))
+        s = self.stats_for(key or mode).slot_rates(n_max).tolist()
+        gain = np.array(m.expected_tokens(s, n_max))[lay.tested]
+        oh = np.array([self._oh(mode, w) for w in range(1, n_max + 1)])[lay.width - 1]
+        secs = np.maximum(1e-12, cost + oh)
+        rate = gain / secs
+        ends = lay.starts[1:].tolist() + [len(rate)]
+        for w, (a, b) in enumerate(zip(lay.starts.tolist(), ends)):
+            i = a + int(np.argmax(rate[a:b]))               # a block's best verify width
+            out.append(Choice(mode, w + 1, float(rate[i]), float(gain[i]), float(secs[i]),
+                              int(lay.tested[i]) if m.verify_choice else None))
         return out
 
+    def _layout(self, mode: str, pend: dict, n_max: int) -> "_Layout":
+        """The passes of every option of `mode` up to width n_max (Mode.widths), grouped by role so
+        that their costs add up in one step; they depend on the pending counts only, not on timings,
+        and are cached."""
+        key = (mode, tuple(sorted(pend.items())), n_max)
+        lay = self._layouts.get(key)
+        if lay is None:
+            m = MODES[mode]
+            plans, starts = [], []
+            for w in range(1, n_max + 1):
+                starts.append(len(plans))
+                plans += [Plan(mode, block=w, verify=v) for v in range(1, w + 1)] if m.verify_choice else [m.plan(w, w)]
+            by_role: dict[str, tuple[list, list]] = {}
+            for i, plan in enumerate(plans):
+                for role, ws in m.widths(pend, plan).items():
+                    idx, ns = by_role.setdefault(role, ([], []))
+                    idx += [i] * len(ws)
+                    ns += ws
+            passes = {}
+            for role, (idx, ns) in by_role.items():
+                uniq, inv = np.unique(np.asarray(ns, dtype=int), return_inverse=True)
+                passes[role] = (np.asarray(idx, dtype=int), uniq, inv)
+            lay = _Layout(np.array([p.width for p in plans]), np.array([p.tested for p in plans]),
+                          np.array(starts), passes)
+            if len(self._layouts) > 64:
+                self._layouts.clear()
+            self._layouts[key] = lay
+        return lay
+
     # ---------------------------------------------------------------------- the plan
-    def plan(self, mode: str, pending, block_max: int, room: int, key: str | None = None) -> Plan:
-        """The plan of the next cycle of `mode` (pending: committed tokens not yet in each context, a
-        dict or a function returning it, called only when the options are recomputed; key: as for
-        `observe`). While ar is the choice, runs of ar cycles up to the next exploration draw or replan
+    def plan(self, mode: str, pending: dict, block_max: int, room: int, key: str | None = None) -> Plan:
+        """The plan of the next cycle of `mode` (pending: committed tokens not yet in each context;
+        key: as for `observe`). While ar is the choice, runs of ar cycles up to the next exploration draw or replan
         are returned without any other work (a quiet run: ~0.3 us per cycle instead of ~3)."""
         key = key or mode
         q = self._quiet.get(key)
@@ -366,12 +374,14 @@ class Planner:
         age = self.age.get(key, 0)
         if cur is None or age >= self._replan_after(cur):
             self._bin_rates = None                 # refreshed by the next verify_width
-            options = self.rates(mode, pending() if callable(pending) else pending, block_max, key)
+            self._vcosts.clear()
+            options = self.rates(mode, pending, block_max, key)
             self._options[key] = options
             ar = options[0]
             # a width must beat plain ar clearly; a one-slot block is ar with more work (lossless: two
             # one-token passes for two tokens; prove: an extra verifier pass): explored, never chosen
-            eligible = [ar] + [o for o in options[1:] if (o.kind == "spec" or o.width > 1)
+            free = MODES[mode].free_first
+            eligible = [ar] + [o for o in options[1:] if (o.width > 1 or not free)
                                and o.rate >= ar.rate * (1.0 + self.ar_margin)]
             best = max(eligible, key=lambda ch: ch.rate)
             if cur is not None:
@@ -384,13 +394,22 @@ class Planner:
         if cur.kind == "ar":
             self._quiet_run(key, age)
             return AR_PLAN
-        if mode == "spec":
-            return Plan(block=1, draft_k=min(cur.width, kcap))
-        b = min(cur.width, cap)
-        if mode == "lossless" and b > 1:
-            rate = cur.rate
-            return Plan(block=b, verify=lambda p: self.verify_width(p, rate))
-        return Plan(block=b, draft_k=0)
+        m = MODES[mode]
+        plan = m.plan(min(cur.width, cap), min(cur.width, kcap))
+        if m.verify_choice and plan.block > 1:
+            rate, costs = cur.rate, self._verify_costs(mode, pending, plan.block)
+            return Plan(mode, plan.block, choose_verify=lambda p: self.verify_width(p, rate, costs, key))
+        return plan
+
+    def _verify_costs(self, mode: str, pending: dict, block: int) -> list[float]:
+        """The cycle's cost when verifying v = 1..block of a block (modes.cycle_cost), cached until
+        the next replan (the cost scale moves slowly; this runs before every planned cycle)."""
+        key = (mode, block, tuple(sorted(pending.items())))
+        costs = self._vcosts.get(key)
+        if costs is None:
+            costs = self._vcosts[key] = [cycle_cost(self.costs.t, pending, Plan(mode, block, verify=v))
+                                         for v in range(1, block + 1)]
+        return costs
 
     def _replan_after(self, cur: Choice) -> int:
         """Cycles between replans: ar cycles teach the statistics nothing (only the cost scale moves, 1
@@ -416,21 +435,21 @@ class Planner:
         self._quiet[key] = n
         self.age[key] = age + n
 
-    def verify_width(self, p, rate: float) -> int:
-        """After the proposal pass: the verify width v maximising E[committed | p̃, v] - rate * t(v)
-        (E[committed] = 2 + sum over j < v of the product of the acceptance of slots 1..j given p̃).
-        Plain Python over a few slots: it runs between the two passes of every cycle."""
-        st = self.stats_for("lossless")
+    def verify_width(self, p, rate: float, costs: list[float], key: str = "lossless") -> int:
+        """After the proposal pass: the verify width v maximising E[committed | p̃, v] - rate * cost(v)
+        (E[committed] = 2 + sum over j < v of the product of the acceptance of slots 1..j given p̃;
+        costs[v-1]: the cycle's cost when verifying v, from modes.cycle_cost; the proposal pass is the
+        same in every term). Plain Python over a few slots: it runs between the two passes of every cycle."""
+        st = self.stats_for(key)
         if self._bin_rates is None:
             self._bin_rates = st.p_rates(st.centers).tolist()
-            self._t_list = self.costs.table("proposer")[:N_SLOTS + 2].tolist()
-        rates_by_bin, t, top = self._bin_rates, self._t_list, st.bins - 1
-        best_v, best = 1, 2.0 - rate * t[1]
+        rates_by_bin, top = self._bin_rates, st.bins - 1
+        best_v, best = 1, 2.0 - rate * costs[0]
         gain, prod = 2.0, 1.0
-        for v, pi in enumerate(p.tolist()[1:], 2):
+        for v, pi in enumerate(p.tolist()[1:len(costs)], 2):
             prod *= rates_by_bin[min(int(pi * st.bins), top)]
             gain += prod
-            value = gain - rate * t[min(v, len(t) - 1)]
+            value = gain - rate * costs[v - 1]
             if value > best:
                 best_v, best = v, value
         return best_v
@@ -445,7 +464,7 @@ class Planner:
         if not self.explore_by_rate or not options:
             return True
         best = max(o.rate for o in options)
-        want = ("ar", 1) if ex.mode == "ar" else (("spec", ex.draft_k) if mode == "spec" else (mode, ex.block))
+        want = (ex.kind, ex.width if ex.kind != "ar" else 1)
         rate = next((o.rate for o in options if (o.kind, o.width) == want), best)
         return self.rng.random() * best < rate
 
@@ -455,17 +474,42 @@ class Planner:
         dear; a share `explore_wide` of explorations picks any width (or ar) uniformly. For lossless,
         half of the time a random verify width (else the whole block, which refreshes every slot)."""
         cur = self.current.get(key or mode)
-        base = cur.width if cur is not None and cur.kind != "ar" else (0 if mode == "spec" else 1)
+        base = cur.width if cur is not None and cur.kind != "ar" else (0 if MODES[mode].width == "draft_k" else 1)
         wide = self.rng.random() < self.explore_wide
-        if mode == "spec":
+        m = MODES[mode]
+        if m.width == "draft_k":
             k = self.rng.randint(0, kcap) if wide else min(kcap, base + self.rng.randint(1, 2))
-            return Plan(block=1, draft_k=0, mode="ar") if k == 0 else Plan(block=1, draft_k=k)
+            return AR_PLAN if k == 0 else m.plan(1, k)
         if wide and self.rng.random() < 1.0 / (cap + 1):
-            return Plan(block=1, draft_k=0, mode="ar")
+            return AR_PLAN
         b = self.rng.randint(1, cap) if wide else min(cap, base + self.rng.randint(1, 2))
-        if mode == "lossless" and self.rng.random() < 0.5:
-            return Plan(block=b, verify=self.rng.randint(1, b))
-        return Plan(block=b, draft_k=0)
+        if m.verify_choice and self.rng.random() < 0.5:
+            return Plan(mode, block=b, verify=self.rng.randint(1, b))
+        return m.plan(b, 0)
+
+    def explain(self, mode: str, key: str | None = None, fix: str = "{flag} {width}") -> str | None:
+        """One line for people: why the planner runs plain ar cycles for `mode` (from the options of its
+        last replan: the best width's cycle cost in one-token passes against its expected tokens), and
+        the fixed width that shows the mode's cycles anyway, with its expected speed. None unless ar
+        is the current choice. `fix` says how to fix the width ({flag}: --block or --draft-k, {width})."""
+        key = key or mode
+        cur, options = self.current.get(key), self._options.get(key)
+        if cur is None or cur.kind != "ar" or not options:
+            return None
+        m = MODES[mode]
+        ar = options[0]
+        props = [o for o in options[1:] if o.width > 1 or not m.free_first]
+        if not props:
+            return None
+        best = max(props, key=lambda o: o.rate)
+        plan = Plan(mode, best.width, verify=best.verify) if m.verify_choice else m.plan(best.width, best.width)
+        how = fix.format(flag="--block" if m.width == "block" else "--draft-k", width=best.width)
+        speed = best.rate / ar.rate
+        why = (f"{speed:.2f}x ar's speed" if speed < 1.0 else
+               f"{speed:.2f}x ar's speed, short of the {self.ar_margin:.0%} a width must win by")
+        return (f"auto chose ar: on this machine a {plan.label()} {m.title} cycle costs {best.seconds / ar.seconds:.1f} "
+                f"one-token passes and is expected to commit {best.tokens:.1f} tokens, {why}. To watch {m.title} "
+                f"cycles anyway, fix the width ({how}: about {speed:.2f}x ar's tokens/s)")
 
     def summary(self) -> dict:
         return {"current": {m: {"kind": c.kind, "width": c.width, "tokens_per_second": round(c.rate, 1)}
@@ -494,7 +538,6 @@ def projection(curve: dict[int, float], slot_rates, block_max: int = 16, overhea
              "chosen": (o.kind, o.width) == (best.kind, best.width)} for o in options]
 
 
-def widths_histogram(mode: str, cycles) -> dict:
-    """How often each width was chosen (`label`: 'ar', 'B=4 v=2', 'k=3'), most frequent first."""
-    from collections import Counter
-    return dict(Counter(label(mode, c) for c in cycles).most_common())
+def widths_histogram(cycles) -> dict:
+    """How often each plan was run (`Plan.label`: 'ar', 'B=4 v=2', 'k=3'), most frequent first."""
+    return dict(Counter(c.plan.label() for c in cycles).most_common())

@@ -16,9 +16,13 @@ import sys
 from pathlib import Path
 
 from . import registry
+from .convert import ConvertError, convert_checkpoint
+from .convert.hf import read_hparams, read_json
+
 from .memory import estimate
-from .shapes import GiB, shape_info
+from .modes import DEFAULT_BLOCK, MODES
 from .registry import Model, Pair, RegistryError
+from .shapes import SHAPES, GiB, shape_info
 
 EMBEDDED_DIR = Path(__file__).parent / "models"
 CONFIG_FILES = ("config.json", "generation_config.json")
@@ -131,11 +135,12 @@ def _q(p: Path | str) -> str:
 def run_command(main: Path | None, partner: Path | None, mode: str) -> str:
     """`prove-local run` for a pair; main None means the embedded default proposer."""
     parts = ["prove-local", "run"]
+    role = MODES[mode].partner                  # "--verifier" or "--draft"
     if main is not None:
         parts.append(_q(main))
-        if mode == "prove" and partner is not None:
+        if role == "verifier" and partner is not None:
             parts += ["--verifier", _q(partner)]
-    if mode == "spec" and partner is not None:
+    if role == "draft" and partner is not None:
         parts += ["--draft", _q(partner)]
     parts += ["--mode", mode]
     return " ".join(parts)
@@ -206,10 +211,9 @@ def pull_one(m: Model, quant: str, models_dir: Path, args) -> Path:
         print(f"{m.name}: downloading {len(files)} files ({_size(total)}) from {m.repo} to {src}", file=sys.stderr)
         download(m.repo, files, src, args.quiet)
         downloaded = src
-    from prove_local.convert import ConvertError, convert_checkpoint
     print(f"{m.name}: converting to {out.name} ({quant})", file=sys.stderr)
     try:
-        convert_checkpoint(src, out, outtype=quant, role=m.convert_role, block_size=m.block or 16,
+        convert_checkpoint(src, out, outtype=quant, role=m.convert_role, block_size=m.block or DEFAULT_BLOCK,
                            progress=not args.quiet)
     except ConvertError as e:
         raise PullError(f"{m.name}: conversion failed: {e}") from None
@@ -227,10 +231,6 @@ SHAPE_KEYS = (("num_hidden_layers", "layers"), ("hidden_size", "hidden"), ("num_
 def check_checkpoint(m: Model, src: Path) -> None:
     """A local checkpoint (--from-dir) must be the entry's model: its architecture and its size (the
     config.json numbers of the entry's shape), else the GGUF would be stored under a wrong name."""
-    from prove_local.convert import ConvertError
-    from prove_local.convert.hf import read_hparams, read_json
-    from .shapes import SHAPES
-
     try:
         config = read_json(src / "config.json")
         hp = read_hparams(config, src / "config.json")

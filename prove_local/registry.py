@@ -12,13 +12,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .shapes import SHAPES
+
 PACKAGED = Path(__file__).with_name("models.txt")
 
 ROLES = ("proposer", "verifier", "draft", "target")
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k")   # convert.OUTTYPES
+from .modes import MODES as MODE_TABLE
 from .modes import NAMES as MODES
-MODE_MAIN = {"lossless": "proposer", "prove": "proposer", "mars": "proposer", "ar": None, "spec": None}
-MODE_PARTNER = {"prove": "verifier", "spec": "draft"}           # modes that need a second model
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)([MG])$")
@@ -98,8 +99,6 @@ def parse_size(text: str) -> int:
 
 
 def parse(text: str, path: str = "models.txt") -> Registry:
-    from .shapes import SHAPES
-
     models: dict[str, Model] = {}
     pairs: dict[str, Pair] = {}
     pair_lines: list[tuple[int, list[str]]] = []
@@ -187,13 +186,12 @@ def parse(text: str, path: str = "models.txt") -> Registry:
             fail(f"{name}: unknown mode {mode!r} (choose from {', '.join(MODES)})")
         if main not in models:
             fail(f"{name}: MAIN {main!r} is not a model defined in this file")
-        need = MODE_MAIN[mode]
         m = models[main]
-        if need and need not in m.roles:
-            fail(f"{name}: mode {mode} needs a {need} as MAIN, and {main} is {'/'.join(m.roles)}")
-        if mode in ("ar", "spec") and not {"target", "proposer"} & set(m.roles):
+        if MODE_TABLE[mode].needs_mask and "proposer" not in m.roles:     # MARS slots: a proposer
+            fail(f"{name}: mode {mode} needs a proposer as MAIN, and {main} is {'/'.join(m.roles)}")
+        if not MODE_TABLE[mode].needs_mask and not {"target", "proposer"} & set(m.roles):
             fail(f"{name}: mode {mode} runs a target (or proposer) model as MAIN, and {main} is {'/'.join(m.roles)}")
-        want = MODE_PARTNER.get(mode)
+        want = MODE_TABLE[mode].partner
         if partner == "-":
             if want:
                 fail(f"{name}: mode {mode} needs a {want} as PARTNER")

@@ -33,6 +33,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from pathlib import Path
 
 from .errors import LlamaError, UsageError
@@ -432,6 +433,13 @@ def serve(host: str, port: int, threads: int | None = None, cache: str | None = 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, f: stop.append(s))
     threading.Thread(target=run, daemon=True, name="ggml-rpc-server").start()
+    if port == 0:                   # ggml bound a port of the system's choosing: find out which, to print it
+        port = _listening_port(host, done)
+        if port is None:
+            print(f"prove-local: error: llama.cpp's RPC server on {endpoint} did not start listening "
+                  "(see its messages above)", file=sys.stderr, flush=True)
+            os._exit(1)
+        endpoint = f"{host}:{port}"
     print(f"prove-local rpc-server: serving {names} on {endpoint} (RPC protocol "
           f"{'.'.join(map(str, PROTOCOL))}, {threads} threads, cache {cache or 'off'}); Ctrl-C stops it",
           file=sys.stderr, flush=True)
@@ -447,6 +455,30 @@ def serve(host: str, port: int, threads: int | None = None, cache: str | None = 
     os._exit(0)
 
 
+def _listening_port(host: str, done: threading.Event, timeout: float = 30.0) -> int | None:
+    """The port of this process's listening TCP socket on `host`: ggml's server, started on port 0
+    (ggml does not say which port the system gave it). None if the server ended or never listened."""
+    want = socket.gethostbyname(host)
+    deadline = time.monotonic() + timeout
+    while not done.is_set() and time.monotonic() < deadline:
+        for fd in _socket_fds():
+            try:
+                s = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                if (s.family == socket.AF_INET and s.type == socket.SOCK_STREAM
+                        and s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                        and s.getsockname()[0] in (want, "0.0.0.0")):
+                    return s.getsockname()[1]
+            except OSError:
+                pass
+            finally:
+                s.close()               # the duplicate only; ggml's socket stays open
+        time.sleep(0.01)
+    return None
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("rpc-server", help="serve this machine's CPU/GPU to another prove-local (--rpc)",
                        description="Serve this machine's backend (its GPUs, else its CPU) over llama.cpp's RPC "
@@ -454,7 +486,8 @@ def add_parser(sub) -> None:
                                    "The protocol has no authentication or encryption: loopback or a trusted "
                                    "network only.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"TCP port (default {DEFAULT_PORT}; 0 picks a free one, named on the `serving ... on` line)")
     p.add_argument("--threads", type=int, help="CPU threads for the CPU backend (default: all cores)")
     p.add_argument("--cache", metavar="DIR",
                    help="cache large tensors here, so a client that loads the same model again sends only hashes")
@@ -464,8 +497,8 @@ def add_parser(sub) -> None:
 def cmd_rpc_server(args: argparse.Namespace) -> int:
     if ":" in args.host:
         raise UsageError(f"rpc-server: --host {args.host}: llama.cpp's RPC server listens on IPv4 addresses only")
-    if not 0 < args.port < 65536:
-        raise UsageError(f"rpc-server: --port {args.port} is not a TCP port (1..65535)")
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"rpc-server: --port {args.port} is not a TCP port (0..65535; 0: a free one)")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"rpc-server: --threads {args.threads} must be >= 1")
     return serve(args.host, args.port, args.threads, args.cache)

@@ -17,11 +17,60 @@ and the exact modes verify them by exact speculative sampling against the proces
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from .logits import probs_at, row_stats
 from .sampling import stack
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The widths of one cycle: what the engine asks a rule to run (from the request's fixed settings
+    or the planner), and, recorded in `Cycle.plan`, what the rule ran.
+    `kind` names the rule ("ar": a plain one-token cycle, the planner's fallback in any mode);
+    `block`: proposal slots (lossless, prove, mars); `draft_k`: drafted tokens (spec);
+    `verify` (lossless): proposed tokens fed to the verify pass, 1..block (None: all of them).
+    `choose_verify`, on a plan handed to a rule only, picks the verify width from the slot
+    confidences p̃ between the two passes (the planner's marginal choice); the recorded plan holds
+    the width it picked in `verify`."""
+    kind: str = "ar"
+    block: int = 1
+    draft_k: int = 0
+    verify: int | None = None
+    choose_verify: Callable | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def proposes(self) -> bool:
+        """Whether the cycle proposed tokens (False: a plain ar cycle)."""
+        return self.kind != "ar"
+
+    @property
+    def width(self) -> int:
+        """The value of the mode's width parameter: k for spec, the block otherwise."""
+        return self.draft_k if self.kind == "spec" else self.block
+
+    @property
+    def tested(self) -> int:
+        """Proposed tokens up for acceptance: verified (lossless), drafted (spec), or the block."""
+        if self.kind == "spec":
+            return self.draft_k
+        return self.block if self.verify is None else self.verify
+
+    def label(self) -> str:
+        """'ar', 'B=4 v=2' (lossless), 'B=4' (prove, mars), 'k=3' (spec)."""
+        if self.kind == "ar":
+            return "ar"
+        if self.kind == "spec":
+            return f"k={self.draft_k}"
+        return f"B={self.block} v={self.tested}" if self.kind == "lossless" else f"B={self.block}"
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "block": self.block, "draft_k": self.draft_k, "verify": self.verify}
+
+
+AR_PLAN = Plan()
 
 
 @dataclass
@@ -46,6 +95,20 @@ class Cycle:
     # the target's argmax when greedy) rather than being the bonus token after a full match.
     accept_prob: list[float] | None = None
     residual: bool = False
+    # the plan the rule ran (kind and widths; a planner's verify choice resolved), and the gate's
+    # outcome per proposed slot: True passed, False failed, None not tested (exact modes stop testing
+    # at the first failure; a threshold gate (prove, mars) is evaluated on every slot)
+    plan: Plan = AR_PLAN
+    gate: list | None = None
+
+
+def _gate(ok, tested: int, n_slots: int, stop_at_failure: bool) -> list:
+    """Per-slot gate outcomes for `Cycle.gate` from the tests of the first `tested` slots."""
+    out = [bool(x) for x in list(ok)[:tested]]
+    if stop_at_failure and False in out:
+        first = out.index(False)
+        out = out[:first + 1]
+    return out + [None] * (n_slots - len(out))
 
 
 def top1(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -103,13 +166,26 @@ def leading_run(ok) -> int:
     return int(ok.argmin()) if not ok.all() else len(ok)
 
 
+def _tested(n: int, rejected: bool, n_slots: int) -> list:
+    """Gate outcomes of an exact sampled cycle: n accepted, then the rejected slot if there was one."""
+    return _gate([True] * n + [False] * rejected, n + rejected, n_slots, True)
+
+
+def _mars_plan(block: int) -> Plan:
+    return Plan("mars", block) if block > 1 else AR_PLAN    # one slot: the same pass and token as ar
+
+
+def _spec_plan(k: int) -> Plan:
+    return Plan("spec", draft_k=k) if k else AR_PLAN          # no drafts: a plain ar cycle
+
+
 def ar_cycle(ctx, tokens: list[int], sampler=None) -> Cycle:
     if sampler is not None:
         return _ar_sampled(ctx, tokens, sampler)
     pending = _pending(ctx, tokens)
     ids, p = top1(_logits(ctx, pending))
     return Cycle([int(ids[0])], [float(p[0])], None, [int(ids[0])], 1, {"proposer": 1},
-                 {"proposer": [len(pending)]})
+                 {"proposer": [len(pending)]}, plan=AR_PLAN, gate=[True])
 
 
 def lossless_cycle(ctx, tokens: list[int], block: int, mask: int, verify=None, sampler=None) -> Cycle:
@@ -129,11 +205,13 @@ def lossless_cycle(ctx, tokens: list[int], block: int, mask: int, verify=None, s
     v = block if verify is None else max(1, min(int(verify), block))
     logits = _logits(ctx, d[:v].tolist(), rows=list(range(v)))
     g, q = greedy_and_prob(logits, d[1:v])
-    n = 1 + leading_run(d[1:v] == g[:-1])
+    ok = np.concatenate([[True], d[1:v] == g[:-1]])
+    n = leading_run(ok)
     ctx.truncate(len(tokens) + n)                # keep d[:n]; g[n-1] stays pending
     committed = d[:n].tolist() + [int(g[n - 1])]
     return Cycle(d.tolist(), p.tolist(), [float(p[0])] + q.tolist(), committed, n, {"proposer": 2},
-                 {"proposer": [pending + block - 1, v]}, residual=n < v)
+                 {"proposer": [pending + block - 1, v]}, residual=n < v,
+                 plan=Plan("lossless", block, verify=v), gate=_gate(ok, v, block, True))
 
 
 def prove_cycle(ctx_prop, ctx_ver, tokens: list[int], block: int, mask: int, theta: float, sampler=None) -> Cycle:
@@ -148,10 +226,12 @@ def prove_cycle(ctx_prop, ctx_ver, tokens: list[int], block: int, mask: int, the
     feed = pending + d[:-1].tolist()
     logits = _logits(ctx_ver, feed, rows=list(range(len(pending) - 1, len(feed))))
     q = prob_of(logits, d)
-    n = max(1, leading_run(p * q >= theta))
+    ok = p * q >= theta
+    n = max(1, leading_run(ok))
     ctx_ver.truncate(len(tokens) + n - 1)         # keep d[:n-1]; d[n-1] stays pending
     return Cycle(d.tolist(), p.tolist(), q.tolist(), d[:n].tolist(), n, {"proposer": 1, "verifier": 1},
-                 {"proposer": [width], "verifier": [len(feed)]})
+                 {"proposer": [width], "verifier": [len(feed)]},
+                 plan=Plan("prove", block), gate=_gate(ok, block, block, False))
 
 
 def mars_cycle(ctx, tokens: list[int], block: int, mask: int, tau: float, sampler=None) -> Cycle:
@@ -160,8 +240,10 @@ def mars_cycle(ctx, tokens: list[int], block: int, mask: int, tau: float, sample
         return _mars_sampled(ctx, tokens, block, mask, tau, sampler)
     width = len(_pending(ctx, tokens)) + block - 1
     d, p = propose(ctx, tokens, block, mask)
-    n = max(1, leading_run(p >= tau))
-    return Cycle(d.tolist(), p.tolist(), None, d[:n].tolist(), n, {"proposer": 1}, {"proposer": [width]})
+    ok = p >= tau
+    n = max(1, leading_run(ok))
+    return Cycle(d.tolist(), p.tolist(), None, d[:n].tolist(), n, {"proposer": 1}, {"proposer": [width]},
+                 plan=_mars_plan(block), gate=_gate(ok, block, block, False))
 
 
 def spec_cycle(ctx_tgt, ctx_draft, tokens: list[int], k: int, sampler=None) -> Cycle:
@@ -179,11 +261,13 @@ def spec_cycle(ctx_tgt, ctx_draft, tokens: list[int], k: int, sampler=None) -> C
     pending = _pending(ctx_tgt, tokens)
     logits = _logits(ctx_tgt, pending + x, rows=list(range(len(pending) - 1, len(pending) + k)))
     g, q = greedy_and_prob(logits, x)
-    n = leading_run(np.array(x) == g[:k])
+    ok = np.array(x, dtype=np.int64) == g[:k]
+    n = leading_run(ok)
     ctx_tgt.truncate(len(tokens) + n)
     ctx_draft.truncate(min(ctx_draft.n_past, len(tokens) + n))
     return Cycle(x, px, q.tolist(), x[:n] + [int(g[n])], n, {"draft": k, "proposer": 1},
-                 {"draft": draft_widths, "proposer": [len(pending) + k]}, residual=n < k)
+                 {"draft": draft_widths, "proposer": [len(pending) + k]}, residual=n < k,
+                 plan=_spec_plan(k), gate=_gate(ok, k, k, True))
 
 
 # ---------------------------------------------------------------------------------- sampling
@@ -194,7 +278,8 @@ def _ar_sampled(ctx, tokens, sampler) -> Cycle:
     pending = _pending(ctx, tokens)
     p = sampler.dists(_logits(ctx, pending), tokens)
     x = sampler.draw(p[0])
-    return Cycle([x], [float(p[0, x])], None, [x], 1, {"proposer": 1}, {"proposer": [len(pending)]})
+    return Cycle([x], [float(p[0, x])], None, [x], 1, {"proposer": 1}, {"proposer": [len(pending)]},
+                 plan=AR_PLAN, gate=[True])
 
 
 def _lossless_sampled(ctx, tokens, block, mask, verify, sampler) -> Cycle:
@@ -217,7 +302,8 @@ def _lossless_sampled(ctx, tokens, block, mask, verify, sampler) -> Cycle:
     ctx.truncate(len(tokens) + n)                    # keep d[:n]; nxt stays pending
     target = [float(conf[0])] + [float(p[i, d[i + 1]]) for i in range(v - 1)]
     return Cycle(d, conf.tolist(), target, d[:n] + [nxt], n, {"proposer": 2},
-                 {"proposer": [pending + block - 1, v]}, accept_prob=[1.0] + accept, residual=residual)
+                 {"proposer": [pending + block - 1, v]}, accept_prob=[1.0] + accept, residual=residual,
+                 plan=Plan("lossless", block, verify=v), gate=_tested(n, residual, block))
 
 
 def _spec_sampled(ctx_tgt, ctx_draft, tokens, k, sampler) -> Cycle:
@@ -239,7 +325,7 @@ def _spec_sampled(ctx_tgt, ctx_draft, tokens, k, sampler) -> Cycle:
     ctx_draft.truncate(min(ctx_draft.n_past, len(tokens) + n))
     return Cycle(x, [float(q[j, x[j]]) for j in range(k)], [float(p[j, x[j]]) for j in range(k)], x[:n] + [nxt], n,
                  {"draft": k, "proposer": 1}, {"draft": draft_widths, "proposer": [len(pending) + k]},
-                 accept_prob=accept, residual=residual)
+                 accept_prob=accept, residual=residual, plan=_spec_plan(k), gate=_tested(n, residual, k))
 
 
 def _prove_sampled(ctx_prop, ctx_ver, tokens, block, mask, theta, sampler) -> Cycle:
@@ -254,10 +340,12 @@ def _prove_sampled(ctx_prop, ctx_ver, tokens, block, mask, theta, sampler) -> Cy
     feed = pending + d[:-1]
     pv = sampler.dists(_logits(ctx_ver, feed, rows=list(range(len(pending) - 1, len(feed)))), tokens, d)
     q = pv[np.arange(block), d]
-    n = max(1, leading_run(conf * q >= theta))
+    ok = conf * q >= theta
+    n = max(1, leading_run(ok))
     ctx_ver.truncate(len(tokens) + n - 1)            # keep d[:n-1]; d[n-1] stays pending
     return Cycle(d, conf.tolist(), q.tolist(), d[:n], n, {"proposer": 1, "verifier": 1},
-                 {"proposer": [width], "verifier": [len(feed)]})
+                 {"proposer": [width], "verifier": [len(feed)]},
+                 plan=Plan("prove", block), gate=_gate(ok, block, block, False))
 
 
 def _mars_sampled(ctx, tokens, block, mask, tau, sampler) -> Cycle:
@@ -266,5 +354,7 @@ def _mars_sampled(ctx, tokens, block, mask, tau, sampler) -> Cycle:
     width = len(_pending(ctx, tokens)) + block - 1
     d, q = sampler.propose(proposal_logits(ctx, tokens, block, mask), tokens)
     conf = q[np.arange(block), d]
-    n = max(1, leading_run(conf >= tau))
-    return Cycle(d, conf.tolist(), None, d[:n], n, {"proposer": 1}, {"proposer": [width]})
+    ok = conf >= tau
+    n = max(1, leading_run(ok))
+    return Cycle(d, conf.tolist(), None, d[:n], n, {"proposer": 1}, {"proposer": [width]},
+                 plan=_mars_plan(block), gate=_gate(ok, block, block, False))

@@ -43,6 +43,16 @@ import numpy as np
 
 from .logits import _buffer, top_candidates
 
+# The defaults of every front end (engine.Settings, `run`, `serve`, `bench`, the UI) and of `Sampler`:
+# llama.cpp's, except the temperature (0: greedy, so that the exact modes equal ar token for token;
+# llama-server's default is 0.8, OpenAI's 1.0).
+TEMPERATURE = 0.0
+TOP_K = 40
+TOP_P = 0.95
+MIN_P = 0.05
+REPEAT_PENALTY = 1.0              # 1: off
+REPEAT_LAST_N = 64                # -1: the whole context, 0: off
+
 
 def check(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed) -> str | None:
     """A one-line complaint about the first out-of-range sampling setting, or None."""
@@ -154,8 +164,9 @@ class Sampler:
     one-hot distributions (greedy on the penalized logits); without a penalty the engine passes
     no sampler at all and the rules run their greedy code."""
 
-    def __init__(self, rng: np.random.Generator, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
-                 min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64):
+    def __init__(self, rng: np.random.Generator, temperature: float = TEMPERATURE, top_k: int = TOP_K,
+                 top_p: float = TOP_P, min_p: float = MIN_P, repeat_penalty: float = REPEAT_PENALTY,
+                 repeat_last_n: int = REPEAT_LAST_N):
         self.rng = rng
         self.temperature = float(temperature)
         self.top_k, self.top_p, self.min_p = int(top_k), float(top_p), float(min_p)

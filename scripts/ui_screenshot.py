@@ -11,7 +11,6 @@ Starts the UI in this process on a free port, drives it in Debian's chromium (Pl
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import tempfile
 from argparse import Namespace
@@ -58,17 +57,14 @@ def main() -> int:
     if runtime.error:
         print(f"error: {runtime.error}", file=sys.stderr)
         return 1
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     demo = build_app(runtime, max_new=a.max_new)
-    launch(demo, runtime, port=port, prevent_thread_lock=True, quiet=True)
+    _, url, _ = launch(demo, runtime, port=0, prevent_thread_lock=True, quiet=True)     # a free port
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=a.chromium, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1360, "height": 1000}, device_scale_factor=1)
             page.set_default_timeout(600_000)
-            page.goto(f"http://127.0.0.1:{port}/")
+            page.goto(url)
             page.wait_for_selector("#chat .chat-scroll")
             if a.mode:
                 page.click("#mode input")

@@ -1,5 +1,6 @@
 """An independent reference for the tests: greedy decoding by hand on a fresh llama.cpp context, one
-token per llama_decode call, without the engine or the decoding rules under test."""
+token per llama_decode call, without the engine or the decoding rules under test; and the logits a
+context's cache gives next (for checks that a cache holds exactly the committed tokens)."""
 from __future__ import annotations
 
 import numpy as np
@@ -39,3 +40,16 @@ def chat_reference(model: Model, turns: list[str], max_new: int, system: str | N
         answers.append(ids)
         conv.add_reply(model.detokenize([t for t in ids if not model.is_eog(t)]))
     return answers
+
+
+def next_logits(ctx: Context, tokens: list[int]) -> np.ndarray:
+    """The logits after `tokens` from ctx's current cache (which must hold a prefix of them);
+    the cache is left as it was."""
+    n = ctx.n_past
+    assert n <= len(tokens)
+    pending = tokens[n:] if n < len(tokens) else tokens[-1:]
+    if n == len(tokens):
+        ctx.truncate(n - 1)
+    row = ctx.eval(pending)[0]
+    ctx.truncate(n)
+    return row

@@ -14,12 +14,21 @@ from prove_local.bench.markdown import summary_markdown
 from prove_local.bench.results import build_results, write_outputs
 from prove_local.bench.runner import BenchData, Generation, Run, make_runs
 from prove_local.engine import Settings
-from prove_local.rules import Cycle
+from prove_local.rules import Cycle, Plan
 
 
-def cyc(start, proposed, committed, n_accepted=None, p=None, q=None, passes=None, seconds=1.0, decode=None):
+def cyc(start, proposed, committed, n_accepted=None, p=None, q=None, passes=None, seconds=1.0, decode=None, plan=None):
+    """A synthetic cycle. Its plan (what the rule ran), unless given, follows the test data's passes:
+    two proposer passes a lossless block, a verifier pass a prove block, drafts spec, else mars (one
+    slot: ar)."""
+    passes = passes or {"proposer": 1}
+    n = len(proposed)
+    if plan is None:
+        plan = (Plan("spec", draft_k=passes["draft"]) if "draft" in passes else
+                Plan("prove", n) if "verifier" in passes else
+                Plan("lossless", n) if passes.get("proposer") == 2 else Plan("mars", n) if n > 1 else Plan())
     c = Cycle(list(proposed), p or [0.5] * len(proposed), q, list(committed),
-              len(committed) if n_accepted is None else n_accepted, passes or {"proposer": 1})
+              len(committed) if n_accepted is None else n_accepted, passes, plan=plan)
     c.start, c.seconds, c.decode_seconds = start, seconds, decode or {"proposer": seconds * 0.9}
     return c
 
@@ -490,6 +499,10 @@ def test_oracle_lossless_shortest_path():
     assert oracle_lossless([6, 1, 1, 1, 1, 1, 1], flat) == pytest.approx(7 / 2)
     steep = {1: 1.0, 2: 2.0, 64: 64.0}                                      # width costs linearly: ar ties
     assert oracle_lossless([6, 1, 1, 1, 1, 1, 1], steep) == pytest.approx(1.0)
+    # a measured curve on which a 2-token pass is cheaper than a 1-token one (noise, load): a block of
+    # 2 verified whole commits 2 tokens (slot 1 and the correction) for 2 * 0.5, and the oracle knows it
+    dip = {1: 1.0, 2: 0.5, 64: 64.0}
+    assert oracle_lossless([1, 1, 1, 1], dip) == pytest.approx(2.0)
 
 
 def test_cycle_cost_from_the_widths_actually_fed():
@@ -541,8 +554,9 @@ def test_bench_external_llama_speculative_baseline(tiny_models, tmp_path, monkey
 def test_slot_labels_with_a_verified_prefix():
     """--block auto: a lossless cycle may verify only v of its B slots; q exists for those alone."""
     from prove_local.bench.stats import detector_aucs, slot_labels
-    from prove_local.rules import Cycle
-    c = Cycle([5, 6, 7, 8], [.9, .8, .3, .2], [.9, .7], [5, 6, 9], 2, {"proposer": 2}, widths={"proposer": [4, 2]})
+    from prove_local.rules import Cycle, Plan
+    c = Cycle([5, 6, 7, 8], [.9, .8, .3, .2], [.9, .7], [5, 6, 9], 2, {"proposer": 2}, widths={"proposer": [4, 2]},
+              plan=Plan("lossless", 4, verify=2), gate=[True, True, None, None])
     labels = slot_labels([c], [5, 6, 9], [5, 6, 9, 1])
     assert [r["q"] for r in labels] == [.9, .7, None, None] and [r["match"] for r in labels] == [True, True, False, False]
     a = detector_aucs(labels)

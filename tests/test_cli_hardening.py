@@ -1,4 +1,5 @@
 """Bad input and interrupted output on the command line: one line, a non-zero exit, no traceback."""
+import fcntl
 import json
 import os
 import signal
@@ -17,6 +18,10 @@ from tests.tiny import tiny_gguf
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return tiny_gguf(tmp_path_factory.mktemp("cli-models"), seed=0)
+
+
+PIPE_PAGE = 4096         # the smallest pipe Linux makes (F_SETPIPE_SZ rounds up to a page)
+FIRST_BYTES = 64        # the "> " prompt and the start of the answer
 
 
 def cli(*args, **kw):
@@ -43,7 +48,7 @@ def one_line_error(stderr: str) -> str:
     (["run", "--threads", "999"], "--threads: 999 is out of range"),
     (["run", "--ctx", "0"], "--ctx: 0 is out of range"),
     (["run", "--draft-k", "x"], "--draft-k: 'x' is not an integer"),
-    (["ui", "--port", "99999"], "--port: 99999 is out of range: must be between 1 and 65535"),
+    (["ui", "--port", "99999"], "--port: 99999 is out of range: must be between 0 and 65535"),
     (["ui", "--parallel", "0"], "--parallel: 0 is out of range"),
     (["bench", "--out", "o", "--tau", "nan"], "--tau: 'nan': must be a finite number"),
     (["bench", "--out", "o", "--block", "0"], "--block: 0 is out of range"),
@@ -123,37 +128,56 @@ def test_a_turn_that_overflows_the_context_is_refused_and_the_chat_goes_on(model
 
 
 def test_interactive_chat_survives_ctrl_c(model_path):
-    """Ctrl-C during an answer stops it, keeps what was committed, and the next turn works. Every
-    wait is bounded."""
-    proc = subprocess.Popen(
-        [sys.executable, "-u", "-m", "prove_local.cli", "run", str(model_path), "-n", "1500", "--ctx", "4096",
-         "--threads", "1", "--no-color"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        streaming = threading.Event()
-        chunks = []
+    """Ctrl-C during an answer stops it, keeps what was committed, and the next turn works.
 
-        def read():
-            for ch in iter(lambda: proc.stdout.read(1), ""):
-                chunks.append(ch)
-                if len(chunks) >= 200:
-                    streaming.set()
-        threading.Thread(target=read, daemon=True).start()
+    The Ctrl-C surely falls inside the answer, however fast the machine or loaded the test: the
+    answer (3,000 greedy tokens, about 5,200 bytes of text) is longer than what the stdout pipe holds
+    (shrunk to one 4,096-byte page) plus the first bytes the test reads, and the test reads nothing
+    more until it has sent the signal. So when the signal comes the chat is still decoding or blocked
+    writing the answer; it cannot have finished it. Every wait is bounded."""
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_PAGE)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-m", "prove_local.cli", "run", str(model_path), "-n", "3000", "--ctx", "4096",
+         "--threads", "1", "--no-color"],
+        stdin=subprocess.PIPE, stdout=write_end, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    os.close(write_end)
+    try:
+        started, go_on = threading.Event(), threading.Event()
+        out = bytearray()
+
+        def read():                              # unbuffered reads: what the test has not read stays in the pipe
+            while len(out) < FIRST_BYTES:
+                chunk = os.read(read_end, FIRST_BYTES - len(out))
+                if not chunk:
+                    break
+                out.extend(chunk)
+            started.set()
+            go_on.wait(timeout=120)
+            while chunk := os.read(read_end, 65536):
+                out.extend(chunk)
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
         proc.stdin.write("Tell me a long story\n")
         proc.stdin.flush()
-        assert streaming.wait(timeout=120), "the answer never streamed"
+        assert started.wait(timeout=120), "the answer never streamed"
+        assert len(out) == FIRST_BYTES, bytes(out)
         proc.send_signal(signal.SIGINT)
+        go_on.set()
         proc.stdin.write("And then?\n\n")
         proc.stdin.flush()
         proc.stdin.close()
         proc.wait(timeout=120)
+        reader.join(timeout=30)
         err = proc.stderr.read()                # a few lines: the pipe cannot fill up
     finally:
+        go_on.set()
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+        os.close(read_end)
     assert proc.returncode == 0, err
     summaries = [line for line in err.splitlines() if line.startswith("[lossless]")]
-    assert len(summaries) == 2 and "(interrupted)" in summaries[0] and "(interrupted)" not in summaries[1]
+    assert len(summaries) == 2 and "(interrupted)" in summaries[0] and "(interrupted)" not in summaries[1], err
     assert "Traceback" not in err

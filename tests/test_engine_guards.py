@@ -7,8 +7,7 @@ import pytest
 from prove_local import modes, rules
 from prove_local.engine import Settings
 from prove_local.errors import EngineBusy
-from tests.fakes import onehot
-from tests.test_rules import EOS, MASK, V, greedy, make_engine, run, PROMPT
+from tests.fakes import EOS, MASK, PROMPT, V, greedy, make_engine, onehot, run
 
 
 def eos_after_7(prefix):
@@ -74,7 +73,9 @@ def _broken_mode():
     def cycle(contexts, tokens, plan, s, mask, sampler=None):
         rules.ar_cycle(contexts["proposer"], tokens)
         return rules.Cycle([], [], None, [], 0, {"proposer": 1})
-    return modes.Mode("broken", ("proposer",), False, True, False, "test", cycle, lambda pend, plan: {})
+    return modes.Mode("broken", "broken", "test", ("proposer",), needs_mask=False, exact=True, width=None, gate=None,
+                      gate_text="", q_text="", free_first=True, correction=False, verify_choice=False,
+                      cycle=cycle, widths=lambda pend, plan: {})
 
 
 def test_a_cycle_that_commits_nothing_is_an_error(monkeypatch):
@@ -90,7 +91,8 @@ def test_the_no_token_error_survives_python_O():
     code = (
         "import sys; sys.path.insert(0, '.');"
         "from prove_local import modes;"
-        "from tests.test_engine_guards import _broken_mode, make_engine, run, PROMPT;"
+        "from tests.fakes import make_engine, run, PROMPT;"
+        "from tests.test_engine_guards import _broken_mode;"
         "modes.MODES['broken'] = _broken_mode();"
         "e = make_engine()\n"
         "try:\n    run(e, PROMPT, mode='broken', max_new=4)\n"

@@ -1,4 +1,5 @@
 """Interrupted work keeps what finished and writes nothing half-done; missing extras are named first."""
+import ctypes
 import importlib.util
 import json
 import os
@@ -30,8 +31,23 @@ def quantizer_children(marker: str) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_during_quantize_stops_it_and_keeps_the_old_output(tmp_path, sig):
+def other_threads(pid: int) -> list[int]:
+    return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+
+
+def send_to_thread(pid: int, tid: int, sig: int) -> None:
+    """The signal to one thread of `pid` (tgkill): what the kernel does with a process's signal while
+    the main thread blocks it (the converter does, for a moment, to start its quantizer)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.tgkill(pid, tid, int(sig)) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid}, {sig})")
+
+
+@pytest.mark.parametrize("sig,to", [(signal.SIGTERM, "process"), (signal.SIGINT, "process"),
+                                    (signal.SIGTERM, "thread"), (signal.SIGINT, "thread")])
+def test_a_signal_during_quantize_stops_it_and_keeps_the_old_output(tmp_path, sig, to):
+    """The converter stops at once, whichever of its threads the kernel gives the signal to: Python
+    runs the handler in the main thread, which must not be stuck in a long blocking wait then."""
     ckpt = make_checkpoint(tmp_path / "hf")
     out = tmp_path / "out" / "m.gguf"
     out.parent.mkdir()
@@ -49,7 +65,12 @@ def test_a_signal_during_quantize_stops_it_and_keeps_the_old_output(tmp_path, si
                 break
             time.sleep(0.1)
         assert quantizer_children(str(out.parent)), "the quantizer never started"
-        proc.send_signal(sig)
+        if to == "process":
+            proc.send_signal(sig)
+        else:
+            others = other_threads(proc.pid)
+            assert others, "the converter has no thread but its main one (tqdm's monitor is expected)"
+            send_to_thread(proc.pid, others[0], sig)
         proc.wait(timeout=120)                  # far less than the 600 s the quantizer would take
         err = proc.stderr.read()
     finally:

@@ -8,12 +8,14 @@ process: the test checks that it ends promptly, with one clear line and the comm
 """
 import gc
 import json
-import queue
 import os
+import queue
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -25,7 +27,7 @@ from prove_local import rpc
 from prove_local.engine import Engine, Settings
 from prove_local.errors import UsageError
 from prove_local.llama import Context, Model
-from tests.test_runtime import next_logits
+from tests.reference import next_logits
 from tests.tiny import tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,31 +40,42 @@ PROMPTS = ["Hello world", "def f(x): return x * 2", "The cat sat on the mat.", "
 pytestmark = pytest.mark.skipif(not rpc.supported(), reason="llama-cpp-python built without -DGGML_RPC=ON")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def closed_port() -> socket.socket:
+    """A socket bound to a loopback port of the system's choosing, not listening: connecting to its
+    port is refused, and no other process can take the port while the socket is open."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 class Server:
-    """One `prove-local rpc-server` subprocess on a loopback port."""
+    """One `prove-local rpc-server` subprocess on a loopback port: port 0 (the server names the
+    port it got on its `serving ... on HOST:PORT` line), or a given port (a restart on the same one)."""
 
-    def __init__(self, tmp: Path, port: int | None = None):
-        self.port = port or free_port()
-        self.endpoint = f"127.0.0.1:{self.port}"
-        self.log = tmp / f"rpc-server-{self.port}.log"
+    def __init__(self, tmp: Path, port: int = 0, extra: tuple = ()):
+        self.tmp, self.port, self.extra = tmp, port, extra
+        self.endpoint = None
+        self.log = None
         self.proc = None
 
     def start(self) -> "Server":
+        fd, name = tempfile.mkstemp(dir=self.tmp, prefix="rpc-server-", suffix=".log")
+        os.close(fd)
+        self.log = Path(name)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "prove_local.cli", "rpc-server", "--port", str(self.port), "--threads", "1"],
-                cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while not rpc.alive(self.endpoint, timeout=0.5):
+                [sys.executable, "-m", "prove_local.cli", "rpc-server", "--port", str(self.port), "--threads", "1",
+                 *self.extra], cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:                     # the line is printed once ggml's server listens
+            found = re.search(r"serving .* on (127\.0\.0\.1:(\d+)) ", self.log.read_text())
+            if found:
+                break
             assert self.proc.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, f"rpc-server on {self.endpoint} did not start"
-            time.sleep(0.1)
+            assert time.monotonic() < deadline, f"rpc-server did not start:\n{self.log.read_text()}"
+            time.sleep(0.05)
+        self.endpoint, self.port = found.group(1), int(found.group(2))
+        assert rpc.alive(self.endpoint, timeout=5), self.log.read_text()
         return self
 
     def kill(self, sig=signal.SIGKILL) -> None:
@@ -132,11 +145,12 @@ def test_endpoint_syntax():
 
 
 def test_unreachable_endpoint_is_one_line_and_fast():
-    port = free_port()
-    t0 = time.monotonic()
-    with pytest.raises(rpc.RpcUnreachable, match=f"127.0.0.1:{port}: cannot connect"):
-        rpc.probe(f"127.0.0.1:{port}")
-    assert time.monotonic() - t0 < rpc.CONNECT_TIMEOUT + 5
+    with closed_port() as s:
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(rpc.RpcUnreachable, match=f"127.0.0.1:{port}: cannot connect"):
+            rpc.probe(f"127.0.0.1:{port}")
+        assert time.monotonic() - t0 < rpc.CONNECT_TIMEOUT + 5
 
 
 def _fake_server(answer):
@@ -181,10 +195,11 @@ def test_silent_server_times_out():
 
 
 def test_cli_errors_are_one_line(tmp_path, paths):
-    port = free_port()
-    out = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", str(paths["prop"]), "--rpc",
-                          f"127.0.0.1:{port}", "-p", "hi", "-n", "4"], cwd=ROOT, env=ENV, capture_output=True,
-                         text=True, timeout=60)
+    with closed_port() as s:
+        port = s.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", str(paths["prop"]), "--rpc",
+                              f"127.0.0.1:{port}", "-p", "hi", "-n", "4"], cwd=ROOT, env=ENV, capture_output=True,
+                             text=True, timeout=60)
     assert out.returncode == 1 and out.stderr.strip().count("\n") == 0, out.stderr
     assert f"127.0.0.1:{port}: cannot connect" in out.stderr
     with socket.socket() as blocker:          # rpc-server on a port that is taken
@@ -217,9 +232,9 @@ def test_warning_beyond_loopback():
                              timeout=60)
     assert out.returncode == 1 and "cannot listen on 0.0.0.0" in out.stderr
     assert "WARNING" in out.stderr and "no authentication and no encryption" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "prove_local.cli", "rpc-server", "--port", "0"], cwd=ROOT, env=ENV,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and "--port 0 is not a TCP port" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "prove_local.cli", "rpc-server", "--port", "70000"], cwd=ROOT,
+                         env=ENV, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "--port 70000 is not a TCP port" in out.stderr
 
 
 # ----------------------------------------------------------------------------- exactness over RPC
@@ -582,19 +597,10 @@ def test_server_cache_keeps_large_tensors(tmp_path):
     and a second load of the same file finds them there; the output is unchanged."""
     path = tiny_gguf(tmp_path, seed=3, vocab_rows=48_000)      # tied 64 x 48000 F32 head: 12.3 MB
     cache = tmp_path / "cache"
-    server = Server(tmp_path)
-    server.proc = None
+    server = Server(tmp_path, extra=("--cache", str(cache)))
     outs = []
     try:
-        with open(server.log, "ab") as log:
-            server.proc = subprocess.Popen(
-                [sys.executable, "-m", "prove_local.cli", "rpc-server", "--port", str(server.port), "--threads", "1",
-                 "--cache", str(cache)], cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while not rpc.alive(server.endpoint, timeout=0.5):
-            assert server.proc.poll() is None and time.monotonic() < deadline, server.log.read_text()
-            time.sleep(0.1)
+        server.start()
         for _ in range(2):
             m = Model(path, n_gpu_layers=-1, devices=rpc.add_servers([server.endpoint]))
             try:

@@ -4,45 +4,8 @@ import pytest
 
 from prove_local import rules
 from prove_local.engine import Engine, ModeError, Settings
-from tests.fakes import FakeContext, onehot
-
-V, MASK, EOS = 32, 31, 30
-
-
-def successor(prefix):
-    """The 'true' next token: last real token + 1 (mod 20)."""
-    real = [t for t in prefix if t != MASK]
-    return (real[-1] + 1) % 20
-
-
-def ar_model(p=0.9):
-    return lambda prefix: onehot(V, successor(prefix), p)
-
-
-def proposer(wrong=(), conf=None):
-    """A MARS-like proposer: after real token t and m masks it proposes t + m + 1, except at the
-    block slots in `wrong` (1-based) where it proposes 25. `conf[slot]` sets its confidence."""
-    conf = conf or {}
-
-    def dist(prefix):
-        m = 0
-        while prefix[-1 - m] == MASK:
-            m += 1
-        real = prefix[-1 - m]
-        slot = m + 1
-        tok = 25 if slot in wrong else (real + m + 1) % 20
-        return onehot(V, tok, conf.get(slot, 0.9))
-    return dist
-
-
-def greedy(prompt, n):
-    out = list(prompt)
-    for _ in range(n):
-        out.append(successor(out))
-    return out[len(prompt):]
-
-
-PROMPT = [3, 4, 5]
+from tests.fakes import (EOS, MASK, PROMPT, V, FakeContext, ar_model, greedy, make_engine, onehot, proposer, run,
+                         successor, verifier)
 
 
 def test_ar_cycle_commits_one_greedy_token():
@@ -74,14 +37,6 @@ def test_lossless_slot2_wrong_still_commits_two():
     ctx = FakeContext(proposer(wrong={2}), V)
     c = rules.lossless_cycle(ctx, PROMPT, block=4, mask=MASK)
     assert c.committed == [6, 7] and c.n_accepted == 1
-
-
-def verifier(p_true=0.8, low_at=()):
-    """A stock AR verifier: probability p_true on the true successor, except after prefixes of the
-    lengths in `low_at`, where it puts only 0.01 on it."""
-    def dist(prefix):
-        return onehot(V, successor(prefix), 0.01 if len(prefix) in low_at else p_true)
-    return dist
 
 
 def test_prove_first_slot_fails_gate_commits_one():
@@ -143,16 +98,6 @@ def test_spec_cycle_rejects_wrong_draft():
     c = rules.spec_cycle(ctx_t, ctx_d, PROMPT, k=3)
     assert c.proposed == [6, 25, 26 % 20] and c.committed == [6, 7] and c.n_accepted == 1
     assert ctx_t.cache == PROMPT + [6] and ctx_d.cache == PROMPT + [6]
-
-
-def make_engine(prop=None, n_ctx=64, eos_after=None, **ctx):
-    contexts = {"proposer": FakeContext(prop or proposer(), V), **ctx}
-    return Engine(contexts, is_eog=lambda t: t == EOS, mask_token=MASK, n_ctx=n_ctx, block_size=4)
-
-
-def run(engine, prompt, **kw):
-    cycles = list(engine.generate(prompt, Settings(**kw)))
-    return cycles, [t for c in cycles for t in c.committed]
 
 
 @pytest.mark.parametrize("mode", ["lossless", "ar"])
@@ -242,19 +187,28 @@ def sampler(seed=0, **kw):
     return Sampler(np.random.default_rng(seed), **{"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, **kw})
 
 
+def passes_before_first_failure(ok) -> int:
+    """The gate's run length by its definition, counted here (not with rules.leading_run, which the
+    rules under test use themselves)."""
+    n = 0
+    while n < len(ok) and ok[n]:
+        n += 1
+    return n
+
+
 def test_sampled_prove_and_mars_gate_on_processed_probabilities_and_keep_caches_clean():
     for seed in range(20):
         ctx_p, ctx_v = FakeContext(proposer(wrong={3}), V), FakeContext(verifier(), V)
         c = rules.prove_cycle(ctx_p, ctx_v, PROMPT, block=4, mask=MASK, theta=0.3, sampler=sampler(seed))
         assert c.n_accepted == len(c.committed) >= 1 and c.committed == c.proposed[:c.n_accepted]
         ok = [p * q >= 0.3 for p, q in zip(c.p, c.q)]
-        assert c.n_accepted == max(1, rules.leading_run(ok))
+        assert c.n_accepted == max(1, passes_before_first_failure(ok))
         assert ctx_p.cache == PROMPT and ctx_v.cache == (PROMPT + c.committed)[:len(PROMPT) + c.n_accepted - 1]
         # T = 1, no truncation: p̃ is the plain softmax probability of the drawn token
         assert c.p[0] == pytest.approx(0.9 if c.proposed[0] == 6 else 0.1 / (V - 1), rel=1e-4)
         ctx = FakeContext(proposer(), V)
         m = rules.mars_cycle(ctx, PROMPT, block=4, mask=MASK, tau=0.5, sampler=sampler(seed))
-        assert m.n_accepted == max(1, rules.leading_run([p >= 0.5 for p in m.p])) and ctx.cache == PROMPT
+        assert m.n_accepted == max(1, passes_before_first_failure([p >= 0.5 for p in m.p])) and ctx.cache == PROMPT
 
 
 def test_sampled_spec_and_ar_keep_caches_clean_and_report_acceptance():
@@ -278,3 +232,32 @@ def test_greedy_cycles_flag_the_correction_as_residual():
     c = rules.lossless_cycle(FakeContext(proposer(wrong={3}), V), PROMPT, block=5, mask=MASK)
     assert c.residual and c.accept_prob is None
     assert not rules.lossless_cycle(FakeContext(proposer(), V), PROMPT, block=4, mask=MASK).residual
+
+
+# ------------------------------------------------------------------ what a cycle reports it ran
+def test_each_rule_records_its_plan_and_its_gate_per_slot():
+    """`Cycle.plan` is what the rule ran (a planner's verify choice resolved) and `Cycle.gate` what its
+    gate decided per slot: consumers (planner, server, UI, bench) read these instead of re-deriving."""
+    from prove_local.rules import AR_PLAN, Plan
+    c = rules.lossless_cycle(FakeContext(proposer(wrong={3}), V), PROMPT, block=5, mask=MASK)
+    assert c.plan == Plan("lossless", 5, verify=5) and c.gate == [True, True, False, None, None]
+    assert c.plan.label() == "B=5 v=5" and c.residual
+    # a verify width chosen between the passes (as the planner does) is recorded as a number
+    c = rules.lossless_cycle(FakeContext(proposer(), V), PROMPT, block=5, mask=MASK, verify=lambda p: 2)
+    assert c.plan == Plan("lossless", 5, verify=2) and c.gate == [True, True, None, None, None]
+    assert c.committed == [6, 7, 8] and not c.residual and c.plan.tested == 2
+    # prove evaluates its threshold on every slot: slot 3 fails, slot 4 passes after it
+    c = rules.prove_cycle(FakeContext(proposer(), V), FakeContext(verifier(low_at={5}), V), PROMPT, block=4,
+                          mask=MASK, theta=0.05)
+    assert c.plan == Plan("prove", 4) and c.gate == [True, True, False, True]
+    c = rules.mars_cycle(FakeContext(proposer(conf={1: 0.95, 2: 0.5, 3: 0.99}), V), PROMPT, 3, MASK, tau=0.9)
+    assert c.plan == Plan("mars", 3) and c.gate == [True, False, True] and c.committed == [6]
+    # a one-slot mars block is an ar cycle (the same pass, the same token), and so is spec without drafts
+    assert rules.mars_cycle(FakeContext(proposer(), V), PROMPT, 1, MASK, tau=0.9).plan == AR_PLAN
+    assert rules.spec_cycle(FakeContext(ar_model(), V), FakeContext(ar_model(), V), PROMPT, k=0).plan == AR_PLAN
+    def bad_draft(prefix):
+        return onehot(V, 25 if len(prefix) == 4 else successor(prefix))
+    c = rules.spec_cycle(FakeContext(ar_model(), V), FakeContext(bad_draft, V), PROMPT, k=3)
+    assert c.plan == Plan("spec", draft_k=3) and c.gate == [True, False, None] and c.plan.label() == "k=3"
+    c = rules.ar_cycle(FakeContext(ar_model(), V), PROMPT)
+    assert c.plan == AR_PLAN and c.plan.label() == "ar" and c.gate == [True]

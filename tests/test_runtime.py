@@ -13,7 +13,7 @@ import pytest
 from prove_local.chat import Conversation
 from prove_local.engine import Engine, Settings
 from prove_local.llama import Context, ContextFull, LlamaError, Model
-from tests.reference import chat_reference
+from tests.reference import chat_reference, greedy_ar, next_logits
 from tests.tiny import tiny_gguf
 
 PROMPTS = [
@@ -48,9 +48,10 @@ def generate(engine, prompt, **kw):
 
 
 @pytest.fixture(scope="module")
-def ar_outputs(engine, models):
+def ar_outputs(models):
+    """Greedy decoding by hand on a fresh context (tests/reference.py), not the engine's ar."""
     prop = models[0]
-    return {p: generate(engine, prop.tokenize(p), mode="ar", max_new=64)[1] for p in PROMPTS}
+    return {p: greedy_ar(prop, prop.tokenize(p), 64, **F32) for p in PROMPTS}
 
 
 def test_metadata(models):
@@ -59,8 +60,8 @@ def test_metadata(models):
     assert ver.role == "verifier" and "<|im_start|>" in prop.chat_template
 
 
-@pytest.mark.parametrize("mode,extra", [("lossless", {}), ("lossless", {"block": 5}), ("spec", {"draft_k": 3}),
-                                        ("prove", {"theta": 1.01}), ("mars", {"tau": 1.01})])
+@pytest.mark.parametrize("mode,extra", [("ar", {}), ("lossless", {}), ("lossless", {"block": 5}),
+                                        ("spec", {"draft_k": 3}), ("prove", {"theta": 1.01}), ("mars", {"tau": 1.01})])
 def test_exact_modes_equal_greedy_ar(engine, models, ar_outputs, mode, extra):
     prop = models[0]
     for p in PROMPTS:
@@ -84,19 +85,6 @@ def test_prove_theta_zero_commits_whole_blocks(engine, models):
                            block=8, max_new=40)
     assert [len(c.committed) for c in cycles] == [8] * 5
     assert all(c.passes == {"proposer": 1, "verifier": 1} for c in cycles)
-
-
-def next_logits(ctx: Context, tokens: list[int]) -> np.ndarray:
-    """The logits after `tokens` from ctx's current cache (which must hold a prefix of them);
-    the cache is left as it was."""
-    n = ctx.n_past
-    assert n <= len(tokens)
-    pending = tokens[n:] if n < len(tokens) else tokens[-1:]
-    if n == len(tokens):
-        ctx.truncate(n - 1)
-    row = ctx.eval(pending)[0]
-    ctx.truncate(n)
-    return row
 
 
 @pytest.mark.parametrize("mode", ["lossless", "prove", "spec", "mars"])

@@ -20,7 +20,6 @@ from scipy import stats as sst
 from prove_local import rules
 from prove_local.engine import Engine, ModeError, Settings
 from prove_local.sampling import Sampler, check
-from tests.test_ui import browser, models, paths, server  # noqa: F401  (fixtures of the UI tests)
 from tests.fakes import FakeContext
 
 ALPHA = 1e-8
@@ -459,10 +458,10 @@ def test_greedy_with_repeat_penalty_equals_ar_with_it(pair, engine, mode):
 
 # ------------------------------------------------------------------ projections: inspector, bench, CLI
 def test_inspector_shows_acceptance_and_residual():
-    from prove_local.rules import Cycle
+    from prove_local.rules import Cycle, Plan
     from prove_local.ui import view
     c = Cycle([1, 2, 3, 4], [.9, .6, .5, .4], [.9, .3, .2, .1], [1, 2, 9], 2, {"proposer": 2},
-              accept_prob=[1.0, 0.5, 0.4, 0.25], residual=True)
+              accept_prob=[1.0, 0.5, 0.4, 0.25], residual=True, plan=Plan("lossless", 4), gate=[True, True, False, None])
     rows = view.inspect_cycle(c, "lossless", token_text=str)
     assert [r.status for r in rows] == ["committed", "committed", "dropped", "dropped", "correction"]
     assert [r.accept for r in rows] == [1.0, 0.5, 0.4, 0.25, None]
@@ -555,20 +554,20 @@ def test_cli_sampling_flags_and_errors(capsys):
     assert err.count("\n") == 1 and "top-p must be in [0, 1]" in err
 
 
-def test_ui_sampling_controls_reproduce_the_engine(browser, server, models):
+def test_ui_sampling_controls_reproduce_the_engine(browser, ui_server, ui_models):
     """The side panel's sampling controls reach the engine: temperature 0.7 and seed 3 in the page
     give the engine's own seeded output, and the inspector shows the acceptance probabilities."""
     from prove_local.chat import Conversation
-    from tests.test_ui import F32, MAX_NEW, answer_spans, open_page, reference, send
+    from tests.ui_page import F32, MAX_NEW, answer_spans, open_page, reference, send
     prompt = "Natalia sold clips to 48 of her friends in April. How many clips did she sell?"
-    prop = models[0]
+    prop = ui_models[0]
     # what the engine itself samples with these settings (the page's server runs --block 16)
     engine = Engine.load(prop, **F32)
     gen = engine.generate(Conversation(prop).prompt_tokens(prompt),
                           Settings(mode="lossless", max_new=MAX_NEW, block=16, temperature=0.7, seed=3))
     want = prop.detokenize([t for c in gen for t in c.committed if not prop.is_eog(t)])
-    assert want != reference(models, [prompt])[0] or MAX_NEW < 4
-    page = open_page(browser, server)
+    assert want != reference(ui_models, [prompt])[0] or MAX_NEW < 4
+    page = open_page(browser, ui_server)
     page.click("#sampling button, #sampling .label-wrap >> nth=0")
     for elem, value in (("temp", "0.7"), ("seed", "3")):
         box = page.locator(f"#{elem} input[type=number]")

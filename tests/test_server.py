@@ -2,8 +2,8 @@
 client (and curl / http.client for the raw wire format), on tiny random-weight F32 models.
 
 One server process for the whole module (--parallel 2 --queue 2, an API key file); the answers are
-checked against the engine run in this process on the same GGUF (greedy `ar`), so the server is
-tested for exactness, not only for shape.
+checked against greedy decoding by hand in this process on the same GGUF (tests/reference.py, no
+engine), so the server is tested for exactness, not only for shape.
 """
 import http.client
 import json
@@ -25,8 +25,8 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from prove_local.chat import Conversation  # noqa: E402
-from prove_local.engine import Engine, Settings  # noqa: E402
 from prove_local.llama import Model  # noqa: E402
+from tests.reference import greedy_ar  # noqa: E402
 from tests.tiny import tiny_gguf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,12 +83,20 @@ def paths(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local(paths):
-    """The same proposer in this process: the reference answers (greedy ar)."""
+    """The same proposer in this process: the reference answers, greedy decoding by hand on a fresh
+    context (tests/reference.py: no engine, no decoding rule)."""
     model = Model(paths[0])
-    engine = Engine.load(model, n_ctx=CTX, n_threads=1, type_k="f32", type_v="f32")
+
+    runs: dict[tuple, tuple[list[int], int]] = {}       # prompt -> (its longest greedy run, max_new asked)
 
     def greedy(tokens, max_new):
-        out = [t for c in engine.generate(tokens, Settings(mode="ar", max_new=max_new)) for t in c.committed]
+        # a greedy run is a prefix of every longer one: a longer run, or one that ended early, answers
+        key = tuple(tokens)
+        run, asked = runs.get(key, ([], 0))
+        if asked < max_new and len(run) == asked:
+            run, asked = greedy_ar(model, tokens, max_new, n_ctx=CTX), max_new
+            runs[key] = (run, asked)
+        out = run[:max_new]
         return out, model.detokenize([t for t in out if not model.is_eog(t)])
 
     def chat(user, max_new):
@@ -285,11 +293,38 @@ def test_parallel_requests_equal_alone(client, local):
     with ThreadPoolExecutor(4) as ex:
         results = list(ex.map(one, prompts))
     assert [r.choices[0].text for r in results] == alone
-    assert {r.model_extra["prove"]["slot"] for r in results} == {0, 1}
+
+
+def test_both_slots_decode_at_once(server, local):
+    """--parallel 2: two long streams hold both engines at the same moment: the server's gauge says 2
+    while both are open (the pool gives each request an engine of its own, so they are on the two
+    slots), each stream's text so far is its answer alone, and after they are cut each slot has
+    decoded more tokens. Nothing is left to thread timing: a hold runs for minutes at block 128."""
+    before = metrics(server)
+    holds = [_hold(server, p) for p in local.holds]            # both have sent their first chunk
+    assert metrics(server)["prove_slots_busy"] == 2
+    for (conn, r), prompt in zip(holds, local.holds):
+        text = r.first_text
+        while len(text) < 200:
+            line = r.readline()
+            if line.startswith(b"data: {"):
+                text += json.loads(line[len(b"data: "):])["choices"][0]["text"]
+        assert local.complete(prompt, HOLD_TOKENS)[1].startswith(text)
+    assert metrics(server)["prove_slots_busy"] == 2               # both still decoding
+    for conn, r in holds:
+        r.close()
+        conn.close()
+    key = 'prove_generations_total{finish="cancelled"}'
+    wait_for(lambda: metrics(server).get(key, 0) == before.get(key, 0) + 2, "the long streams to stop")
+    after = metrics(server)
+    for slot in (0, 1):
+        name = f'prove_slot_tokens_total{{slot="{slot}"}}'
+        assert after[name] > before.get(name, 0), (slot, before, after)
 
 
 def _hold(server, prompt):
-    """A long stream: returns the open connection once its first text chunk arrived."""
+    """A long stream: returns the open connection once its first text chunk arrived (its text in
+    `first_text`). Block 128 makes every cycle slow: it runs far longer than it takes to start another."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     body = {"prompt": prompt, "max_tokens": HOLD_TOKENS, "stream": True, "block": 128}
     conn.request("POST", "/v1/completions", body=json.dumps(body),
@@ -298,6 +333,7 @@ def _hold(server, prompt):
     assert r.status == 200
     line = r.readline()
     assert line.startswith(b"data: {"), line
+    r.first_text = json.loads(line[len(b"data: "):])["choices"][0]["text"]
     return conn, r
 
 
@@ -500,7 +536,8 @@ def test_pool_queue_is_bounded_fifo_and_cancellable():
 def test_health_is_503_while_loading():
     from fastapi.testclient import TestClient
 
-    from prove_local.server import State, create_app
+    from prove_local.server import State
+    from prove_local.server.app import create_app
 
     with TestClient(create_app(State(keys=[KEY]))) as c:
         r = c.get("/health")
@@ -510,10 +547,11 @@ def test_health_is_503_while_loading():
 
 
 def test_draft_counts_leave_out_the_planners_ar_cycles():
-    from prove_local.rules import Cycle
+    from prove_local.rules import Cycle, Plan
     from prove_local.server import draft_counts
-    block = Cycle([1, 2, 3, 4], [.9] * 4, [.9] * 4, [1, 2, 7], 2, {"proposer": 2}, widths={"proposer": [4, 4]})
-    ar = Cycle([5], [.9], None, [5], 1, {"proposer": 1}, widths={"proposer": [1]})
-    assert draft_counts("lossless", [block, ar, ar]) == (4, 2)
-    assert draft_counts("ar", [ar]) == (0, 0)
+    block = Cycle([1, 2, 3, 4], [.9] * 4, [.9] * 4, [1, 2, 7], 2, {"proposer": 2}, widths={"proposer": [4, 4]},
+                  plan=Plan("lossless", 4))
+    ar = Cycle([5], [.9], None, [5], 1, {"proposer": 1}, widths={"proposer": [1]})    # (plan: ar)
+    assert draft_counts([block, ar, ar]) == (4, 2)
+    assert draft_counts([ar]) == (0, 0)
 

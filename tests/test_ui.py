@@ -1,17 +1,15 @@
 """The chat UI: the projection of cycles to spans and inspector rows (pure), the session runtime on
 tiny GGUFs, and the page end to end in Debian's chromium (Playwright with `executable_path`).
 
-The browser test does not skip: without /usr/bin/chromium it fails and says what to install.
+The browser test does not skip: without /usr/bin/chromium it fails and says what to install. Its
+fixtures (the tiny pair, the UI process, the browser) are in conftest.py, its helpers in ui_page.py.
 """
 from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from argparse import Namespace
 from pathlib import Path
 
@@ -19,22 +17,16 @@ import pytest
 
 from prove_local.chat import Conversation
 from prove_local.engine import Settings
-from prove_local.llama import Model
-from prove_local.rules import Cycle
-from tests.reference import chat_reference, greedy_ar
-from tests.tiny import tiny_gguf
-from prove_local.ui import view
 from prove_local.loading import Loaded
+from prove_local.rules import Cycle, Plan
+from prove_local.ui import view
 from prove_local.ui.runtime import Runtime, Session, UIError, compare_with_ar, run_turn
+from tests.reference import greedy_ar
+from tests.ui_page import F32, MAX_NEW, answer_done, answer_spans, launch_here, open_page, reference, send
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning",
                                         "ignore:.*:Warning:gradio.queueing")
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = os.environ.get("PROVE_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
-F32 = dict(n_ctx=512, n_threads=1, type_k="f32", type_v="f32")
-MAX_NEW = 40
 
 
 # ------------------------------------------------------------------------ pure projection
@@ -47,8 +39,11 @@ class FakePieces:
         return self.table.get(t, b"") if t < 100 else (b"<|im_end|>" if special else b"")
 
 
-def cyc(proposed, p, q, committed, n_accepted, index=0, stop=None):
-    return Cycle(proposed, p, q, committed, n_accepted, {"proposer": 1}, index=index, stop=stop)
+def cyc(proposed, p, q, committed, n_accepted, index=0, stop=None, plan=None, gate=None, residual=False):
+    """A cycle as a rule reports it: the plan it ran and its gate's outcome per slot are given
+    explicitly (what the rule decided), not derived here."""
+    return Cycle(proposed, p, q, committed, n_accepted, {"proposer": 1}, index=index, stop=stop,
+                 plan=plan or Plan("mars", len(proposed)), gate=gate, residual=residual)
 
 
 def name(t):
@@ -76,7 +71,8 @@ def test_spans_alternate_per_cycle_and_concatenate_to_the_text():
 
 def test_inspector_rows_prove():
     # slots 1-2 pass p*q >= theta, slot 3 fails (the run ends), slot 4 passes after the failure
-    c = cyc([1, 2, 3, 4], [0.5, 0.9, 0.9, 0.9], [0.2, 0.5, 0.01, 0.9], [1, 2], 2)
+    c = cyc([1, 2, 3, 4], [0.5, 0.9, 0.9, 0.9], [0.2, 0.5, 0.01, 0.9], [1, 2], 2, plan=Plan("prove", 4),
+            gate=[True, True, False, True])
     rows = view.inspect_cycle(c, "prove", theta=0.05, token_text=name)
     assert [r.slot for r in rows] == [1, 2, 3, 4]
     assert [r.gate for r in rows] == [True, True, False, True]
@@ -85,41 +81,46 @@ def test_inspector_rows_prove():
     assert "run ends" in rows[2].verdict and "after the first failure" in rows[3].verdict
     assert rows[0].text == "Hel" and rows[2].text == "␣wor"
     # slot 1 fails the gate but is committed anyway: it is the proposer's AR token
-    c = cyc([1, 2], [0.5, 0.9], [0.01, 0.9], [1], 1)
+    c = cyc([1, 2], [0.5, 0.9], [0.01, 0.9], [1], 1, plan=Plan("prove", 2), gate=[False, True])
     rows = view.inspect_cycle(c, "prove", theta=0.05, token_text=name)
     assert [(r.gate, r.status) for r in rows] == [(False, "committed"), (True, "dropped")]
     assert "AR token" in rows[0].verdict and "after the first failure" in rows[1].verdict
 
 
 def test_inspector_rows_mars_and_ar():
-    rows = view.inspect_cycle(cyc([1, 2, 3], [0.99, 0.97, 0.5], None, [1, 2], 2), "mars", tau=0.95, token_text=name)
+    rows = view.inspect_cycle(cyc([1, 2, 3], [0.99, 0.97, 0.5], None, [1, 2], 2, gate=[True, True, False]), "mars",
+                              tau=0.95, token_text=name)
     assert [(r.gate, r.status, r.q, r.pq) for r in rows] == [(True, "committed", None, None)] * 2 + [(False, "dropped", None, None)]
-    rows = view.inspect_cycle(cyc([5], [0.3], None, [5], 1), "ar", token_text=name)
+    rows = view.inspect_cycle(cyc([5], [0.3], None, [5], 1, plan=Plan(), gate=[True]), "ar", token_text=name)
     assert len(rows) == 1 and rows[0].status == "committed" and rows[0].text == "↵"
 
 
 def test_inspector_rows_lossless_correction_and_bonus():
-    c = cyc([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8, .1, .5], [1, 2, 9], 2)
+    c = cyc([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8, .1, .5], [1, 2, 9], 2, plan=Plan("lossless", 4),
+            gate=[True, True, False, None], residual=True)
     rows = view.inspect_cycle(c, "lossless", token_text=name)
     assert [r.status for r in rows] == ["committed", "committed", "dropped", "dropped", "correction"]
     assert [r.gate for r in rows] == [True, True, False, None, None]
     assert "␣!" in rows[2].verdict and rows[4].slot is None and rows[4].text == "␣!"
-    full = view.inspect_cycle(cyc([1, 2], [.9, .9], [.9, .9], [1, 2, 3], 2), "lossless", token_text=name)
+    full = view.inspect_cycle(cyc([1, 2], [.9, .9], [.9, .9], [1, 2, 3], 2, plan=Plan("lossless", 2), gate=[True, True]),
+                              "lossless", token_text=name)
     assert full[-1].status == "bonus"
     # cut by max new tokens inside the accepted run: no correction token, the rest is "cut"
-    cut = view.inspect_cycle(cyc([1, 2, 3], [.9] * 3, [.9] * 3, [1], 1, stop="length"), "lossless", token_text=name)
+    cut = view.inspect_cycle(cyc([1, 2, 3], [.9] * 3, [.9] * 3, [1], 1, stop="length", plan=Plan("lossless", 3),
+                                 gate=[True, True, True]), "lossless", token_text=name)
     assert [r.status for r in cut] == ["committed", "dropped", "dropped"] and "stopped" in cut[1].verdict
 
 
 def test_inspector_rows_spec():
-    c = Cycle([1, 2, 3], [.9, .8, .7], [.6, .1, .2], [1, 4], 1, {"draft": 3, "proposer": 1})
+    c = Cycle([1, 2, 3], [.9, .8, .7], [.6, .1, .2], [1, 4], 1, {"draft": 3, "proposer": 1},
+              plan=Plan("spec", draft_k=3), gate=[True, False, None], residual=True)
     rows = view.inspect_cycle(c, "spec", token_text=name)
     assert [r.status for r in rows] == ["committed", "dropped", "dropped", "correction"]
     assert rows[1].gate is False and "target" in rows[1].verdict
 
 
 def test_inspector_and_compare_html_escape_model_text():
-    c = cyc([8, 2], [.9, .01], [.9, .9], [8], 1, index=4)
+    c = cyc([8, 2], [.9, .01], [.9, .9], [8], 1, index=4, plan=Plan("prove", 2), gate=[True, False])
     rows = view.inspect_cycle(c, "prove", theta=0.05, token_text=name)
     h = view.inspector_html(c, rows, "prove", theta=0.05, tau=0.95, context="<script>x</script>", turn=2, n_cycles=9)
     assert "<script>" not in h and "&lt;b&gt;&amp;" in h and 'data-cycle="2:4"' in h and "cycle 5 of 9" in h
@@ -149,25 +150,6 @@ def test_command_line_defaults_are_safe():
 
 
 # ------------------------------------------------------------------------ runtime, tiny GGUFs
-@pytest.fixture(scope="module")
-def paths(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ui-models")
-    return tiny_gguf(d, seed=0), tiny_gguf(d, seed=1, hidden=32, role="verifier")
-
-
-@pytest.fixture(scope="module")
-def models(paths):
-    return Model(paths[0]), Model(paths[1])
-
-
-def reference(models, turns: list[str]) -> list[str]:
-    """Every turn's greedy answer, decoded from scratch by hand on a fresh llama.cpp context
-    (tests/reference.py: no engine, no decoding rule); lossless and ar must give exactly these."""
-    prop = models[0]
-    return [prop.detokenize([t for t in ids if not prop.is_eog(t)])
-            for ids in chat_reference(prop, turns, MAX_NEW, **F32)]
-
-
 def ui_args(**kw):
     base = dict(model=None, verifier=None, draft=None, ctx=512, threads=1, kv_type="f32", flash_attn=False,
                 n_gpu_layers=0, mask_token=None, parallel=1, system=None)
@@ -175,8 +157,8 @@ def ui_args(**kw):
     return Namespace(**base)
 
 
-def test_runtime_turns_equal_the_engine_and_compare(models, paths):
-    rt = Runtime(Loaded(*models, context_options=F32), parallel=1)
+def test_runtime_turns_equal_the_engine_and_compare(ui_models, ui_paths):
+    rt = Runtime(Loaded(*ui_models, context_options=F32), parallel=1)
     assert rt.error is None and rt.default_mode == "lossless" and set(rt.modes) == {"ar", "lossless", "prove", "mars"}
     assert "draft" in rt.mode_errors["spec"]
     sess = Session()
@@ -184,24 +166,24 @@ def test_runtime_turns_equal_the_engine_and_compare(models, paths):
     for user in users:
         turns = list(run_turn(rt, sess, user, Settings(mode="lossless", max_new=MAX_NEW)))
         assert turns[-1].running is False and turns[-1].stats["n_tokens"] >= 1
-    assert [t.view.text for t in sess.turns] == reference(models, users)
+    assert [t.view.text for t in sess.turns] == reference(ui_models, users)
     cmp = compare_with_ar(rt, sess)
     assert cmp["identical"] and cmp["speedup"] > 0
     # another session on the same engine: the engine's KV reuse keeps them apart
     other = Session()
     list(run_turn(rt, other, "Hello", Settings(mode="lossless", max_new=MAX_NEW, block=3)))
-    assert other.turns[0].view.text == reference(models, ["Hello"])[0]
+    assert other.turns[0].view.text == reference(ui_models, ["Hello"])[0]
     # and the first session goes on from its own conversation
     list(run_turn(rt, sess, "Thanks", Settings(mode="ar", max_new=MAX_NEW)))
-    assert sess.turns[-1].view.text == reference(models, users + ["Thanks"])[-1]
+    assert sess.turns[-1].view.text == reference(ui_models, users + ["Thanks"])[-1]
 
 
-def test_two_sessions_decode_at_the_same_time_with_parallel_2(models):
+def test_two_sessions_decode_at_the_same_time_with_parallel_2(ui_models):
     """With --parallel 2 two answers are open at once: each session, after its first cycle, waits until
     the other has made its first cycle too (with one engine the second would wait for the first to
     finish, and the barrier would time out). Both answers equal the independent reference."""
     import threading
-    rt = Runtime(Loaded(*models, context_options=F32), parallel=2)
+    rt = Runtime(Loaded(*ui_models, context_options=F32), parallel=2)
     prompts = ["Weng earns $12 an hour for babysitting. How much did she earn?", "def f(x): return x * 2"]
     both_started = threading.Barrier(2, timeout=60)
     results, failures = {}, []
@@ -222,11 +204,11 @@ def test_two_sessions_decode_at_the_same_time_with_parallel_2(models):
     for t in threads:
         t.join(timeout=120)
     assert not failures and not any(t.is_alive() for t in threads), failures
-    assert [results[0], results[1]] == [reference(models, [p])[0] for p in prompts]
+    assert [results[0], results[1]] == [reference(ui_models, [p])[0] for p in prompts]
 
 
-def test_stop_mid_answer_then_next_turn(models):
-    rt = Runtime(Loaded(*models, context_options=F32))
+def test_stop_mid_answer_then_next_turn(ui_models):
+    rt = Runtime(Loaded(*ui_models, context_options=F32))
     sess = Session()
     prompt = "Natalia sold clips to 48 of her friends in April. How many clips did she sell?"
     gen = run_turn(rt, sess, prompt, Settings(mode="lossless", max_new=MAX_NEW, block=2))
@@ -238,14 +220,14 @@ def test_stop_mid_answer_then_next_turn(models):
     assert last.note == "stopped" and last.stats["stop"] == "stopped" and len(last.view.cycles) == 2
     assert sess.messages[-1] == {"role": "assistant", "content": last.view.text}
     list(run_turn(rt, sess, "Go on", Settings(mode="lossless", max_new=MAX_NEW)))
-    prop, ver = models
+    prop, ver = ui_models
     conv = Conversation(prop)
     conv.prompt_tokens(prompt)
     conv.add_reply(last.view.text)
     assert sess.turns[-1].view.tokens == greedy_ar(prop, conv.prompt_tokens("Go on"), MAX_NEW, **F32)
 
 
-def test_runtime_errors_are_messages(models, paths, tmp_path):
+def test_runtime_errors_are_messages(ui_models, ui_paths, tmp_path):
     rt = Runtime.from_args(ui_args(model=str(tmp_path / "missing.gguf")))
     assert rt.error.startswith("model failed to load") and "missing.gguf" in rt.error and rt.modes == []
     with pytest.raises(UIError, match="model failed to load"):
@@ -253,7 +235,7 @@ def test_runtime_errors_are_messages(models, paths, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" * 10)
     assert "not a GGUF file" in Runtime.from_args(ui_args(model=str(bad))).error
-    rt = Runtime.from_args(ui_args(model=str(paths[0]), ctx=64))
+    rt = Runtime.from_args(ui_args(model=str(ui_paths[0]), ctx=64))
     assert rt.error is None and "prove" in rt.mode_errors
     sess = Session()
     with pytest.raises(UIError, match="context full"):
@@ -264,84 +246,10 @@ def test_runtime_errors_are_messages(models, paths, tmp_path):
 
 
 # ------------------------------------------------------------------------ the page in chromium
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc=None, log: Path | None = None, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"`prove-local ui` exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.3)
-    pytest.fail(f"the UI did not answer at {url}")
-
-
-@pytest.fixture(scope="module")
-def server(paths, tmp_path_factory):
-    port = free_port()
-    cmd = [sys.executable, "-m", "prove_local.cli", "ui", str(paths[0]), "--verifier", str(paths[1]),
-           "--port", str(port), "--ctx", "512", "--kv-type", "f32", "--threads", "1", "--parallel", "2",
-           "-n", str(MAX_NEW), "--block", "16"]     # a fixed block: the inspector shows 16 slots
-    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
-    log = tmp_path_factory.mktemp("ui-server") / "stderr.log"
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/", proc, log)
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).is_file():
-        pytest.fail(f"{CHROMIUM} is missing: the browser test needs Debian's chromium "
-                    "(apt-get install -y chromium), as .ci/run installs it")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.fail("the Python package playwright is missing: pip install playwright==1.65.2 (the test extra)")
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
-
-
-def open_page(browser, url):
-    page = browser.new_page(viewport={"width": 1360, "height": 1100})
-    page.set_default_timeout(60_000)
-    page.goto(url)
-    page.wait_for_selector("#chat .chat-scroll")
-    return page
-
-
-def send(page, text: str, turn: int):
-    page.fill("#prompt textarea", text)
-    page.click("#send")
-    return lambda: page.wait_for_selector(f'#chat .answer.done[data-turn="{turn}"]')
-
-
-def answer_spans(page, turn: int) -> list[dict]:
-    return page.eval_on_selector_all(f'#chat .answer[data-turn="{turn}"] span.cyc',
-                                     "els => els.map(e => ({text: e.textContent, cls: e.className, pick: e.dataset.pick}))")
-
-
-def test_page_end_to_end(browser, server, models, tmp_path):
+def test_page_end_to_end(browser, ui_server, ui_models, tmp_path):
     prompt = "Natalia sold clips to 48 of her friends in April. How many clips did she sell?"
-    want = reference(models, [prompt])[0]
-    page = open_page(browser, server)
+    want = reference(ui_models, [prompt])[0]
+    page = open_page(browser, ui_server)
     send(page, prompt, 0)()
     spans = answer_spans(page, 0)
     assert "".join(s["text"] for s in spans) == want
@@ -376,11 +284,32 @@ def test_page_end_to_end(browser, server, models, tmp_path):
     page.close()
 
 
-def test_two_sessions_at_once_give_their_answers_alone(browser, server, models):
+def test_enter_sends_and_shift_enter_is_a_new_line(browser, ui_server, ui_models):
+    """Keys as a user types them: Shift+Enter puts a new line in the message, Enter sends it. Had
+    Shift+Enter sent the first line, turn 0 would answer that line alone, not the two-line message."""
+    from playwright.sync_api import expect
+
+    page = open_page(browser, ui_server)
+    box = page.locator("#prompt textarea")
+    box.click()
+    page.keyboard.type("What is 7 times 8?")
+    page.keyboard.press("Shift+Enter")
+    page.keyboard.type("Answer briefly.")
+    assert box.input_value() == "What is 7 times 8?\nAnswer briefly."
+    page.keyboard.press("Enter")
+    answer_done(page, 0)()
+    want = reference(ui_models, ["What is 7 times 8?\nAnswer briefly."])[0]
+    assert "".join(s["text"] for s in answer_spans(page, 0)) == want
+    assert page.locator("#chat .msg.user").count() == 1                 # sent once
+    expect(box).to_have_value("")                                       # and the box emptied
+    page.close()
+
+
+def test_two_sessions_at_once_give_their_answers_alone(browser, ui_server, ui_models):
     prompts = ["Weng earns $12 an hour for babysitting. How much did she earn?", "def f(x): return x * 2"]
-    alone = [reference(models, [p]) for p in prompts]
-    follow_up = reference(models, [prompts[0], "And for 50 minutes?"])
-    pages = [open_page(browser, server) for _ in prompts]
+    alone = [reference(ui_models, [p]) for p in prompts]
+    follow_up = reference(ui_models, [prompts[0], "And for 50 minutes?"])
+    pages = [open_page(browser, ui_server) for _ in prompts]
     waits = [send(pg, p, 0) for pg, p in zip(pages, prompts)]     # both generate at the same time
     for w in waits:
         w()
@@ -392,17 +321,15 @@ def test_two_sessions_at_once_give_their_answers_alone(browser, server, models):
         pg.close()
 
 
-def test_errors_show_in_the_page(browser, models, paths, tmp_path):
-    from prove_local.ui.app import build_app, launch
+def test_errors_show_in_the_page(browser, ui_models, ui_paths, tmp_path):
+    from prove_local.ui.app import build_app
 
     apps = []
     try:
         for rt in (Runtime.from_args(ui_args(model=str(tmp_path / "nope.gguf"))),
-                   Runtime.from_args(ui_args(model=str(paths[0]), ctx=64))):
-            port = free_port()
+                   Runtime.from_args(ui_args(model=str(ui_paths[0]), ctx=64))):
             demo = build_app(rt, max_new=8)
-            launch(demo, rt, port=port, prevent_thread_lock=True, quiet=True)
-            apps.append((demo, f"http://127.0.0.1:{port}/"))
+            apps.append((demo, launch_here(demo, rt)))
         page = open_page(browser, apps[0][1])
         assert "model failed to load" in page.inner_text("#banner") and "nope.gguf" in page.inner_text("#banner")
         page.goto(apps[1][1])
@@ -417,14 +344,14 @@ def test_errors_show_in_the_page(browser, models, paths, tmp_path):
             demo.close()
 
 
-def test_two_pages_decode_at_the_same_time_with_parallel_2(browser, models, monkeypatch):
+def test_two_pages_decode_at_the_same_time_with_parallel_2(browser, ui_models, monkeypatch):
     """Through gradio's queue too: each answer, after its first cycle, waits until the other page's
     answer has made its first cycle (holding its engine). Were the two requests served one after the
     other, the barrier would break and the answers would carry an error instead of the reference."""
     import threading
 
     from prove_local.ui import runtime as runtime_mod
-    from prove_local.ui.app import build_app, launch
+    from prove_local.ui.app import build_app
 
     both_started = threading.Barrier(2, timeout=60)
     met = []
@@ -437,19 +364,18 @@ def test_two_pages_decode_at_the_same_time_with_parallel_2(browser, models, monk
                 met.append(user)
             yield turn
     monkeypatch.setattr(runtime_mod, "run_turn", run_turn_meeting)
-    rt = Runtime(Loaded(*models, context_options=F32), parallel=2)
-    port = free_port()
+    rt = Runtime(Loaded(*ui_models, context_options=F32), parallel=2)
     demo = build_app(rt, max_new=MAX_NEW)
-    launch(demo, rt, port=port, prevent_thread_lock=True, quiet=True)
+    url = launch_here(demo, rt)
     try:
         prompts = ["Weng earns $12 an hour for babysitting. How much did she earn?", "def f(x): return x * 2"]
-        pages = [open_page(browser, f"http://127.0.0.1:{port}/") for _ in prompts]
+        pages = [open_page(browser, url) for _ in prompts]
         waits = [send(pg, p, 0) for pg, p in zip(pages, prompts)]
         for w in waits:
             w()
         assert sorted(met) == sorted(prompts)
         for pg, p in zip(pages, prompts):
-            assert "".join(s["text"] for s in answer_spans(pg, 0)) == reference(models, [p])[0]
+            assert "".join(s["text"] for s in answer_spans(pg, 0)) == reference(ui_models, [p])[0]
             pg.close()
     finally:
         demo.close()
@@ -458,7 +384,8 @@ def test_two_pages_decode_at_the_same_time_with_parallel_2(browser, models, monk
 def test_inspector_sampled_cycle_with_a_verify_prefix():
     """A sampled lossless cycle whose planner verified 2 of 4 slots: slots 3-4 were never tested."""
     c = Cycle([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8], [1, 2, 9], 2, {"proposer": 2},
-              widths={"proposer": [4, 2]}, accept_prob=[1.0, 0.7], residual=False)
+              widths={"proposer": [4, 2]}, accept_prob=[1.0, 0.7], residual=False,
+              plan=Plan("lossless", 4, verify=2), gate=[True, True, None, None])
     rows = view.inspect_cycle(c, "lossless", token_text=name)
     assert [r.status for r in rows[:4]] == ["committed", "committed", "dropped", "dropped"]
     assert all("not verified" in r.verdict for r in rows[2:4]), [r.verdict for r in rows]
@@ -468,7 +395,7 @@ def test_inspector_sampled_cycle_with_a_verify_prefix():
 def test_inspector_shows_the_planners_widths():
     """--block auto: a lossless cycle that verified a prefix, and a plain ar cycle inside a lossless answer."""
     c = Cycle([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8], [1, 2, 9], 2, {"proposer": 2},
-              widths={"proposer": [4, 2]})
+              widths={"proposer": [4, 2]}, plan=Plan("lossless", 4, verify=2), gate=[True, True, None, None])
     rows = view.inspect_cycle(c, "lossless", token_text=name)
     assert [r.status for r in rows] == ["committed", "committed", "dropped", "dropped", "bonus"]
     assert "not verified" in rows[2].verdict and rows[2].q is None
@@ -478,3 +405,10 @@ def test_inspector_shows_the_planners_widths():
     rows = view.inspect_cycle(ar, "lossless", token_text=name)
     assert [r.status for r in rows] == ["committed"] and "AR token" in rows[0].verdict
     assert "(ar)" in view.inspector_html(ar, rows, "lossless", theta=0.05, tau=0.95)
+    # the inspector never shows an empty proposal without saying why, and how to see proposals
+    html = view.inspector_html(ar, rows, "lossless", theta=0.05, tau=0.95, planner_note="auto chose ar: X")
+    assert "no proposal in this cycle" in html and "auto chose ar: X" in html
+    assert "Fix the block length" in view.inspector_html(ar, rows, "lossless", theta=0.05, tau=0.95)
+    assert "no proposal" not in view.inspector_html(ar, rows, "ar", theta=0.05, tau=0.95)   # ar mode itself
+    chat = view.chat_html([view.Message("q", [view.Span("a", 0, "run")], hint="auto chose ar: <why>")])
+    assert '<div class="hint">auto chose ar: &lt;why&gt;</div>' in chat

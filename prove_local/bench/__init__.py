@@ -1,29 +1,42 @@
 """`prove-local bench`: the decoding modes side by side on benchmark prompts, plus the ProVe
 paper's analyses (slot match rates, matched tokens along a response, detector AUCs, θ sweep,
-pass-cost curve). This module only defines the command line; the work is imported lazily.
+pass-cost curve). This module is the command line; the work is in
 
-    data.py    prompts from GSM8K / MATH-500 / HumanEval / IFEval / BBH / MMLU-Pro / GPQA files
-    stats.py   the statistics, pure functions over cycle events
-    runner.py  models, pass-cost curves, interleaved runs
-    report.py  results.json, summary.md, plots
+    data.py      prompts from GSM8K / MATH-500 / HumanEval / IFEval / BBH / MMLU-Pro / GPQA files
+    stats.py     the statistics, pure functions over cycle events
+    runner.py    models, pass-cost curves, interleaved runs
+    results.py   results.json and generations.jsonl (and reading them back)
+    markdown.py  summary.md;  plots.py  the PNG plots (matplotlib, the `bench` extra, imported there
+                 only when plotting)
 """
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import os
 import shlex
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .. import sampling as sampling_defaults
+from ..chat import Conversation, clean_text
+from ..engine import Engine
+from ..errors import MissingExtra, UsageError
+from ..llama import Model, gpu_offload_supported
+from ..loading import (CTX, EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, GPU_LAYERS, KV_TYPES, MAX_NEW, TAU, THETA, THREADS,
+                       TOKEN_ID, add_rpc_args, draft_width_arg, int_in, placement_note, rpc_devices, width_arg)
+from ..modes import MODES
+from . import runner
+from .data import DataError, load_prompts
+from .markdown import modes_table
+from .results import load_outputs, write_outputs
+
 DEFAULT_MODES = "ar,lossless,prove,mars"
 
 
 def _width_list(option: str):
     """An argparse type for --block / --draft-k lists: checked at parse time (one argparse line), kept as text."""
-    import argparse
-
-    from ..errors import UsageError
-
     def check(text: str) -> str:
         try:
             _widths(text, option)
@@ -36,10 +49,6 @@ def _width_list(option: str):
 
 def _widths(text: str, option: str) -> list:
     """--block / --draft-k: a comma-separated list of 'auto' and widths (loading.width_arg's range)."""
-    import argparse
-
-    from ..errors import UsageError
-    from ..loading import draft_width_arg, width_arg
     parse = draft_width_arg if option == "--draft-k" else width_arg
     out = []
     for part in str(text).split(","):
@@ -55,8 +64,6 @@ def _widths(text: str, option: str) -> list:
 
 def _floats(text: str) -> list[float]:
     """--theta: comma-separated finite numbers >= 0."""
-    from ..errors import UsageError
-    from ..loading import THETA
     try:
         return [THETA(x.strip()) for x in text.split(",") if x.strip()]
     except Exception as e:   # argparse.ArgumentTypeError
@@ -85,15 +92,13 @@ def canonical_command(args) -> str:
 
 
 def add_parser(sub) -> None:
-    from ..loading import CTX, EMBEDDED_PROPOSER, GPU_LAYERS, MAX_NEW, TAU, THREADS, TOKEN_ID, int_in
-
     p = sub.add_parser("bench", help="benchmark the decoding modes and reproduce the paper's analyses",
                        description="Run the decoding modes interleaved per prompt on benchmark prompts; write "
                                    "DIR/results.json, DIR/summary.md, DIR/generations.jsonl and PNG plots.")
     p.add_argument("--proposer", help=f"proposer GGUF (default: the embedded {EMBEDDED_PROPOSER.name})")
     p.add_argument("--verifier", help="verifier GGUF for prove (default with the embedded proposer: the embedded verifier)")
     p.add_argument("--draft", help="draft GGUF for spec (spec is added to the default modes when given)")
-    p.add_argument("--modes", help=f"comma-separated runs among ar,lossless,prove,mars,spec (default {DEFAULT_MODES}[,spec])")
+    p.add_argument("--modes", help=f"comma-separated runs among {','.join(MODES)} (default {DEFAULT_MODES}[,spec])")
     p.add_argument("--data", action="append", metavar="PATH",
                    help="prompt file or folder (GSM8K/MATH-500/HumanEval/IFEval jsonl, BBH json, MMLU-Pro/GPQA); repeatable")
     p.add_argument("--limit", type=int_in(1), help="at most N prompts per --data path (round-robin over a folder's files)")
@@ -116,11 +121,14 @@ def add_parser(sub) -> None:
     p.add_argument("--temp", "--temperature", dest="temp", default="0",
                    help="temperatures to run every mode at, comma-separated (default 0: greedy); runs at T > 0 "
                         "are named mode@T<t>")
-    p.add_argument("--top-k", type=int, default=40, help="sampling: top-k (default 40; 0: off)")
-    p.add_argument("--top-p", type=float, default=0.95, help="sampling: top-p (default 0.95)")
-    p.add_argument("--min-p", type=float, default=0.05, help="sampling: min-p (default 0.05)")
-    p.add_argument("--repeat-penalty", type=float, default=1.0, help="sampling: repeat penalty (default 1.0: off)")
-    p.add_argument("--repeat-last-n", type=int, default=64, help="sampling: penalty window (default 64)")
+    d = sampling_defaults
+    p.add_argument("--top-k", type=int, default=d.TOP_K, help=f"sampling: top-k (default {d.TOP_K}; 0: off)")
+    p.add_argument("--top-p", type=float, default=d.TOP_P, help=f"sampling: top-p (default {d.TOP_P})")
+    p.add_argument("--min-p", type=float, default=d.MIN_P, help=f"sampling: min-p (default {d.MIN_P})")
+    p.add_argument("--repeat-penalty", type=float, default=d.REPEAT_PENALTY,
+                   help=f"sampling: repeat penalty (default {d.REPEAT_PENALTY}: off)")
+    p.add_argument("--repeat-last-n", type=int, default=d.REPEAT_LAST_N,
+                   help=f"sampling: penalty window (default {d.REPEAT_LAST_N})")
     p.add_argument("--seed", type=int, default=0,
                    help="base seed; generation j of prompt i in the r-th run uses seed + 1e8 r + 1000 i + j (default 0)")
     p.add_argument("--samples", type=int, default=4,
@@ -134,9 +142,8 @@ def add_parser(sub) -> None:
     p.add_argument("--ctx", type=CTX, default=4096, help="context size (default 4096)")
     p.add_argument("--n-gpu-layers", type=GPU_LAYERS, help="layers to offload (default: all when llama.cpp has a GPU backend)")
     p.add_argument("--flash-attn", action="store_true")
-    from ..loading import add_rpc_args
     add_rpc_args(p)     # --rpc, --tensor-split: the proposer on `prove-local rpc-server`s
-    p.add_argument("--kv-type", choices=("f32", "f16", "q8_0", "q4_0"),
+    p.add_argument("--kv-type", choices=KV_TYPES,
                    help="KV cache type (default: f32 for an F32 proposer, so the exact modes can match ar exactly; f16 otherwise)")
     p.add_argument("--warmup", type=int_in(0), default=16, help="tokens per run generated before measuring (default 16; 0: none)")
     p.add_argument("--pass-cost-reps", type=int_in(1, 100), default=3,
@@ -153,10 +160,6 @@ def add_parser(sub) -> None:
 
 
 def report_only(args) -> int:
-    from ..errors import UsageError
-    from .markdown import modes_table
-    from .results import load_outputs, write_outputs
-
     try:
         data, meta = load_outputs(Path(args.out))
     except ValueError as e:
@@ -171,8 +174,6 @@ def report_only(args) -> int:
 
 def check_out(out: Path) -> None:
     """Refuse an output folder that cannot be written before anything runs (not after an hour of runs)."""
-    from ..errors import UsageError
-
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a folder (bench writes results.json, summary.md, "
                          "generations.jsonl and plots into a folder)")
@@ -182,29 +183,73 @@ def check_out(out: Path) -> None:
 
 
 def require_matplotlib() -> None:
-    import importlib.util
-
-    from ..errors import MissingExtra
     if importlib.util.find_spec("matplotlib") is None:
         raise MissingExtra("bench", "matplotlib")
 
 
 def cmd_bench(args) -> int:
-    from ..chat import Conversation, clean_text
-    from ..errors import UsageError
-    from ..loading import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER
-    from ..engine import Engine
-    from ..llama import Model, gpu_offload_supported
-    from ..modes import MODES
-    from .data import DataError, load_prompts
-    from .results import write_outputs
-    from .runner import machine_info, make_runs, run_bench
-
     if not args.no_plots:
         require_matplotlib()
     if args.report_only:
         return report_only(args)
     check_out(Path(args.out))
+    modes, thetas, temps = _runs_asked(args)
+    proposer_path, verifier_path = _model_paths(args, modes)
+    prompts = _prompts(args)
+    models, ngl = _load_models(args, modes, proposer_path, verifier_path)
+    kv = args.kv_type or ("f32" if models["proposer"].meta("general.file_type") == "0" else "f16")
+    context_options = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
+    engine = Engine.load(models["proposer"], models.get("verifier"), models.get("draft"), mask_token=args.mask_token,
+                         **context_options)
+    sampling = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                    repeat_last_n=args.repeat_last_n, seed=args.seed)
+    blocks, draft_ks = _widths(args.block, "--block"), _widths(args.draft_k, "--draft-k")
+    runs = runner.make_runs(modes, max_new=args.max_new, block=blocks, thetas=thetas, tau=args.tau, draft_k=draft_ks,
+                            temps=temps, sampling=sampling, samples=args.samples)
+    for r in runs:
+        engine.check(r.settings)
+    kept, prompt_tokens = _prompt_tokens(args, prompts, models["proposer"], engine.n_ctx)
+    external = _external_baseline(args, proposer_path, ngl)
+    try:
+        data = runner.run_bench(engine, models, kept, prompt_tokens, runs, context_options=context_options,
+                                warmup=args.warmup, pass_cost=not args.no_pass_cost,
+                                pass_cost_reps=args.pass_cost_reps, pass_cost_max=args.pass_cost_max,
+                                progress=not args.quiet, oracle=args.oracle and "ar" in modes, external=external)
+    except KeyboardInterrupt:       # during the warm-up or the pass-cost curve: no prompt finished
+        print("prove-local bench: interrupted before any prompt finished; nothing written", file=sys.stderr)
+        return 130
+    if data.interrupted and not data.prompts:
+        print("prove-local bench: interrupted before any prompt finished; nothing written", file=sys.stderr)
+        return 130
+    # the proposer's threads as decoded (without --threads, calibration may have chosen them)
+    threads = getattr(engine.contexts["proposer"], "n_threads", None) or args.threads
+    meta = {
+        "command": canonical_command(args),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": runner.machine_info(threads),
+        "models": {role: {"path": str(m.path), "n_params": m.n_params, "n_vocab": m.n_vocab,
+                          "mask_token": (engine.mask_token if role == "proposer" else m.mask_token),
+                          "block_size": m.block_size} for role, m in models.items()},
+        "settings": {"modes": modes, "max_new": args.max_new, "block": ",".join(map(str, blocks)), "theta": thetas,
+                     "tau": args.tau, "draft_k": ",".join(map(str, draft_ks)), "temperature": temps, **sampling,
+                     "samples": args.samples, "ctx": args.ctx, "kv_type": kv, "threads": threads,
+                     "n_gpu_layers": ngl, "warmup": args.warmup, "chat_template": not args.raw},
+        "data": {"paths": [str(p) for p in args.data], "limit": args.limit},
+        "bins": args.bins,
+    }
+    if data.interrupted:    # Ctrl-C: the prompts whose runs all finished, marked partial
+        meta["partial"] = True
+    res = write_outputs(data, Path(args.out), meta=meta, plots=not args.no_plots)
+    print(modes_table(res))
+    print(f"\nwrote {Path(args.out) / 'results.json'}, summary.md, generations.jsonl"
+          + (f" and {len(res['plots'])} plots" if res["plots"] else "")
+          + (f" (interrupted: partial, {len(data.prompts)} of {len(kept)} prompts)" if data.interrupted else ""),
+          file=sys.stderr)
+    return 130 if data.interrupted else 0
+
+
+def _runs_asked(args) -> tuple[list[str], list[float], list[float]]:
+    """The modes, θ values and temperatures to run, checked (one line naming the option)."""
     if not args.data:
         raise UsageError("--data PATH is required (a prompt file or folder; repeatable)")
     modes = [m.strip() for m in (args.modes or DEFAULT_MODES + (",spec" if args.draft else "")).split(",") if m.strip()]
@@ -216,15 +261,25 @@ def cmd_bench(args) -> int:
     temps = sorted(set(_floats(args.temp)))
     if not temps or any(t < 0 for t in temps) or args.samples < 1:
         raise UsageError("--temp needs values >= 0 and --samples must be >= 1")
-    if "prove" in modes and not thetas:
+    if any(MODES[m].gate == "theta" for m in modes) and not thetas:
         raise UsageError("--theta needs at least one value")
+    return modes, thetas, temps
+
+
+def _model_paths(args, modes: list[str]) -> tuple[Path, Path | None]:
+    """The proposer and verifier files (the embedded pair by default); the models the modes need."""
+    partners = {MODES[m].partner: m for m in modes if MODES[m].partner}     # role -> a mode that needs it
     proposer_path = Path(args.proposer) if args.proposer else EMBEDDED_PROPOSER
     verifier_path = Path(args.verifier) if args.verifier else (
-        EMBEDDED_VERIFIER if not args.proposer and "prove" in modes else None)
-    if "prove" in modes and verifier_path is None:
-        raise UsageError("mode prove needs --verifier V.gguf (or leave it out of --modes)")
-    if "spec" in modes and not args.draft:
-        raise UsageError("mode spec needs --draft D.gguf (or leave it out of --modes)")
+        EMBEDDED_VERIFIER if not args.proposer and "verifier" in partners else None)
+    if "verifier" in partners and verifier_path is None:
+        raise UsageError(f"mode {partners['verifier']} needs --verifier V.gguf (or leave it out of --modes)")
+    if "draft" in partners and not args.draft:
+        raise UsageError(f"mode {partners['draft']} needs --draft D.gguf (or leave it out of --modes)")
+    return proposer_path, verifier_path
+
+
+def _prompts(args) -> list:
     if args.max_new < 1 or (args.limit is not None and args.limit < 1):
         raise UsageError("--max-new and --limit must be >= 1")
     try:
@@ -233,10 +288,14 @@ def cmd_bench(args) -> int:
         raise UsageError(str(e)) from None
     if not prompts:
         raise UsageError("no prompts")
+    return prompts
 
+
+def _load_models(args, modes: list[str], proposer_path: Path, verifier_path: Path | None) -> tuple[dict, int]:
+    """{role: Model} for the runs (a file given twice is loaded once; the proposer on the --rpc
+    servers if any), and the GPU layers of the local models."""
     ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (-1 if gpu_offload_supported() else 0)
     loaded: dict[Path, Model] = {}
-    from ..loading import rpc_devices
     devices, split = rpc_devices(args)
     remote = dict(n_gpu_layers=-1 if args.n_gpu_layers is None else ngl, devices=devices, tensor_split=split)
 
@@ -248,85 +307,42 @@ def cmd_bench(args) -> int:
 
     models = {"proposer": model(proposer_path, **(remote if devices else {}))}
     if devices:
-        from ..loading import placement_note
         placement_note(models["proposer"])
-    if "prove" in modes:
+    partners = {MODES[m].partner for m in modes}
+    if "verifier" in partners:
         models["verifier"] = model(verifier_path)
-    if "spec" in modes:
+    if "draft" in partners:
         models["draft"] = model(Path(args.draft))
-    kv = args.kv_type or ("f32" if models["proposer"].meta("general.file_type") == "0" else "f16")
-    context_options = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
-    engine = Engine.load(models["proposer"], models.get("verifier"), models.get("draft"), mask_token=args.mask_token,
-                         **context_options)
-    sampling = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                    repeat_last_n=args.repeat_last_n, seed=args.seed)
-    blocks, draft_ks = _widths(args.block, "--block"), _widths(args.draft_k, "--draft-k")
-    runs = make_runs(modes, max_new=args.max_new, block=blocks, thetas=thetas, tau=args.tau, draft_k=draft_ks,
-                     temps=temps, sampling=sampling, samples=args.samples)
-    for r in runs:
-        engine.check(r.settings)
+    return models, ngl
 
-    prop = models["proposer"]
+
+def _prompt_tokens(args, prompts: list, prop: Model, n_ctx: int) -> tuple[list, list[list[int]]]:
+    """The prompts that fit the context (the others skipped with a note) and their tokens."""
     prompt_tokens, kept = [], []
     for p in prompts:
         text = clean_text(p.text)         # a lone surrogate (JSON "\\ud800") becomes U+FFFD
         system = clean_text(args.system) if args.system is not None else None
         toks = prop.tokenize(text, add_special=True) if args.raw else Conversation(prop, system=system).prompt_tokens(text)
-        if len(toks) + 2 > engine.n_ctx:
-            print(f"prove-local bench: skipping {p.id}: {len(toks)} prompt tokens do not fit --ctx {engine.n_ctx}", file=sys.stderr)
+        if len(toks) + 2 > n_ctx:
+            print(f"prove-local bench: skipping {p.id}: {len(toks)} prompt tokens do not fit --ctx {n_ctx}", file=sys.stderr)
             continue
         prompt_tokens.append(toks)
         kept.append(p)
     if not kept:
         raise UsageError("no prompt fits the context")
+    return kept, prompt_tokens
 
-    external = None
-    if args.llama_spec:
-        if not args.draft:
-            raise UsageError("--llama-spec needs --draft D.gguf (its draft model)")
-        if not (Path(args.llama_spec).is_file() and os.access(args.llama_spec, os.X_OK)):
-            print(f"prove-local bench: note: {args.llama_spec} is not an executable file; the llama-speculative-simple "
-                  "baseline is skipped", file=sys.stderr)
-        else:
-            from .runner import LlamaSpec
-            external = LlamaSpec(str(Path(args.llama_spec).resolve()), str(proposer_path), str(args.draft), args.max_new,
-                                 threads=args.threads, ctx=args.ctx, n_gpu_layers=max(ngl, 0) if ngl >= 0 else 999,
-                                 extra=tuple(shlex.split(args.llama_spec_args)))
-    try:
-        data = run_bench(engine, models, kept, prompt_tokens, runs, context_options=context_options,
-                         warmup=args.warmup, pass_cost=not args.no_pass_cost, pass_cost_reps=args.pass_cost_reps,
-                         pass_cost_max=args.pass_cost_max, progress=not args.quiet,
-                         oracle=args.oracle and "ar" in modes, external=external)
-    except KeyboardInterrupt:       # during the warm-up or the pass-cost curve: no prompt finished
-        print("prove-local bench: interrupted before any prompt finished; nothing written", file=sys.stderr)
-        return 130
-    if data.interrupted and not data.prompts:
-        print("prove-local bench: interrupted before any prompt finished; nothing written", file=sys.stderr)
-        return 130
-    block = ",".join(map(str, blocks))
-    # the proposer's threads as decoded (without --threads, calibration may have chosen them)
-    threads = getattr(engine.contexts["proposer"], "n_threads", None) or args.threads
-    meta = {
-        "command": canonical_command(args),
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(threads),
-        "models": {role: {"path": str(m.path), "n_params": m.n_params, "n_vocab": m.n_vocab,
-                          "mask_token": (engine.mask_token if role == "proposer" else m.mask_token),
-                          "block_size": m.block_size} for role, m in models.items()},
-        "settings": {"modes": modes, "max_new": args.max_new, "block": block, "theta": thetas, "tau": args.tau,
-                     "draft_k": ",".join(map(str, draft_ks)), "temperature": temps, **sampling, "samples": args.samples,
-                     "ctx": args.ctx, "kv_type": kv, "threads": threads,
-                     "n_gpu_layers": ngl, "warmup": args.warmup, "chat_template": not args.raw},
-        "data": {"paths": [str(p) for p in args.data], "limit": args.limit},
-        "bins": args.bins,
-    }
-    if data.interrupted:    # Ctrl-C: the prompts whose runs all finished, marked partial
-        meta["partial"] = True
-    res = write_outputs(data, Path(args.out), meta=meta, plots=not args.no_plots)
-    from .markdown import modes_table
-    print(modes_table(res))
-    print(f"\nwrote {Path(args.out) / 'results.json'}, summary.md, generations.jsonl"
-          + (f" and {len(res['plots'])} plots" if res["plots"] else "")
-          + (f" (interrupted: partial, {len(data.prompts)} of {len(kept)} prompts)" if data.interrupted else ""),
-          file=sys.stderr)
-    return 130 if data.interrupted else 0
+
+def _external_baseline(args, proposer_path: Path, ngl: int) -> "runner.LlamaSpec | None":
+    """--llama-spec: llama-speculative-simple on the same prompts, or None (a missing binary: a note)."""
+    if not args.llama_spec:
+        return None
+    if not args.draft:
+        raise UsageError("--llama-spec needs --draft D.gguf (its draft model)")
+    if not (Path(args.llama_spec).is_file() and os.access(args.llama_spec, os.X_OK)):
+        print(f"prove-local bench: note: {args.llama_spec} is not an executable file; the llama-speculative-simple "
+              "baseline is skipped", file=sys.stderr)
+        return None
+    return runner.LlamaSpec(str(Path(args.llama_spec).resolve()), str(proposer_path), str(args.draft), args.max_new,
+                            threads=args.threads, ctx=args.ctx, n_gpu_layers=max(ngl, 0) if ngl >= 0 else 999,
+                            extra=tuple(shlex.split(args.llama_spec_args)))

@@ -5,7 +5,7 @@ import io
 from pathlib import Path
 
 from ..files import write_atomic
-from ..planner import chosen
+from ..modes import MODES
 from . import stats
 from .runner import BenchData
 
@@ -132,7 +132,9 @@ def roc_data(data: BenchData, res: dict) -> dict | None:
     ref_name = res["reference"]
     if not ref_name:
         return None
-    candidates = [r.name for r in data.runs if r.settings.mode == "prove"] + [r.name for r in data.runs if r.settings.mode == "lossless"]
+    # a verifier's q first (the paper's detector), else the self-verifying mode's own q
+    candidates = ([r.name for r in data.runs if MODES[r.settings.mode].gate == "theta"]
+                  + [r.name for r in data.runs if MODES[r.settings.mode].verify_choice])
     by = {(g.prompt, g.run): g for g in data.generations}
     for name in candidates:
         labels = []
@@ -140,7 +142,7 @@ def roc_data(data: BenchData, res: dict) -> dict | None:
         for i in range(len(data.prompts)):
             g, ref = by.get((i, name)), by.get((i, ref_name))
             if g and ref:
-                labels += stats.slot_labels([c for c in g.cycles if chosen(mode, c)[0] != "ar"], g.tokens, ref.tokens)
+                labels += stats.slot_labels([c for c in g.cycles if c.plan.proposes], g.tokens, ref.tokens)
         if not labels:
             continue
         y = [r["on_path"] for r in labels]

@@ -3,17 +3,20 @@ and read back (`--report-only`)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+from ..engine import Settings, tokens_per_second
 from ..files import write_atomic
-from . import stats
-from .stats import conditional_slot_rates
-from .data import check_answer
-from .markdown import summary_markdown
-from ..planner import chosen, projection as project
-from .plots import make_plots, roc_data
 from ..modes import MODES
-from .runner import BenchData
+from ..planner import projection as project, widths_histogram
+from ..rules import Cycle, Plan
+from . import stats
+from .data import Prompt, check_answer
+from .markdown import summary_markdown
+from .plots import make_plots, roc_data
+from .runner import BenchData, Generation, Run
+from .stats import conditional_slot_rates
 
 SCHEMA_VERSION = 1
 
@@ -35,160 +38,234 @@ def sampled_reference(data: BenchData, temperature: float) -> str | None:
     return None
 
 
-def build_results(data: BenchData, *, meta: dict) -> dict:
-    runs = {r.name: r for r in data.runs}
-    by = {(g.prompt, g.run): g for g in data.generations if g.sample == 0}   # repeated seeds: see below
+@dataclass
+class Index:
+    """What every step of `build_results` looks up: the first generation of each (prompt, run), the
+    samples of each run, the greedy reference and the answers' correctness."""
+    data: BenchData
+    runs: dict                    # name -> Run
+    by: dict                      # (prompt, run) -> the generation with sample 0
+    samples: dict                 # run -> prompt -> [token lists] (every sample)
+    ref_name: str | None          # the reference run (ar, else lossless)
+    ref: dict                     # prompt -> the reference's tokens
+    ar_gens: list                 # per prompt: ar's generation or None
+    correct: dict                 # (prompt, run) -> True/False/None (the answer checked)
+
+    @property
+    def prompts(self) -> list:
+        return self.data.prompts
+
+    def gens(self, name: str) -> list:
+        """Per prompt: the run's generation, or None (the prompt was not run)."""
+        return [self.by.get((i, name)) for i in range(len(self.prompts))]
+
+
+def index(data: BenchData) -> Index:
+    by = {(g.prompt, g.run): g for g in data.generations if g.sample == 0}   # repeated seeds: samples
     samples: dict[str, dict[int, list[list[int]]]] = {}
     for g in data.generations:
         samples.setdefault(g.run, {}).setdefault(g.prompt, []).append(g.tokens)
     prompts = data.prompts
     ref_name = reference_run(data)
     ref = {i: by[(i, ref_name)].tokens for i in range(len(prompts)) if (i, ref_name) in by} if ref_name else {}
-    ar_gens = [by.get((i, "ar")) for i in range(len(prompts))]
-    curves = data.pass_cost or None
-    ar_cycles = [c for g in ar_gens if g for c in g.cycles]
-
     correct = {}
     for g in data.generations:
         if g.sample:
             continue
         p = prompts[g.prompt]
         correct[(g.prompt, g.run)] = check_answer(p.family, g.text, p.answer)
+    return Index(data, {r.name: r for r in data.runs}, by, samples, ref_name, ref,
+                 [by.get((i, "ar")) for i in range(len(prompts))], correct)
 
+
+def build_results(data: BenchData, *, meta: dict) -> dict:
+    """results.json: every run's statistics, the paper's analyses, and the comparisons between runs."""
+    ix = index(data)
     modes, slot_rates, aucs, by_pos, sweep = {}, {}, {}, {}, []
-    for name, run in runs.items():
-        gens = [by.get((i, name)) for i in range(len(prompts))]
-        gens_ok = [g for g in gens if g is not None]
-        cycles = [c for g in gens_ok for c in g.cycles]
-        pairs = [(len(g.tokens), g.seconds) for g in gens_ok]
-        if "ar" in runs:
-            both = [(g, a) for g, a in zip(gens, ar_gens) if g is not None and a is not None]
-            sp = stats.speedups([(len(g.tokens), g.seconds) for g, _ in both], [(len(a.tokens), a.seconds) for _, a in both])
-        else:
-            sp = {"median": None, "totals": None, "n": 0}
-        families = sorted({prompts[g.prompt].family for g in gens_ok})
-        fam_speed, fam_acc, fam_tpc, fam_loop, fam_tpc_nl = {}, {}, {}, {}, {}
-        for fam in families:
-            fam_gens = [g for g in gens_ok if prompts[g.prompt].family == fam]
-            fam_tpc[fam] = _r(stats.tokens_per_cycle([c for g in fam_gens for c in g.cycles]))
-            fam_loop[fam] = _r(stats.loop_share([g.tokens for g in fam_gens]))
-            fam_tpc_nl[fam] = _r(stats.tokens_per_cycle_outside_loops([(g.tokens, g.cycles) for g in fam_gens]))
-            both = [(g, a) for g, a in zip(gens, ar_gens) if g is not None and a is not None and prompts[g.prompt].family == fam]
-            if both:
-                fam_speed[fam] = _r(stats.speedups([(len(g.tokens), g.seconds) for g, _ in both],
-                                                   [(len(a.tokens), a.seconds) for _, a in both])["totals"])
-            acc = stats.accuracy([correct[(g.prompt, name)] for g in gens_ok if prompts[g.prompt].family == fam])
-            if acc is not None:
-                fam_acc[fam] = _r(acc)
-        proj = stats.projected(run.settings.mode, cycles, curves) if curves else {}
-        s = run.settings
-        exact = stats.exact_match_share([g.tokens for g in gens_ok], [ref.get(g.prompt) for g in gens_ok]) \
-            if ref_name == "ar" and s.temperature == 0 else None
-        sampled_ref = sampled_reference(data, s.temperature) if s.temperature > 0 else None
-        dist = stats.distribution_check(samples.get(sampled_ref, {}), samples.get(name, {})) \
-            if sampled_ref and sampled_ref != name and MODES[s.mode].exact else None
-        all_cycles = [c for g in data.generations if g.run == name for c in g.cycles]
-        checkable = [correct[(g.prompt, name)] for g in gens_ok]
-        entry = {
-            "mode": s.mode,
-            "temperature": s.temperature,
-            "sampling": {"top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p, "repeat_penalty": s.repeat_penalty,
-                         "repeat_last_n": s.repeat_last_n, "seed": s.seed, "samples": run.samples}
-            if s.temperature > 0 or s.repeat_penalty != 1.0 else None,
-            "theta": s.theta if s.mode == "prove" else None,
-            "tau": s.tau if s.mode == "mars" else None,
-            "block": s.block, "draft_k": s.draft_k if s.mode == "spec" else None,
-            "n_prompts": len(gens_ok),
-            "tokens": sum(len(g.tokens) for g in gens_ok),
-            "seconds": _r(sum(g.seconds for g in gens_ok), 3),
-            "n_cycles": len(cycles),
-            "tokens_per_second": _r(stats.throughput(pairs), 3),
-            "speedup_vs_ar": {"median": _r(sp["median"]), "totals": _r(sp["totals"])},
-            "tokens_per_cycle": _r(stats.tokens_per_cycle(cycles)),
-            "passes_per_token": {k: _r(v) for k, v in stats.passes_per_token(cycles).items()},
-            "cycle_cost": {"measured": _r(stats.measured_cycle_cost(cycles, ar_cycles)),
-                           "measured_decode": _r(stats.measured_cycle_cost(cycles, ar_cycles, decode_only=True)),
-                           "projected": _r(proj.get("cycle_cost")), "projected_flat": _r(proj.get("cycle_cost_flat"))},
-            "projected_speedup": {"curve": _r(proj.get("speedup")), "flat": _r(proj.get("speedup_flat"))},
-            "exact_match_vs_ar": _r(exact),
-            # sampled exact modes: per-position token distributions against ar's at the same temperature
-            "distribution_vs_ar": None if dist is None else {
-                "reference": sampled_ref, "p_value": None if dist["p_value"] is None else float(f"{dist['p_value']:.4g}"), "positions": dist["positions"],
-                "samples": dist["samples"], "tv_by_position": [_r(x) for x in dist["tv_by_position"]],
-                "method": dist["method"]},
-            "acceptance_by_slot": ({k: [_r(x) for x in v] if k != "n" else v
-                                    for k, v in stats.acceptance_by_slot(all_cycles).items()}
-                                   if MODES[s.mode].exact and s.mode != "ar" else None),
-            "accuracy": _r(stats.accuracy(checkable)),
-            "n_checkable": sum(c is not None for c in checkable),
-            "accuracy_by_family": fam_acc,
-            "speedup_by_family": fam_speed,
-            "tokens_per_cycle_by_family": fam_tpc,
-            "loop_share_by_family": fam_loop,
-            "tokens_per_cycle_outside_loops_by_family": fam_tpc_nl,
-            "overhead_share": _r(stats.overhead_share(cycles)),
-            "host_ms_per_cycle": _r(stats.host_ms_per_cycle(cycles)),
-            "widths": stats.width_histogram(s.mode, cycles),
-            "loop_share": _r(stats.loop_share([g.tokens for g in gens_ok])),
-            "tokens_per_cycle_outside_loops": _r(stats.tokens_per_cycle_outside_loops(
-                [(g.tokens, g.cycles) for g in gens_ok])),
-        }
+    for name, run in ix.runs.items():
+        entry = mode_entry(ix, name, run)
         modes[name] = entry
-        if s.mode == "prove":
-            sweep.append({"run": name, "theta": s.theta, "speedup_median": entry["speedup_vs_ar"]["median"],
-                          "speedup_totals": entry["speedup_vs_ar"]["totals"], "tokens_per_cycle": entry["tokens_per_cycle"],
-                          "accuracy": entry["accuracy"], "exact_match_vs_ar": entry["exact_match_vs_ar"],
-                          "projected_speedup_flat": entry["projected_speedup"]["flat"]})
+        if MODES[run.settings.mode].gate == "theta":            # the θ sweep
+            sweep.append(theta_sweep_row(name, run, entry))
         # the paper's analyses, for runs that propose blocks (or drafts)
-        if s.mode != "ar" and ref and s.temperature == 0:   # greedy-path analyses
-            labels, mruns = [], []
-            for g in gens_ok:
-                if g.prompt in ref:
-                    # the planner's plain ar cycles propose nothing: they are left out of these analyses
-                    proposing = [c for c in g.cycles if chosen(s.mode, c)[0] != "ar"]
-                    labels += stats.slot_labels(proposing, g.tokens, ref[g.prompt])
-                    mruns += stats.matched_runs(proposing, g.tokens, ref[g.prompt])
-            n_slots = max((len(c.proposed) for c in cycles), default=0)
-            rate, counts = stats.match_rate_by_slot(labels, n_slots)
-            slot_rates[name] = {"rate": [_r(x) for x in rate], "n": counts}
-            a = stats.detector_aucs(labels)
-            a["positional"] = {k: (_r(v) if isinstance(v, float) else v)
-                               for k, v in stats.detector_aucs(labels, "match").items()}
-            aucs[name] = {k: (_r(v) if isinstance(v, float) else v) for k, v in a.items()}
-            bp = stats.matched_by_position(mruns, meta.get("bins", 5))
-            bp["mean"] = [_r(x) for x in bp["mean"]]
-            bp["overall"] = _r(bp["overall"])
-            bp["committed_per_cycle"] = entry["tokens_per_cycle"]
-            by_pos[name] = bp
+        if MODES[run.settings.mode].width is not None and ix.ref and run.settings.temperature == 0:   # greedy-path analyses
+            slot_rates[name], aucs[name], by_pos[name] = greedy_path_analyses(ix, name, run, entry, meta.get("bins", 5))
+    fams: dict[str, int] = {}
+    for p in data.prompts:
+        fams[p.family] = fams.get(p.family, 0) + 1
+    return {
+        "schema": SCHEMA_VERSION,
+        **{k: v for k, v in meta.items() if k != "bins"},
+        "data": {**meta.get("data", {}), "n_prompts": len(data.prompts), "families": fams},
+        "reference": ix.ref_name,
+        "warmup_seconds": _r(data.warmup_seconds, 2),
+        "modes": modes,
+        "position_match_rate": slot_rates,
+        "matched_tokens_by_position": by_pos,
+        "auc": aucs,
+        "theta_sweep": sorted(sweep, key=lambda r: r["theta"]),
+        "pass_cost": pass_cost_table(data),
+        "auto_vs_fixed": auto_vs_fixed(modes),
+        "planner": data.planner,
+        "oracle": oracle_bound(data),
+        "projection": planner_projection(data),
+        "external": external_baseline(ix),
+        "paper": {"position_match_rate_gsm8k": stats.PAPER_SLOT_MATCH_GSM8K, "auc": stats.PAPER_AUC},
+        "prompts": per_prompt(ix),
+    }
 
-    per_prompt = []
-    for i, p in enumerate(prompts):
+
+def mode_entry(ix: Index, name: str, run) -> dict:
+    """results.json's modes[name]: speed, acceptance, cost, exactness and accuracy of one run."""
+    curves = ix.data.pass_cost or None
+    gens = ix.gens(name)
+    gens_ok = [g for g in gens if g is not None]
+    cycles = [c for g in gens_ok for c in g.cycles]
+    ar_cycles = [c for g in ix.ar_gens if g for c in g.cycles]
+    pairs = [(len(g.tokens), g.seconds) for g in gens_ok]
+    if "ar" in ix.runs:
+        both = [(g, a) for g, a in zip(gens, ix.ar_gens) if g is not None and a is not None]
+        sp = stats.speedups([(len(g.tokens), g.seconds) for g, _ in both], [(len(a.tokens), a.seconds) for _, a in both])
+    else:
+        sp = {"median": None, "totals": None, "n": 0}
+    proj = stats.projected(run.settings.mode, cycles, curves) if curves else {}
+    s = run.settings
+    exact = stats.exact_match_share([g.tokens for g in gens_ok], [ix.ref.get(g.prompt) for g in gens_ok]) \
+        if ix.ref_name == "ar" and s.temperature == 0 else None
+    sampled_ref = sampled_reference(ix.data, s.temperature) if s.temperature > 0 else None
+    dist = stats.distribution_check(ix.samples.get(sampled_ref, {}), ix.samples.get(name, {})) \
+        if sampled_ref and sampled_ref != name and MODES[s.mode].exact else None
+    all_cycles = [c for g in ix.data.generations if g.run == name for c in g.cycles]
+    checkable = [ix.correct[(g.prompt, name)] for g in gens_ok]
+    return {
+        "mode": s.mode,
+        "temperature": s.temperature,
+        "sampling": {"top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p, "repeat_penalty": s.repeat_penalty,
+                     "repeat_last_n": s.repeat_last_n, "seed": s.seed, "samples": run.samples}
+        if s.temperature > 0 or s.repeat_penalty != 1.0 else None,
+        "theta": s.theta if MODES[s.mode].gate == "theta" else None,
+        "tau": s.tau if MODES[s.mode].gate == "tau" else None,
+        "block": s.block, "draft_k": s.draft_k if MODES[s.mode].width == "draft_k" else None,
+        "n_prompts": len(gens_ok),
+        "tokens": sum(len(g.tokens) for g in gens_ok),
+        "seconds": _r(sum(g.seconds for g in gens_ok), 3),
+        "n_cycles": len(cycles),
+        "tokens_per_second": _r(stats.throughput(pairs), 3),
+        "speedup_vs_ar": {"median": _r(sp["median"]), "totals": _r(sp["totals"])},
+        "tokens_per_cycle": _r(stats.tokens_per_cycle(cycles)),
+        "passes_per_token": {k: _r(v) for k, v in stats.passes_per_token(cycles).items()},
+        "cycle_cost": {"measured": _r(stats.measured_cycle_cost(cycles, ar_cycles)),
+                       "measured_decode": _r(stats.measured_cycle_cost(cycles, ar_cycles, decode_only=True)),
+                       "projected": _r(proj.get("cycle_cost")), "projected_flat": _r(proj.get("cycle_cost_flat"))},
+        "projected_speedup": {"curve": _r(proj.get("speedup")), "flat": _r(proj.get("speedup_flat"))},
+        "exact_match_vs_ar": _r(exact),
+        # sampled exact modes: per-position token distributions against ar's at the same temperature
+        "distribution_vs_ar": None if dist is None else {
+            "reference": sampled_ref, "p_value": None if dist["p_value"] is None else float(f"{dist['p_value']:.4g}"), "positions": dist["positions"],
+            "samples": dist["samples"], "tv_by_position": [_r(x) for x in dist["tv_by_position"]],
+            "method": dist["method"]},
+        "acceptance_by_slot": ({k: [_r(x) for x in v] if k != "n" else v
+                                for k, v in stats.acceptance_by_slot(all_cycles).items()}
+                               if MODES[s.mode].exact and MODES[s.mode].width is not None else None),
+        "accuracy": _r(stats.accuracy(checkable)),
+        "n_checkable": sum(c is not None for c in checkable),
+        **family_stats(ix, name, gens),
+        "overhead_share": _r(stats.overhead_share(cycles)),
+        "host_ms_per_cycle": _r(stats.host_ms_per_cycle(cycles)),
+        "widths": widths_histogram(cycles),
+        "loop_share": _r(stats.loop_share([g.tokens for g in gens_ok])),
+        "tokens_per_cycle_outside_loops": _r(stats.tokens_per_cycle_outside_loops(
+            [(g.tokens, g.cycles) for g in gens_ok])),
+    }
+
+
+def family_stats(ix: Index, name: str, gens: list) -> dict:
+    """A run's accuracy, speedup, tokens per cycle and loop share per prompt family."""
+    prompts = ix.prompts
+    gens_ok = [g for g in gens if g is not None]
+    fam_speed, fam_acc, fam_tpc, fam_loop, fam_tpc_nl = {}, {}, {}, {}, {}
+    for fam in sorted({prompts[g.prompt].family for g in gens_ok}):
+        fam_gens = [g for g in gens_ok if prompts[g.prompt].family == fam]
+        fam_tpc[fam] = _r(stats.tokens_per_cycle([c for g in fam_gens for c in g.cycles]))
+        fam_loop[fam] = _r(stats.loop_share([g.tokens for g in fam_gens]))
+        fam_tpc_nl[fam] = _r(stats.tokens_per_cycle_outside_loops([(g.tokens, g.cycles) for g in fam_gens]))
+        both = [(g, a) for g, a in zip(gens, ix.ar_gens) if g is not None and a is not None and prompts[g.prompt].family == fam]
+        if both:
+            fam_speed[fam] = _r(stats.speedups([(len(g.tokens), g.seconds) for g, _ in both],
+                                               [(len(a.tokens), a.seconds) for _, a in both])["totals"])
+        acc = stats.accuracy([ix.correct[(g.prompt, name)] for g in gens_ok if prompts[g.prompt].family == fam])
+        if acc is not None:
+            fam_acc[fam] = _r(acc)
+    return {"accuracy_by_family": fam_acc, "speedup_by_family": fam_speed, "tokens_per_cycle_by_family": fam_tpc,
+            "loop_share_by_family": fam_loop, "tokens_per_cycle_outside_loops_by_family": fam_tpc_nl}
+
+
+def theta_sweep_row(name: str, run, entry: dict) -> dict:
+    return {"run": name, "theta": run.settings.theta, "speedup_median": entry["speedup_vs_ar"]["median"],
+            "speedup_totals": entry["speedup_vs_ar"]["totals"], "tokens_per_cycle": entry["tokens_per_cycle"],
+            "accuracy": entry["accuracy"], "exact_match_vs_ar": entry["exact_match_vs_ar"],
+            "projected_speedup_flat": entry["projected_speedup"]["flat"]}
+
+
+def greedy_path_analyses(ix: Index, name: str, run, entry: dict, bins: int) -> tuple[dict, dict, dict]:
+    """The paper's analyses of a greedy run that proposes: match rate per slot, detector AUCs, and
+    matched tokens along a response. Returns (slot rates, AUCs, by position)."""
+    s = run.settings
+    gens_ok = [g for g in ix.gens(name) if g is not None]
+    cycles = [c for g in gens_ok for c in g.cycles]
+    labels, mruns = [], []
+    for g in gens_ok:
+        if g.prompt in ix.ref:
+            # the planner's plain ar cycles propose nothing: they are left out of these analyses
+            proposing = [c for c in g.cycles if c.plan.proposes]
+            labels += stats.slot_labels(proposing, g.tokens, ix.ref[g.prompt])
+            mruns += stats.matched_runs(proposing, g.tokens, ix.ref[g.prompt])
+    n_slots = max((len(c.proposed) for c in cycles), default=0)
+    rate, counts = stats.match_rate_by_slot(labels, n_slots)
+    a = stats.detector_aucs(labels)
+    a["positional"] = {k: (_r(v) if isinstance(v, float) else v)
+                       for k, v in stats.detector_aucs(labels, "match").items()}
+    bp = stats.matched_by_position(mruns, bins)
+    bp["mean"] = [_r(x) for x in bp["mean"]]
+    bp["overall"] = _r(bp["overall"])
+    bp["committed_per_cycle"] = entry["tokens_per_cycle"]
+    return ({"rate": [_r(x) for x in rate], "n": counts},
+            {k: (_r(v) if isinstance(v, float) else v) for k, v in a.items()}, bp)
+
+
+def per_prompt(ix: Index) -> list[dict]:
+    """results.json's prompts: each run's answer to each prompt, against the reference."""
+    out = []
+    for i, p in enumerate(ix.prompts):
         rr = {}
-        for name in runs:
-            sampled = runs[name].settings.temperature > 0
-            g = by.get((i, name))
+        for name in ix.runs:
+            sampled = ix.runs[name].settings.temperature > 0
+            g = ix.by.get((i, name))
             if g is None:
                 continue
             rr[name] = {"n_tokens": len(g.tokens), "seconds": _r(g.seconds, 4),
-                        "tokens_per_second": _r(len(g.tokens) / g.seconds if g.seconds > 0 else None, 3),
+                        "tokens_per_second": _r(tokens_per_second(len(g.tokens), g.seconds) if g.seconds > 0 else None, 3),
                         "tokens_per_cycle": _r(stats.tokens_per_cycle(g.cycles)),
                         "stop": g.cycles[-1].stop if g.cycles else None,
-                        "equal_to_ar": (g.tokens == ref[i]) if ref_name == "ar" and i in ref and not sampled else None,
-                        "first_divergence": (stats.common_prefix(g.tokens, ref[i]) if ref_name == "ar" and i in ref
-                                             and g.tokens != ref[i] and not sampled else None),
-                        "correct": correct[(i, name)]}
-        per_prompt.append({"id": p.id, "family": p.family, "source": p.source, "answer": p.answer,
-                           "n_prompt_tokens": len(data.prompt_tokens[i]), "runs": rr})
+                        "equal_to_ar": (g.tokens == ix.ref[i]) if ix.ref_name == "ar" and i in ix.ref and not sampled else None,
+                        "first_divergence": (stats.common_prefix(g.tokens, ix.ref[i]) if ix.ref_name == "ar" and i in ix.ref
+                                             and g.tokens != ix.ref[i] and not sampled else None),
+                        "correct": ix.correct[(i, name)]}
+        out.append({"id": p.id, "family": p.family, "source": p.source, "answer": p.answer,
+                    "n_prompt_tokens": len(ix.data.prompt_tokens[i]), "runs": rr})
+    return out
 
-    # auto against the fixed widths of the same mode (and θ), side by side in this run
-    auto_vs_fixed = {}
+
+def auto_vs_fixed(modes: dict) -> dict:
+    """Each auto run against the fixed widths of the same mode (and θ), side by side in this run."""
+    out = {}
     for name, m in modes.items():
-        if m["block" if m["mode"] != "spec" else "draft_k"] != "auto":
+        if m[MODES[m["mode"]].width or "block"] != "auto":
             continue
         same = {n: e for n, e in modes.items() if e["mode"] == m["mode"] and e["theta"] == m["theta"] and n != name}
-        fixed = {n: e for n, e in same.items() if e["block" if m["mode"] != "spec" else "draft_k"] != "auto"}
+        fixed = {n: e for n, e in same.items() if e[MODES[m["mode"]].width or "block"] != "auto"}
         best = max(fixed, key=lambda n: fixed[n]["tokens_per_second"] or 0.0, default=None)
-        auto_vs_fixed[name] = {
+        out[name] = {
             "tokens_per_second": m["tokens_per_second"], "speedup_vs_ar": m["speedup_vs_ar"]["median"],
             "fixed": {n: {"tokens_per_second": e["tokens_per_second"], "speedup_vs_ar": e["speedup_vs_ar"]["median"]}
                       for n, e in fixed.items()},
@@ -196,85 +273,77 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
             "auto_over_best_fixed": _r(m["tokens_per_second"] / fixed[best]["tokens_per_second"])
             if best and m["tokens_per_second"] and fixed[best]["tokens_per_second"] else None,
             "widths": m["widths"]}
-    # the oracle bound of lossless (full proposals logged at every position of ar's answers)
-    oracle = None
-    if data.oracle_match:
-        curve = (data.pass_cost or {}).get("proposer")
-        match = {i: data.oracle_match[i] for i in sorted(data.oracle_match)}
-        runs_all = [m for ms in match.values() for m in ms]
-        cond = conditional_slot_rates(runs_all) if runs_all else []
+    return out
 
-        def rounded(pol):
-            return {"ar": 1.0, "fixed_blocks": {b: _r(v) for b, v in pol["fixed_blocks"].items()},
-                    "oracle": _r(pol["oracle"])} if pol else None
 
-        def planner_choice(c):
-            rows = project(c, [x if x is not None else 0.0 for x in cond], len(cond))
-            best = next(r for r in rows if r["chosen"])
-            return "ar" if best["kind"] == "ar" else best["width"]
+def oracle_bound(data: BenchData) -> dict | None:
+    """The oracle bound of lossless (full proposals logged at every position of ar's answers), or None."""
+    if not data.oracle_match:
+        return None
+    prompts = data.prompts
+    curve = (data.pass_cost or {}).get("proposer")
+    match = {i: data.oracle_match[i] for i in sorted(data.oracle_match)}
+    runs_all = [m for ms in match.values() for m in ms]
+    cond = conditional_slot_rates(runs_all) if runs_all else []
 
-        oracle = {"tokens_per_t1": rounded(stats.lossless_policies(match, curve)) if curve else None,
-                  "tokens_per_t1_flat": rounded(stats.lossless_policies(match, None)),
-                  "planner_choice": {"curve": planner_choice(curve) if curve and cond else None,
-                                     "flat": planner_choice({1: 1.0, 64: 1.0}) if cond else None},
-                  "n_positions": len(runs_all),
-                  "slot_match_rate": [_r(sum(m > j for m in runs_all) / len(runs_all)) for j in range(16)] if runs_all else [],
-                  "conditional_slot_rate": [_r(x) for x in cond],
-                  "match_runs": {prompts[i].id: m for i, m in match.items()}}
-    # projection from the planner's acceptance statistics: this machine's curve and a flat one
-    projection = None
+    def rounded(pol):
+        return {"ar": 1.0, "fixed_blocks": {b: _r(v) for b, v in pol["fixed_blocks"].items()},
+                "oracle": _r(pol["oracle"])} if pol else None
+
+    def planner_choice(c):
+        rows = project(c, [x if x is not None else 0.0 for x in cond], len(cond))
+        best = next(r for r in rows if r["chosen"])
+        return "ar" if best["kind"] == "ar" else best["width"]
+
+    return {"tokens_per_t1": rounded(stats.lossless_policies(match, curve)) if curve else None,
+            "tokens_per_t1_flat": rounded(stats.lossless_policies(match, None)),
+            "planner_choice": {"curve": planner_choice(curve) if curve and cond else None,
+                               "flat": planner_choice({1: 1.0, 64: 1.0}) if cond else None},
+            "n_positions": len(runs_all),
+            "slot_match_rate": [_r(sum(m > j for m in runs_all) / len(runs_all)) for j in range(16)] if runs_all else [],
+            "conditional_slot_rate": [_r(x) for x in cond],
+            "match_runs": {prompts[i].id: m for i, m in match.items()}}
+
+
+def planner_projection(data: BenchData) -> dict | None:
+    """Projection from the planner's acceptance statistics: this machine's curve and a flat one."""
     lossless_stats = (data.planner or {}).get("stats", {}).get("lossless")
-    if lossless_stats and data.pass_cost and "proposer" in data.pass_cost:
-        rates = lossless_stats["slot_rate"]
-        projection = {"slot_rate": rates,
-                      "curve": project(data.pass_cost["proposer"], rates, len(rates)),
-                      "flat": project({1: 1.0, 64: 1.0}, rates, len(rates))}
+    if not (lossless_stats and data.pass_cost and "proposer" in data.pass_cost):
+        return None
+    rates = lossless_stats["slot_rate"]
+    return {"slot_rate": rates,
+            "curve": project(data.pass_cost["proposer"], rates, len(rates)),
+            "flat": project({1: 1.0, 64: 1.0}, rates, len(rates))}
 
-    # the external baseline (llama-speculative-simple), per prompt and against every run
-    external = None
-    if data.external:
-        ext_runs = {int(i): r for i, r in (data.external.get("runs") or {}).items()}
-        ok = {i: r for i, r in ext_runs.items() if "error" not in r and r.get("seconds")}
-        tps = sum(r["tokens"] for r in ok.values()) / sum(r["seconds"] for r in ok.values()) if ok else None
-        vs = {}
-        for name in runs:
-            pairs = [(by[(i, name)], r) for i, r in ok.items() if (i, name) in by and by[(i, name)].seconds > 0]
-            ratios = sorted((len(g.tokens) / g.seconds) / (r["tokens"] / r["seconds"]) for g, r in pairs if r["tokens"])
-            vs[name] = _r(ratios[len(ratios) // 2]) if ratios else None
-        external = {**{k: v for k, v in data.external.items() if k != "runs"},
-                    "tokens_per_second": _r(tps, 3), "n_ok": len(ok), "n_failed": len(ext_runs) - len(ok),
-                    "errors": sorted({r["error"] for r in ext_runs.values() if "error" in r})[:3],
-                    "run_over_external_median": vs,
-                    "runs": {prompts[i].id: r for i, r in sorted(ext_runs.items()) if i < len(prompts)}}
 
-    pass_cost = {}
+def external_baseline(ix: Index) -> dict | None:
+    """The external baseline (llama-speculative-simple), per prompt and against every run."""
+    data = ix.data
+    if not data.external:
+        return None
+    by, prompts = ix.by, ix.prompts
+    ext_runs = {int(i): r for i, r in (data.external.get("runs") or {}).items()}
+    ok = {i: r for i, r in ext_runs.items() if "error" not in r and r.get("seconds")}
+    tps = stats.throughput([(r["tokens"], r["seconds"]) for r in ok.values()]) if ok else None
+    vs = {}
+    for name in ix.runs:
+        pairs = [(by[(i, name)], r) for i, r in ok.items() if (i, name) in by and by[(i, name)].seconds > 0]
+        ratios = sorted((len(g.tokens) / g.seconds) / (r["tokens"] / r["seconds"]) for g, r in pairs if r["tokens"])
+        vs[name] = _r(ratios[len(ratios) // 2]) if ratios else None
+    return {**{k: v for k, v in data.external.items() if k != "runs"},
+            "tokens_per_second": _r(tps, 3), "n_ok": len(ok), "n_failed": len(ext_runs) - len(ok),
+            "errors": sorted({r["error"] for r in ext_runs.values() if "error" in r})[:3],
+            "run_over_external_median": vs,
+            "runs": {prompts[i].id: r for i, r in sorted(ext_runs.items()) if i < len(prompts)}}
+
+
+def pass_cost_table(data: BenchData) -> dict:
+    out = {}
     for role, curve in (data.pass_cost or {}).items():
         ns = sorted(curve)
-        pass_cost[role] = {"n": ns, "seconds": [_r(curve[n], 6) for n in ns],
-                           "ratio": [_r(curve[n] / curve[ns[0]], 3) for n in ns]}
-    fams: dict[str, int] = {}
-    for p in prompts:
-        fams[p.family] = fams.get(p.family, 0) + 1
-    return {
-        "schema": SCHEMA_VERSION,
-        **{k: v for k, v in meta.items() if k != "bins"},
-        "data": {**meta.get("data", {}), "n_prompts": len(prompts), "families": fams},
-        "reference": ref_name,
-        "warmup_seconds": _r(data.warmup_seconds, 2),
-        "modes": modes,
-        "position_match_rate": slot_rates,
-        "matched_tokens_by_position": by_pos,
-        "auc": aucs,
-        "theta_sweep": sorted(sweep, key=lambda r: r["theta"]),
-        "pass_cost": pass_cost,
-        "auto_vs_fixed": auto_vs_fixed,
-        "planner": data.planner,
-        "oracle": oracle,
-        "projection": projection,
-        "external": external,
-        "paper": {"position_match_rate_gsm8k": stats.PAPER_SLOT_MATCH_GSM8K, "auc": stats.PAPER_AUC},
-        "prompts": per_prompt,
-    }
+        out[role] = {"n": ns, "seconds": [_r(curve[n], 6) for n in ns],
+                     "ratio": [_r(curve[n] / curve[ns[0]], 3) for n in ns]}
+    return out
 
 
 def generations_jsonl(data: BenchData) -> str:
@@ -290,9 +359,28 @@ def generations_jsonl(data: BenchData) -> str:
                         "residual": c.residual,
                         "n_accepted": c.n_accepted, "passes": c.passes, "seconds": round(c.seconds, 6),
                         "decode_seconds": {k: round(v, 6) for k, v in c.decode_seconds.items()},
-                        "widths": c.widths} for c in g.cycles],
+                        "widths": c.widths, "plan": c.plan.as_dict(), "gate": c.gate} for c in g.cycles],
         }, ensure_ascii=False))
     return "\n".join(lines) + "\n"
+
+
+def _plan_of_old_report(mode: str, c: dict) -> Plan:
+    """The plan of a cycle stored before cycles recorded theirs, from the widths it fed: a planner's
+    plain ar cycle made no proposal pass (lossless: one pass; prove: no verifier pass; spec: no draft;
+    mars: one slot)."""
+    m, w, n = MODES[mode], c.get("widths") or {}, len(c["proposed"])
+    if m.width is None:
+        return Plan(mode)
+    if m.width == "draft_k":
+        k = len(w.get("draft", [])) if w else n
+        return Plan(mode, draft_k=k) if k else Plan()
+    if m.verify_choice:
+        passes = w.get("proposer", [])
+        verify = passes[1] if len(passes) > 1 else (len(c["q"]) if not w and c.get("q") else None)
+        return Plan(mode, n, verify=verify) if verify is not None else Plan()
+    if m.partner:
+        return Plan(mode, n) if not w or m.partner in w else Plan()
+    return Plan(mode, n) if n > 1 else Plan()
 
 
 def load_outputs(out: Path) -> tuple[BenchData, dict]:
@@ -300,11 +388,6 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
     was written from, so that `write_outputs` can rebuild the report with this version's
     statistics without running anything. Prompt texts and prompt token ids are not stored: only
     their count is kept, which is all the report uses."""
-    from ..engine import Settings
-    from ..rules import Cycle
-    from .data import Prompt
-    from .runner import Generation, Run
-
     out = Path(out)
     try:
         res = json.loads((out / "results.json").read_text())
@@ -327,6 +410,7 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
                                temperature=m.get("temperature") or 0.0, **sampling(m)),
                 (m.get("sampling") or {}).get("samples", 1))
             for name, m in res["modes"].items()]
+    modes_of = {r.name: r.settings.mode for r in runs}
     gens = []
     for line in lines:
         g = json.loads(line)
@@ -334,7 +418,9 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
         cycles = [Cycle(proposed=c["proposed"], p=c["p"], q=c["q"], committed=toks[c["start"]:c["start"] + c["n_committed"]],
                         n_accepted=c["n_accepted"], passes=c["passes"], decode_seconds=c["decode_seconds"],
                         seconds=c["seconds"], index=k, start=c["start"], accept_prob=c.get("accept_prob"),
-                        residual=c.get("residual", False), widths=c.get("widths") or {})
+                        residual=c.get("residual", False), widths=c.get("widths") or {},
+                        plan=Plan(**c["plan"]) if c.get("plan") else _plan_of_old_report(modes_of[g["run"]], c),
+                        gate=c.get("gate"))
                   for k, c in enumerate(g["cycles"])]
         if cycles:
             cycles[-1].stop = g["stop"] if "stop" in g else stops.get((g["prompt"], g["run"]))

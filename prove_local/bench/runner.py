@@ -7,9 +7,11 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
+from ..calibrate import measure
 from ..engine import Engine, Settings
-from ..llama import Model
-from ..rules import Cycle
+from ..llama import Model, gpu_offload_supported
+from ..modes import MODES
+from ..rules import Cycle, propose
 from .data import Prompt
 
 PASS_COST_NS = tuple(range(1, 17)) + tuple(range(20, 65, 4))
@@ -29,7 +31,7 @@ class Generation:
     run: str
     tokens: list[int]             # generated token ids (committed, including a final EOG)
     cycles: list[Cycle]
-    seconds: float                # wall time of the generation without the prompt prefill
+    seconds: float                # decode time: first cycle's start to last cycle's end (Request.decode_seconds)
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     text: str = ""
@@ -65,9 +67,10 @@ def make_runs(modes: list[str], *, max_new: int, block, thetas: list[float], tau
     runs = []
 
     def tag(mode, b, k):
-        if mode == "spec":
+        width = MODES[mode].width
+        if width == "draft_k":
             return "" if len(ks) == 1 else ("@auto" if k == "auto" else f"@k{k}")
-        if mode == "ar" or len(blocks) == 1:
+        if width is None or len(blocks) == 1:
             return ""
         return "@auto" if b == "auto" else f"@B{b}"
 
@@ -75,14 +78,15 @@ def make_runs(modes: list[str], *, max_new: int, block, thetas: list[float], tau
         suffix = f"@T{t:g}" if t > 0 else ""
         n = samples if t > 0 else 1
         for mode in modes:
-            widths = [(blocks[0], k) for k in ks] if mode == "spec" else \
-                ([(blocks[0], ks[0])] if mode == "ar" else [(b, ks[0]) for b in blocks])
+            width = MODES[mode].width
+            widths = [(blocks[0], k) for k in ks] if width == "draft_k" else \
+                ([(blocks[0], ks[0])] if width is None else [(b, ks[0]) for b in blocks])
             for b, k in widths:
                 common = dict(max_new=max_new, block=b, tau=tau, draft_k=k, temperature=t, **sampling)
-                if mode == "prove":
+                if MODES[mode].gate == "theta":             # one run per θ
                     for th in thetas:
-                        name = ("prove" if len(thetas) == 1 else f"prove@{th:g}") + tag(mode, b, k) + suffix
-                        runs.append(Run(name, Settings(mode="prove", theta=th, **common), n))
+                        name = (mode if len(thetas) == 1 else f"{mode}@{th:g}") + tag(mode, b, k) + suffix
+                        runs.append(Run(name, Settings(mode=mode, theta=th, **common), n))
                 else:
                     runs.append(Run(mode + tag(mode, b, k) + suffix,
                                     Settings(mode=mode, theta=thetas[0] if thetas else 0.05, **common), n))
@@ -94,14 +98,12 @@ def measure_pass_cost(model: Model, context_options: dict, fill: list[int], *, n
     """Median seconds inside llama_decode of one pass of n tokens (logits on every row) after a
     context of `n_fill` tokens: calibrate.measure (the planner's method) with `reps` repetitions
     and no time budget."""
-    from ..calibrate import measure
     return measure(model, context_options, fill, ns=ns, n_fill=n_fill, budget_s=float("inf"), reps=reps, seed=seed)[1]
 
 
 def oracle_runs(engine: Engine, tokens: list[int], reference: list[int], block: int) -> list[int]:
     """For the oracle bound: at every generated position s of the greedy `reference`, a full
     `block`-slot proposal of the proposer, and how many of its leading slots equal reference[s:]."""
-    from ..rules import propose
     ctx = engine.contexts["proposer"]
     engine.tokens = []
     ctx.truncate(0)
@@ -123,12 +125,11 @@ def oracle_runs(engine: Engine, tokens: list[int], reference: list[int], block: 
 
 
 def generate_once(engine: Engine, tokens: list[int], settings: Settings) -> tuple[list[Cycle], float, tuple]:
+    """(cycles, decode seconds, prefill): the seconds of engine.tokens_per_second, prefill apart."""
     gc.collect()
-    t0 = time.perf_counter()
     gen = engine.generate(tokens, settings)
     cycles = list(gen)
-    wall = time.perf_counter() - t0
-    return cycles, max(0.0, wall - gen.prefill[1]), gen.prefill
+    return cycles, gen.request.decode_seconds, gen.prefill
 
 
 def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], prompt_tokens: list[list[int]],
@@ -266,8 +267,6 @@ def machine_info(threads: int | None) -> dict:
         pass
     try:
         import llama_cpp
-
-        from ..llama import gpu_offload_supported
         info["llama_cpp_python"] = llama_cpp.__version__
         info["gpu_offload"] = gpu_offload_supported()     # a local GPU, not only a GPU-capable (RPC) build
     except Exception:  # pragma: no cover

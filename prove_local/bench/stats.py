@@ -14,6 +14,10 @@ from statistics import median
 
 import numpy as np
 
+from ..engine import tokens_per_second
+from ..modes import cycle_cost, pass_cost
+from ..modes import get as get_mode
+
 # The ProVe paper's GSM8K figures (32B MARS proposer), for the reference rows of tables and plots.
 PAPER_SLOT_MATCH_GSM8K = [0.96, 0.86, 0.79, 0.71, 0.67, 0.59, 0.53, 0.51, 0.47, 0.44, 0.39, 0.34, 0.34, 0.30, 0.28, 0.27]
 PAPER_AUC = {"p": 0.910, "q": 0.960, "pq": 0.964}
@@ -217,8 +221,9 @@ def speedups(mode_runs: list[tuple[int, float]], ar_runs: list[tuple[int, float]
 
 
 def throughput(runs: list[tuple[int, float]]) -> float | None:
+    """Tokens/s over several generations (engine.tokens_per_second of the totals); None without time."""
     tokens, seconds = sum(n for n, _ in runs), sum(s for _, s in runs)
-    return tokens / seconds if seconds > 0 else None
+    return tokens_per_second(tokens, seconds) if seconds > 0 else None
 
 
 def passes_per_token(cycles) -> dict:
@@ -276,53 +281,33 @@ def curve_ratio(curve: dict, n: float) -> float:
     return float(np.interp(n, ns, [curve[k] for k in ns])) / t1
 
 
-def cycle_cost_units(mode: str, n_proposed: int, curves: dict | None, flat: bool = False) -> float:
-    """Cost of one cycle in units of the proposer's 1-token pass, from pass-cost curves
-    {"proposer"|"verifier"|"draft": {n: seconds}}. flat=True: every pass of n tokens costs what
-    its model's 1-token pass costs (the GPU-like regime of the paper's cost model); verifier and
-    draft passes are always scaled by their t(1) relative to the proposer's (the paper's ρ)
-    when those curves exist. Pass shapes: lossless = proposal of B rows + self-verification of
-    B rows; prove = proposal + verifier pass of B tokens; mars = proposal; spec = k one-token
-    draft passes + a target pass of k+1 tokens."""
-    def r(role, n):
-        if flat or not curves or role not in curves:
-            return 1.0
-        return curve_ratio(curves[role], n)
-
-    def rho(role):
-        if not curves or role not in curves or "proposer" not in curves:
-            return 1.0
-        return curves[role][min(curves[role])] / curves["proposer"][min(curves["proposer"])]
-
-    if mode == "ar":
-        return 1.0
-    if mode == "lossless":
-        return 2 * r("proposer", n_proposed)
-    if mode == "mars":
-        return r("proposer", n_proposed)
-    if mode == "prove":
-        return r("proposer", n_proposed) + rho("verifier") * r("verifier", n_proposed)
-    if mode == "spec":
-        return n_proposed * rho("draft") * r("draft", 1) + r("proposer", n_proposed + 1)
-    raise ValueError(f"unknown mode {mode!r}")
-
-
-def cycle_cost_widths(widths: dict, curves: dict | None, flat: bool = False) -> float:
-    """Cost of one cycle in units of the proposer's 1-token pass from the widths actually fed
-    (`Cycle.widths`: {role: [tokens per pass]}; a prove/mars proposal pass is pending + B - 1 wide,
-    spec's first draft pass catches up on the pending tokens). Other roles' passes are scaled by
-    their t(1) relative to the proposer's (the paper's rho); flat=True: every pass costs its model's
-    one-token pass."""
+def _unit_cost(curves: dict | None, flat: bool = False):
+    """t(role, n) in units of the proposer's 1-token pass, from pass-cost curves
+    {"proposer"|"verifier"|"draft": {n: seconds}}: the curve's t(n)/t(1), times the role's t(1)
+    relative to the proposer's (the paper's ρ) when those curves exist. flat=True: every pass of n
+    tokens costs what its model's 1-token pass costs (the GPU-like regime of the paper's cost model)."""
     def rho(role):
         if not curves or role not in curves or "proposer" not in curves or role == "proposer":
             return 1.0
         return curves[role][min(curves[role])] / curves["proposer"][min(curves["proposer"])]
 
-    total = 0.0
-    for role, ws in widths.items():
-        for w in ws:
-            total += rho(role) * (1.0 if flat or not curves or role not in curves else curve_ratio(curves[role], w))
-    return total
+    def t(role, n):
+        return rho(role) * (1.0 if flat or not curves or role not in curves else curve_ratio(curves[role], n))
+    return t
+
+
+def cycle_cost_units(mode: str, n_proposed: int, curves: dict | None, flat: bool = False) -> float:
+    """Cost of one cycle of `mode` proposing n tokens (B slots, or k drafts), nothing pending, in
+    units of the proposer's 1-token pass: modes.cycle_cost (the planner's cost model) over the curves."""
+    m = get_mode(mode)                  # (an unknown mode: ModeError, a ValueError)
+    return cycle_cost(_unit_cost(curves, flat), {r: 1 for r in m.roles}, m.plan(n_proposed, n_proposed))
+
+
+def cycle_cost_widths(widths: dict, curves: dict | None, flat: bool = False) -> float:
+    """Cost of one cycle in units of the proposer's 1-token pass from the widths actually fed
+    (`Cycle.widths`: {role: [tokens per pass]}; a prove/mars proposal pass is pending + B - 1 wide,
+    spec's first draft pass catches up on the pending tokens)."""
+    return pass_cost(_unit_cost(curves, flat), widths)
 
 
 def _cycle_cost(mode: str, c, curves, flat: bool = False) -> float:
@@ -343,38 +328,34 @@ def projected(mode: str, cycles, curves: dict | None) -> dict:
     return {"cycle_cost": cost / n, "speedup": tokens / cost, "cycle_cost_flat": flat / n, "speedup_flat": tokens / flat}
 
 
-def width_histogram(mode: str, cycles) -> dict:
-    """How often each width was run (planner.label: 'ar', 'B=4 v=2', 'k=3'), most frequent first."""
-    from collections import Counter
-    from ..planner import label
-    return dict(Counter(label(mode, c) for c in cycles).most_common())
-
-
-def oracle_cost(match_runs: list[int], curve: dict | None) -> float:
+def oracle_cost(match_runs: list[int], curve: dict | None, max_width: int = 16) -> float:
     """The least total cost (proposer one-token passes) of lossless decoding along one greedy answer
     knowing the outcome: `match_runs[s]` is how many leading slots of a full proposal at generated
     position s equal the greedy continuation (>= 1: slot 1 is the AR token). At s the best cycle is
-    ar (1 token for t(1)) or a block verified to v <= match_runs[s] (v + 1 tokens for t(v) + t(v));
-    a shortest path over positions. curve None: flat (every pass costs t(1))."""
+    ar (1 token for t(1)) or a block of width v <= max_width verified whole (min(match_runs[s], v) + 1
+    tokens for t(v) + t(v)); a shortest path over positions. Widths past the match run count too: on a
+    measured curve that is not increasing (noise, or a machine under load), a wider pass can cost
+    less, and the oracle must be at least as good as every fixed block. curve None: flat (every
+    pass costs t(1))."""
     n = len(match_runs)
-    r = (lambda w: curve_ratio(curve, w)) if curve else (lambda w: 1.0)
+    cost = [2 * (curve_ratio(curve, v) if curve else 1.0) for v in range(max_width + 1)]
     inf = float("inf")
     best = [inf] * (n + 1)
     best[0] = 0.0
     for s in range(n):
         if best[s] + 1.0 < best[s + 1]:
             best[s + 1] = best[s] + 1.0
-        for v in range(1, max(1, match_runs[s]) + 1):
-            e = min(n, s + v + 1)
-            c = best[s] + 2 * r(v)
+        for v in range(1, max_width + 1):
+            e = min(n, s + min(max(1, match_runs[s]), v) + 1)
+            c = best[s] + cost[v]
             if c < best[e]:
                 best[e] = c
     return best[n]
 
 
-def oracle_lossless(match_runs: list[int], curve: dict | None) -> float | None:
+def oracle_lossless(match_runs: list[int], curve: dict | None, max_width: int = 16) -> float | None:
     """Tokens per one-token pass cost of the oracle along one answer (see oracle_cost)."""
-    return len(match_runs) / oracle_cost(match_runs, curve) if match_runs else None
+    return len(match_runs) / oracle_cost(match_runs, curve, max_width) if match_runs else None
 
 
 def fixed_block_cost(match_runs: list[int], block: int, curve: dict | None) -> float:
@@ -394,7 +375,8 @@ def lossless_policies(match: dict, curve: dict | None, blocks=(1, 2, 3, 4, 8, 16
     if not n:
         return {}
     fixed = {b: n / sum(fixed_block_cost(m, b, curve) for m in match.values()) for b in blocks}
-    return {"ar": 1.0, "fixed_blocks": fixed, "oracle": n / sum(oracle_cost(m, curve) for m in match.values())}
+    oracle = n / sum(oracle_cost(m, curve, max(blocks)) for m in match.values())
+    return {"ar": 1.0, "fixed_blocks": fixed, "oracle": oracle}
 
 
 def conditional_slot_rates(runs: list[int], n_slots: int = 16) -> list[float | None]:

@@ -6,7 +6,7 @@ import signal
 import sys
 
 from .errors import ConvertError
-from .export import OUTTYPES, ROLES
+from .export import OUTTYPES, ROLES, convert_checkpoint
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -31,7 +31,6 @@ def _terminate(signum, frame):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .export import convert_checkpoint
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         out = convert_checkpoint(args.hf_dir, args.output, outtype=args.outtype, role=args.role,

@@ -254,7 +254,7 @@ def _quantize_with_llama_cpp(src: Path, dst: Path, ftype: FT, progress: bool = F
         raise
     try:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)    # a pending signal is handled here, inside the try
-        _, err = proc.communicate()
+        err = _stderr_when_done(proc)
     except BaseException:
         proc.kill()
         proc.wait()
@@ -263,6 +263,24 @@ def _quantize_with_llama_cpp(src: Path, dst: Path, ftype: FT, progress: bool = F
         lines = err.decode("utf-8", "replace").strip().splitlines()
         why = lines[-1] if lines else f"the quantizer exited with status {proc.returncode}"
         raise ConvertError(f"{src}: llama_model_quantize to {ftype.name} failed ({why})")
+
+
+SIGNAL_POLL = 0.2      # seconds: the longest a signal taken by another thread waits for its handler
+
+
+def _stderr_when_done(proc) -> bytes:
+    """The child's stderr once it has exited, waited for in short slices. Python runs signal handlers
+    in the main thread only, when it next runs Python code; a signal the kernel gave another thread
+    (tqdm's monitor, or any thread while the main one blocked signals to start the child) wakes
+    nothing, so one blocking read would hold Ctrl-C back until the quantizer finished (minutes for a
+    large model; `tests/test_interrupts.py` sends the signal to another thread on purpose)."""
+    import subprocess
+
+    while True:
+        try:
+            return proc.communicate(timeout=SIGNAL_POLL)[1]
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _temp_path(out: Path, tag: str) -> Path:

@@ -37,8 +37,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..chat import Conversation
+from ..convert import convert_checkpoint, export
+from ..engine import Engine, Settings
+from ..errors import ProveError
+from ..llama import Context, Model
 from .mars import IGNORE, Example, StageSpec, collate, load_jsonl, make_batches, shift_targets, train_stage
 from .model import Qwen2Config, Qwen2ForCausalLM, save_hf
+from .tokenizer import QWEN2_PATTERN, save_hf_tokenizer
 
 PACKAGE = Path(__file__).resolve().parents[1]          # prove_local/
 DEFAULT_TRAIN = PACKAGE / "train" / "data" / "gsm8k_train.jsonl"
@@ -114,8 +120,6 @@ def read_gguf_model(path) -> tuple[Qwen2ForCausalLM, dict]:
     Returns (model, GGUF metadata)."""
     import gguf
 
-    from prove_local.convert import export
-
     r = gguf.GGUFReader(str(path))
     meta = _fields(r)
     arch = meta.get("general.architecture")
@@ -150,8 +154,6 @@ def tokenizer_from_gguf(meta: dict):
     """The HF `tokenizers` byte-level BPE equal to the GGUF's (tokens, merges, control/user tokens),
     built like train.tokenizer.train_byte_bpe, so the converter writes back the same vocabulary."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    from .tokenizer import QWEN2_PATTERN
 
     tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
     normal = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if int(ty) == 1}
@@ -193,10 +195,6 @@ def topk_logprobs(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 def generate(a) -> dict:
     """Greedy continuations + top-k soft targets, shard by shard (existing shards are kept)."""
     from tqdm import tqdm
-
-    from prove_local.chat import Conversation
-    from prove_local.engine import Engine, Settings
-    from prove_local.llama import Context, Model
 
     rows = load_jsonl(a.train_data)
     order = prompt_order(len(rows), a.n_prompts, a.seed)
@@ -439,8 +437,6 @@ def train(a) -> dict:
 
 def save_verifier(model, meta: dict, out: Path, pad_id: int) -> Path:
     """HF folder out/hf/verifier (weights, config, tokenizer rebuilt from the GGUF), written atomically."""
-    from .tokenizer import save_hf_tokenizer
-
     tok = tokenizer_from_gguf(meta)
     eos = int(meta["tokenizer.ggml.eos_token_id"])
     d, tmp = out / "hf" / "verifier", out / "hf" / "verifier.tmp"
@@ -459,8 +455,6 @@ def save_verifier(model, meta: dict, out: Path, pad_id: int) -> Path:
 
 def convert(a, block: int) -> dict:
     """out/gsm8k-verifier.gguf (F32) from the HF folder; with --install also the embedded file."""
-    from prove_local.convert import convert_checkpoint
-
     out = Path(a.out)
     dst = convert_checkpoint(out / "hf" / "verifier", out / VERIFIER_GGUF, outtype="f32", role="verifier",
                              block_size=block, progress=not a.no_progress)
@@ -506,7 +500,6 @@ def main(argv=None):
 
 def cli(argv=None):
     """`python -m prove_local.train.distill`: bad input ends with one line naming it, exit code 1."""
-    from prove_local.errors import ProveError
     try:
         main(argv)
     except (ProveError, ValueError, OSError) as e:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..convert import convert_checkpoint
 from .mars import (Example, StageSpec, encode_example, eval_ar_loss, eval_slots, load_jsonl,
                    make_batches, train_stage)
 from .model import Qwen2Config, Qwen2ForCausalLM, load_hf, save_hf
@@ -313,13 +314,6 @@ def convert_all(a) -> dict:
     out = Path(a.out)
     models = Path(a.models_dir)
     models.mkdir(parents=True, exist_ok=True)
-    try:
-        from prove_local import convert
-        fn = convert.convert_checkpoint
-    except Exception as e:
-        msg = f"converter not available ({type(e).__name__}: {e}); HF folders kept under {out / 'hf'}"
-        print(msg, flush=True)
-        return {"error": msg}
     res = {}
     for name, fname, role in (("proposer", PROPOSER_GGUF, "proposer"), ("verifier", VERIFIER_GGUF, "verifier")):
         src = out / "hf" / name
@@ -329,7 +323,7 @@ def convert_all(a) -> dict:
         dst = models / fname
         tmp = models / (fname + ".tmp")
         try:
-            fn(str(src), str(tmp), outtype="f32", role=role, block_size=a.block, progress=not a.no_progress)
+            convert_checkpoint(str(src), str(tmp), outtype="f32", role=role, block_size=a.block, progress=not a.no_progress)
             os.replace(tmp, dst)
             res[name] = {"path": str(dst), "bytes": dst.stat().st_size}
         except Exception as e:

@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass, field
 
 from prove_local.chat import Conversation
-from prove_local.engine import Settings, summarize
+from prove_local.engine import DEFAULT_BLOCK, Settings, summarize
 from prove_local.errors import ContextFull, LlamaError, ModeError, TemplateMissing
-from prove_local.loading import EMBEDDED_PROPOSER, Loaded
+from prove_local.loading import EMBEDDED_PROPOSER, Loaded, load_models
 from prove_local.modes import MODES
 from prove_local.pool import EnginePool
 
@@ -35,7 +35,7 @@ class Runtime:
         self.pool: EnginePool | None = None
         self.mode_errors: dict[str, str] = {}
         self.default_mode = "ar"
-        self.block_size = 16
+        self.block_size = DEFAULT_BLOCK
         self.n_ctx = loaded.context_options.get("n_ctx", n_ctx) if loaded else n_ctx
         self._parallel = max(1, parallel)
         if loaded is not None and error is None:
@@ -59,8 +59,6 @@ class Runtime:
     def from_args(cls, args) -> "Runtime":
         """Models from the command line (the embedded pair when no model is given). A failure
         to load does not raise: the page starts and shows `error`."""
-        from prove_local.loading import load_models
-
         try:
             loaded = load_models(args, parallel=max(1, args.parallel))
         except LlamaError as e:
@@ -117,6 +115,12 @@ class Turn:
     running: bool = True
     compare: dict | None = None
     seed: int | None = None           # the sampler's seed (the request's, or the one drawn for it)
+    planner_note: str | None = None   # why --block auto ran plain ar cycles (Engine.explain), if it did
+    request: object = None            # the engine's Request: its decode_seconds time tokens/s
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.request.decode_seconds if self.request is not None else 0.0
 
 
 @dataclass
@@ -160,7 +164,7 @@ def run_turn(runtime: Runtime, sess: Session, user: str, settings: Settings):
         with runtime.engine(sess.engine_hint) as (idx, engine):
             sess.engine_hint = idx
             gen = engine.generate(prompt, settings)
-            turn.seed = gen.request.seed
+            turn.seed, turn.request = gen.request.seed, gen.request
             with contextlib.closing(gen):
                 for cycle in gen:
                     turn.view.add(cycle)
@@ -168,6 +172,7 @@ def run_turn(runtime: Runtime, sess: Session, user: str, settings: Settings):
                         turn.note = "stopped"
                         break
                     yield turn
+            turn.planner_note = engine.explain(settings, fix="set the block length (draft k) to {width}")
     except (LlamaError, ModeError) as e:
         error = _error_text(e, runtime)
     except GeneratorExit:       # the page went away mid-answer: the engine was released above
@@ -184,7 +189,7 @@ def run_turn(runtime: Runtime, sess: Session, user: str, settings: Settings):
     turn.running = False
     cycles = turn.view.cycles
     if cycles:
-        turn.stats = summarize(cycles, sum(c.seconds for c in cycles))
+        turn.stats = summarize(cycles, turn.decode_seconds)
         if sess.stop_requested:
             turn.stats["stop"] = "stopped"
     if error:
@@ -205,7 +210,7 @@ def run_turn(runtime: Runtime, sess: Session, user: str, settings: Settings):
 
 def compare_with_ar(runtime: Runtime, sess: Session, turn_index: int = -1) -> dict:
     """Run the prompt of a finished turn again in `ar` (same max new tokens) and measure both
-    answers by their decode time (the sum of their cycles' seconds, prefill excluded)."""
+    answers by their tokens/s (engine.tokens_per_second: decode time, prefill excluded)."""
     if runtime.error:
         raise UIError(runtime.error)
     if not sess.turns:
@@ -217,10 +222,11 @@ def compare_with_ar(runtime: Runtime, sess: Session, turn_index: int = -1) -> di
     try:
         with runtime.engine(sess.engine_hint) as (idx, engine):
             sess.engine_hint = idx
-            cycles = list(engine.generate(turn.prompt, settings))
+            gen = engine.generate(turn.prompt, settings)
+            cycles = list(gen)
     except (LlamaError, ModeError) as e:
         raise UIError(_error_text(e, runtime)) from e
-    ar_stats = summarize(cycles, sum(c.seconds for c in cycles))
+    ar_stats = summarize(cycles, gen.request.decode_seconds)
     ar_text = runtime.reply_text([t for c in cycles for t in c.committed])
     mode_stats = turn.stats
     speedup = (mode_stats["tokens_per_second"] / ar_stats["tokens_per_second"]

@@ -1,7 +1,7 @@
 """Pure projection of the runtime's `Cycle` events to what the page shows.
 
-No decoding happens here: the rules' decisions are read back from the events (`committed`,
-`n_accepted`, `p`, `q`) and the per-mode gate (θ, τ) is only re-evaluated to *explain* them.
+No decoding happens here: the rules' decisions are read back from the events (`plan`, `gate`,
+`committed`, `n_accepted`, `p`, `q`); the modes' names and gates come from modes.py.
 
 - `AnswerView`: one answer's cycles -> colored spans (alternating per cycle; the lossless / spec
   correction or bonus token is a span of its own kind). The spans' texts concatenate to the
@@ -17,24 +17,21 @@ from dataclasses import dataclass, field
 
 from prove_local.engine import TextStream
 from prove_local.modes import MODES
-from prove_local.planner import chosen, label
-from prove_local.rules import leading_run
 
-MODE_LABELS = {
-    "ar": "AR (greedy)",
-    "lossless": "ProVe-lossless",
-    "prove": "ProVe",
-    "mars": "MARS rule",
-    "spec": "speculative",
-}
-EXACT_MODES = tuple(m.name for m in MODES.values() if m.exact)   # output equals greedy AR (up to batch rounding)
-Q_MEANING = {
-    "ar": "no verifier",
-    "lossless": "q: the proposer's own probability of the token in its verify pass",
-    "prove": "q: the verifier's probability of the token, teacher-forced",
-    "mars": "no verifier: the rule looks at p̃ only",
-    "spec": "p̃: the draft's confidence; q: the target's probability of the drafted token",
-}
+# a threshold gate's quantity and threshold symbol, by the setting it reads (Mode.gate)
+GATE_SYMBOLS = {"theta": ("p̃·q", "θ"), "tau": ("p̃", "τ")}
+
+
+def title(mode: str) -> str:
+    return MODES[mode].title if mode in MODES else mode
+
+
+def mode_choice(mode: str) -> str:
+    """The mode menu's entry: name, title, and what it guarantees or gates on."""
+    m = MODES[mode]
+    if m.width is None:
+        return f"{m.name} · one token per pass"
+    return f"{m.name} · {m.title} (" + ("exact" if m.exact else m.gate_text.split(": ", 1)[1].split(" = ")[0]) + ")"
 
 
 # ----------------------------------------------------------------------------------- spans
@@ -119,71 +116,65 @@ def token_label(raw: bytes) -> str:
 
 def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, token_text=str) -> list[SlotRow]:
     """One row per proposed slot, then one for the correction / bonus token (lossless, spec).
+    The cycle says what it ran (`plan`: an ar cycle when the planner fell back) and what its gate
+    decided per slot (`gate`); this only puts that into words.
     `token_text(id) -> str` names a token (e.g. `lambda t: token_label(model.piece(t, True))`)."""
+    m = MODES[cycle.plan.kind]
     d, p, q = cycle.proposed, cycle.p, cycle.q
     k, na = len(d), cycle.n_accepted
-    if chosen(mode, cycle)[0] == "ar":          # the planner ran a plain ar cycle (--block auto)
-        mode = "ar"
-    n_checked = len(q) if mode == "lossless" and q is not None else k   # the planner's verify width
+    gate = list(cycle.gate or []) + [None] * (k - len(cycle.gate or []))
+    n_checked = cycle.plan.tested                  # the planner's verify width (lossless)
     extra = cycle.committed[na:]
+    sampled = cycle.accept_prob is not None
+    who = "proposer's" if m.partner is None else "target's"
     cut = f"cut: the answer stopped here ({cycle.stop})"
-    rows = []
-    if mode in ("prove", "mars"):
-        if mode == "prove":
-            ok = [p[i] * q[i] >= theta for i in range(k)]
-            name, thr = "p̃·q", f"θ = {theta:g}"
-        else:
-            ok = [p[i] >= tau for i in range(k)]
-            name, thr = "p̃", f"τ = {tau:g}"
-        first_fail = leading_run(ok)
+    if m.gate:
+        name, sym = GATE_SYMBOLS[m.gate]
+        thr = f"{sym} = {theta if m.gate == 'theta' else tau:g}"
+        first_fail = gate.index(False) if False in gate else k
         run = max(1, first_fail)
+    rows = []
     for i in range(k):
         qi = q[i] if q is not None and i < len(q) else None
         pq = p[i] * qi if qi is not None else None
         committed = i < na
-        if mode == "ar":
-            gate, verdict = True, "the AR token: always committed"
-        elif mode in ("prove", "mars"):
-            gate = ok[i]
+        a = cycle.accept_prob[i] if sampled and i < len(cycle.accept_prob) else None
+        if m.width is None:
+            verdict = "the AR token: always committed"
+        elif m.gate:                                  # a threshold on every slot (prove, mars)
+            ok = gate[i]
             if committed:
-                verdict = f"{name} ≥ {thr}" if ok[i] else f"{name} < {thr}, committed anyway: slot 1 is the proposer's AR token"
+                verdict = f"{name} ≥ {thr}" if ok else f"{name} < {thr}, committed anyway: slot 1 is the proposer's AR token"
             elif i < run:
                 verdict = cut
             elif i == first_fail:
                 verdict = f"{name} < {thr}: the run ends here"
             else:
-                verdict = (f"{name} ≥ {thr}, but after the first failure" if ok[i]
+                verdict = (f"{name} ≥ {thr}, but after the first failure" if ok
                            else f"{name} < {thr}, after the first failure")
         else:  # lossless, spec: matched against the target's greedy token, or (sampled) tested by
             # exact speculative sampling with probability min(1, p/q)
-            sampled = cycle.accept_prob is not None
-            a = cycle.accept_prob[i] if sampled and i < len(cycle.accept_prob) else None
-            target = "the proposer's" if mode == "lossless" else "the target's"
             if committed:
-                gate = True
-                if mode == "lossless" and i == 0:
+                if m.free_first and i == 0:
                     verdict = ("slot 1 is an exact sample of the target: always accepted" if sampled
                                else "slot 1 is the AR token: always matches")
                 else:
-                    verdict = f"accepted (probability min(1, p/q) = {_fmt(a)})" if sampled else f"= {target} greedy token"
+                    verdict = f"accepted (probability min(1, p/q) = {_fmt(a)})" if sampled else f"= the {who} greedy token"
             elif i >= n_checked:
-                gate, verdict = None, f"not verified: the planner verified the first {n_checked} of {k} slots"
-            elif i == na and extra:
-                gate = False
+                verdict = f"not verified: the planner verified the first {n_checked} of {k} slots"
+            elif gate[i] is False and extra:
                 verdict = (f"rejected (acceptance probability {_fmt(a)}): replaced by a draw from the residual"
-                           if sampled else f"≠ {target} greedy token {token_text(extra[0])}: replaced")
+                           if sampled else f"≠ the {who} greedy token {token_text(extra[0])}: replaced")
             elif not extra and cycle.stop:
-                gate, verdict = None, cut
+                verdict = cut
             else:
-                gate, verdict = None, ("not tested: after the first rejection" if sampled
-                                       else "not checked: after the first mismatch")
-        acc = cycle.accept_prob[i] if cycle.accept_prob is not None and i < len(cycle.accept_prob) else None
-        rows.append(SlotRow(i + 1, d[i], token_text(d[i]), p[i], qi, pq, gate, verdict,
-                            "committed" if committed else "dropped", acc))
+                verdict = ("not tested: after the first rejection" if sampled
+                           else "not checked: after the first mismatch")
+        rows.append(SlotRow(i + 1, d[i], token_text(d[i]), p[i], qi, pq, gate[i], verdict,
+                            "committed" if committed else "dropped", a))
     for t in extra:
-        bonus = (not cycle.residual) if cycle.accept_prob is not None else na >= (n_checked if mode == "lossless" else k)
-        who = "proposer's" if mode == "lossless" else "target's"
-        if cycle.accept_prob is not None:
+        bonus = not cycle.residual
+        if sampled:
             why = (f"drawn from the {who} distribution after a full match" if bonus
                    else "drawn from norm(max(0, p − q)) at the first rejection")
         else:
@@ -221,7 +212,7 @@ def stats_line(stats: dict | None, mode: str) -> str:
         return ""
     passes = ", ".join(f"{r} {n}" for r, n in stats["n_passes"].items())
     stop = stats.get("stop")
-    return (f"{MODE_LABELS.get(mode, mode)} · {stats['n_tokens']} tokens · {stats['n_cycles']} cycles · "
+    return (f"{title(mode)} · {stats['n_tokens']} tokens · {stats['n_cycles']} cycles · "
             f"{stats['tokens_per_cycle']:.2f} tokens/cycle · passes: {passes or '—'} · "
             f"{stats['tokens_per_second']:.1f} tokens/s" + (f" · stop: {stop}" if stop else ""))
 
@@ -234,6 +225,7 @@ class Message:
     footer: str = ""
     running: bool = False
     note: str = ""          # e.g. an error for this turn
+    hint: str = ""          # e.g. why the planner decoded plain ar cycles, and how to see ProVe cycles
 
 
 def chat_html(messages: list[Message], selected: tuple[int, int] | None = None, placeholder: str = "") -> str:
@@ -246,6 +238,7 @@ def chat_html(messages: list[Message], selected: tuple[int, int] | None = None, 
         parts.append(f'<div class="msg user"><div class="bubble">{esc(m.user)}</div></div>')
         body = spans_html(t, m.spans, sel) or ('<span class="typing">…</span>' if m.running else "")
         note = f'<div class="note">{esc(m.note)}</div>' if m.note else ""
+        note += f'<div class="hint">{esc(m.hint)}</div>' if m.hint else ""
         footer = f'<div class="footer">{esc(m.footer)}</div>' if m.footer else ""
         parts.append(f'<div class="msg bot"><div class="bubble answer {state}" data-turn="{t}">'
                      f'<div class="text">{body}</div>{note}{footer}</div></div>')
@@ -259,7 +252,9 @@ def legend_html() -> str:
 
 
 def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: float, context: str = "",
-                   turn: int = 0, n_cycles: int = 1) -> str:
+                   turn: int = 0, n_cycles: int = 1, planner_note: str | None = None) -> str:
+    """The inspector for one cycle. A plain ar cycle inside an answer of another mode (the planner's
+    choice under --block auto) says why, with `planner_note` (Engine.explain) when there is one."""
     """The cycle as a table, slots left to right: token, p̃, q, p̃·q, gate, committed / dropped."""
     par = cycle.index % 2
     head = ['<th class="rowhead">slot</th>']
@@ -290,13 +285,15 @@ def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: 
     summary = f"committed {n_comm} of {n_prop} proposed tokens"
     if extra:
         summary += f" + the {extra[0].status} token {esc(extra[0].text)}"
-    gate = {"prove": f"gate: p̃·q ≥ θ = {theta:g}", "mars": f"gate: p̃ ≥ τ = {tau:g}",
-            "lossless": "gate: proposed token = the proposer's greedy token (verify pass)",
-            "spec": "gate: drafted token = the target's greedy token",
-            "ar": "no gate: one token per cycle"}.get(mode, "")
-    if sampled and mode in ("lossless", "spec"):
+    m = MODES[cycle.plan.kind]
+    gate = m.gate_text.format(theta=theta, tau=tau)
+    if sampled and m.exact and m.width is not None:
         gate = ("gate: exact speculative sampling, accept the sampled token x with probability min(1, p(x)/q(x)); "
                 "p̃ and q are the processed (sampled-from) probabilities of the proposal and the target")
+    if not cycle.plan.proposes and MODES[mode].width is not None:
+        gate = ("no proposal in this cycle: the planner (--block auto) ran a plain ar cycle, because on this "
+                "machine a proposal is expected to cost more than it commits. "
+                + (planner_note + "." if planner_note else "Fix the block length to watch proposals."))
     passes = ", ".join(f"{r} {n}" for r, n in cycle.passes.items())
     widths = "; ".join(f"{r} {'+'.join(map(str, w))}" for r, w in (cycle.widths or {}).items() if w)
     verdicts = "".join(
@@ -306,12 +303,12 @@ def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: 
            f'<span class="cursor">▌</span></div>') if context else ""
     return (f'<div class="inspector" data-cycle="{turn}:{cycle.index}">'
             f'<div class="insp-head"><b>answer {turn + 1}, cycle {cycle.index + 1} of {n_cycles}</b> · '
-            f'{esc(MODE_LABELS.get(mode, mode))} · {summary} · passes: {esc(passes)} · '
+            f'{esc(title(mode))} · {summary} · passes: {esc(passes)} · '
             f'<span class="widths" title="tokens fed per pass (the planner picks them with --block auto)">'
-            f'widths: {esc(widths or "—")} ({esc(label(mode, cycle))})</span> · '
+            f'widths: {esc(widths or "—")} ({esc(cycle.plan.label())})</span> · '
             f'{cycle.seconds * 1000:.1f} ms</div>{ctx}'
             f'<div class="insp-table"><table>{table}</table></div>'
-            f'<div class="insp-foot">{esc(gate)} · {esc(Q_MEANING.get(mode, ""))}</div>'
+            f'<div class="insp-foot">{esc(gate)} · {esc(m.q_text)}</div>'
             f'<details class="verdicts"><summary>verdict per slot</summary><ol>{verdicts}</ol></details></div>')
 
 
@@ -321,17 +318,17 @@ def compare_html(mode: str, mode_text: str, mode_spans: list[Span], mode_stats: 
     if temperature > 0:
         verdict = (f'texts {"identical" if same else "differ"} (sampled at temperature {temperature:g}: exact modes match '
                    'ar sampling in distribution, not token for token)')
-    elif mode in EXACT_MODES:
+    elif MODES[mode].exact:
         verdict = ('<span class="pass">texts identical ✓</span>' if same else
                    '<span class="fail">texts differ ✗ (exact mode: llama.cpp batch rounding on quantized '
                    'weights or an f16 KV cache can do this)</span>')
     else:
-        verdict = (f'texts {"identical" if same else "differ"} ({esc(MODE_LABELS.get(mode, mode))} is lossy; '
+        verdict = (f'texts {"identical" if same else "differ"} ({esc(title(mode))} is lossy; '
                    f'differences are expected)')
     sp = f"{speedup:.2f}×" if speedup else "—"
     return (f'<div class="compare"><div class="cmp-head"><b>speedup {sp}</b> '
-            f'(decode tokens/s, {esc(MODE_LABELS.get(mode, mode))} vs AR) · {verdict}</div>'
-            f'<div class="cmp-cols"><div class="cmp-col"><div class="cmp-title">{esc(MODE_LABELS.get(mode, mode))}</div>'
+            f'(decode tokens/s, {esc(title(mode))} vs AR) · {verdict}</div>'
+            f'<div class="cmp-cols"><div class="cmp-col"><div class="cmp-title">{esc(title(mode))}</div>'
             f'<div class="text">{spans_html(turn, mode_spans)}</div><div class="footer">{esc(stats_line(mode_stats, mode))}</div></div>'
             f'<div class="cmp-col"><div class="cmp-title">AR (greedy)</div><div class="text ar">{esc(ar_text)}</div>'
             f'<div class="footer">{esc(stats_line(ar_stats, "ar"))}</div></div></div></div>')

@@ -1,0 +1,98 @@
+"""GET /metrics: counters over every generation and request, in Prometheus' text format
+(llama-server's /metrics names where they exist: draft_n, draft_n_accepted)."""
+from __future__ import annotations
+
+import threading
+
+
+
+class Metrics:
+    """Counters for GET /metrics (Prometheus text format), updated under one lock."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = {}     # (endpoint, status) -> count
+        self.finished: dict[str, int] = {}                 # finish reason -> count
+        self.prompt_tokens = self.tokens = self.cycles = self.draft_n = self.draft_n_accepted = 0
+        self.accepted_by_slot: dict[int, int] = {}
+        self.tokens_by_slot: dict[int, int] = {}
+        self.passes: dict[str, int] = {}
+        self.decode_seconds: dict[str, float] = {}
+
+    def request(self, endpoint: str, status: int) -> None:
+        with self.lock:
+            self.requests[endpoint, status] = self.requests.get((endpoint, status), 0) + 1
+
+    def generation(self, job) -> None:
+        """Count a finished (or failed) jobs.Job."""
+        with self.lock:
+            self.finished[job.finish] = self.finished.get(job.finish, 0) + 1
+            self.prompt_tokens += len(job.prompt)
+            for c in job.cycles:
+                self.tokens += len(c.committed)
+                self.cycles += 1
+                self.accepted_by_slot[job.slot] = self.accepted_by_slot.get(job.slot, 0) + c.n_accepted
+                self.tokens_by_slot[job.slot] = self.tokens_by_slot.get(job.slot, 0) + len(c.committed)
+                for r, n in c.passes.items():
+                    self.passes[r] = self.passes.get(r, 0) + n
+                for r, t in c.decode_seconds.items():
+                    self.decode_seconds[r] = self.decode_seconds.get(r, 0.0) + t
+            d_n, d_acc = draft_counts(job.cycles)
+            self.draft_n += d_n
+            self.draft_n_accepted += d_acc
+
+    def render(self, pool_stats: dict | None) -> str:
+        out: list[str] = []
+
+        def metric(name, kind, help_, samples):
+            out.append(f"# HELP prove_{name} {help_}")
+            out.append(f"# TYPE prove_{name} {kind}")
+            for labels, value in samples:
+                lab = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
+                out.append(f"prove_{name}{{{lab}}} {value}" if lab else f"prove_{name} {value}")
+
+        with self.lock:
+            metric("requests_total", "counter", "HTTP requests answered, by endpoint and status",
+                   [({"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())])
+            metric("generations_total", "counter",
+                   "generations by how they ended (stop, length, cancelled = client gone, error)",
+                   [({"finish": f}, n) for f, n in sorted(self.finished.items())])
+            metric("prompt_tokens_total", "counter", "prompt tokens of the generations", [({}, self.prompt_tokens)])
+            metric("tokens_generated_total", "counter", "tokens committed", [({}, self.tokens)])
+            metric("cycles_total", "counter", "decoding cycles", [({}, self.cycles)])
+            metric("tokens_per_cycle", "gauge", "tokens committed per cycle, over all generations",
+                   [({}, self.tokens / self.cycles if self.cycles else 0.0)])
+            metric("accepted_tokens_total", "counter", "accepted proposals (Cycle.n_accepted) per engine slot",
+                   [({"slot": s}, n) for s, n in sorted(self.accepted_by_slot.items())])
+            metric("slot_tokens_total", "counter", "tokens committed per engine slot",
+                   [({"slot": s}, n) for s, n in sorted(self.tokens_by_slot.items())])
+            metric("draft_n_total", "counter", "tokens proposed or drafted (llama.cpp's draft_n)", [({}, self.draft_n)])
+            metric("draft_n_accepted_total", "counter", "proposed or drafted tokens accepted (draft_n_accepted)",
+                   [({}, self.draft_n_accepted)])
+            metric("passes_total", "counter", "forward passes (llama_decode calls) per model",
+                   [({"model": r}, n) for r, n in sorted(self.passes.items())])
+            metric("decode_seconds_total", "counter", "seconds in llama_decode per model",
+                   [({"model": r}, round(t, 6)) for r, t in sorted(self.decode_seconds.items())])
+        if pool_stats is not None:
+            metric("slots", "gauge", "engines (--parallel)", [({}, pool_stats["slots"])])
+            metric("slots_busy", "gauge", "engines decoding now", [({}, pool_stats["busy"])])
+            metric("queue_length", "gauge", "requests waiting for an engine", [({}, pool_stats["waiting"])])
+            metric("queue_capacity", "gauge", "most requests that may wait (--queue)",
+                   [({}, pool_stats["queue_capacity"])])
+            metric("queue_peak", "gauge", "most requests that waited at once", [({}, pool_stats["peak_waiting"])])
+            metric("requests_rejected_total", "counter", "requests refused with 503 (queue full)",
+                   [({}, pool_stats["rejected"])])
+        return "\n".join(out) + "\n"
+
+
+def _label(value) -> str:
+    """A Prometheus label value, escaped as the text format requires."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def draft_counts(cycles) -> tuple[int, int]:
+    """llama.cpp's draft_n / draft_n_accepted for our cycles: the tokens proposed (MARS block slots,
+    or spec's drafts) and those accepted. Plain ar proposes nothing, nor do the plain ar cycles that
+    the planner runs inside another mode (--block auto)."""
+    drafted = [c for c in cycles if c.plan.proposes]
+    return sum(len(c.proposed) for c in drafted), sum(c.n_accepted for c in drafted)

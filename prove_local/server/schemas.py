@@ -1,0 +1,81 @@
+"""The request bodies (pydantic, strict types: "5" is not a number; unknown fields ignored as OpenAI
+clients expect), and `parse`: body bytes -> a validated request, or a 400 naming the field.
+
+pydantic comes with FastAPI (the `server` extra): only the app imports this module."""
+
+import json
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ApiError
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class Common(Body):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logprobs: bool | int | None = None
+    # extensions: llama.cpp's sampling names, and the ProVe settings
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repeat_penalty: float | None = Field(None, gt=0)
+    repeat_last_n: int | None = Field(None, ge=0)
+    mode: str | None = None
+    theta: float | None = Field(None, ge=0)
+    tau: float | None = Field(None, ge=0)
+    block: Union[Literal["auto"], Annotated[int, Field(ge=1, le=512)], None] = None
+    draft_k: Union[Literal["auto"], Annotated[int, Field(ge=0, le=512)], None] = None
+
+
+class Chat(Common):
+    messages: list[Message] = Field(min_length=1)
+
+
+class Completion(Common):
+    prompt: Union[str, list[str]]
+    echo: bool | None = False
+    suffix: str | None = None
+
+
+def parse(raw: bytes, kind: type[Body]) -> Body:
+    """Body bytes -> validated request, or a 400 naming the field."""
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"malformed JSON in the request body: {e}") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return kind.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("function-", "union[")))
+        raise ApiError(400, f"{where}: {err['msg']}" if where else err["msg"], param=where or None) from None

@@ -1,0 +1,70 @@
+"""What the app serves: the engine pool once the models are loaded, the server's defaults, the API
+keys, the counters and the open generations."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .. import modes
+from ..engine import Settings
+from ..errors import ModeError, ProveError
+from ..loading import load_models
+from ..pool import EnginePool
+from .metrics import Metrics
+
+DEFAULT_MAX_BODY = 2 * 1024 * 1024     # bytes; a 32k-token conversation is ~130 kB of text
+
+
+@dataclass
+class State:
+    """What the app serves: the pool once loaded, the keys, the counters and the open jobs."""
+    keys: list[str] = field(default_factory=list)
+    max_body: int = DEFAULT_MAX_BODY
+    pool: object = None
+    error: ProveError | None = None
+    defaults: object = None                  # engine.Settings a request starts from
+    model_ids: dict = field(default_factory=dict)   # role -> id
+    created: int = 0
+    metrics: Metrics = field(default_factory=Metrics)
+    jobs: set = field(default_factory=set)
+    mode_errors: dict = field(default_factory=dict)
+    closing: bool = False
+
+    def load(self, args) -> None:
+        loaded = load_models(args, parallel=args.parallel)
+        pool = EnginePool(loaded, args.parallel, max_queue=args.queue)
+        first = pool.first
+        mode = args.mode or first.default_mode()
+        defaults = Settings(mode=mode, block=args.block, theta=args.theta, tau=args.tau, draft_k=args.draft_k,
+                            temperature=args.temperature)
+        first.check(replace(defaults, temperature=0.0))    # a bad --mode/--block is a start-up error
+        first.prepare(defaults)     # --block auto: pass costs calibrated (or read from the cache) before serving
+        for m in modes.NAMES:
+            try:
+                first.check(Settings(mode=m))
+            except ModeError as e:
+                self.mode_errors[m] = str(e)
+        self._name_models(loaded)
+        self.created = int(Path(loaded.proposer.path).stat().st_mtime) if Path(loaded.proposer.path).exists() else 0
+        self.defaults = defaults
+        self.pool = pool                         # last: /health turns 200 now
+
+    def _name_models(self, loaded) -> None:
+        """The model ids of /v1/models: the file names, made unique when two roles use like-named files."""
+        for role, m in (("proposer", loaded.proposer), ("verifier", loaded.verifier), ("draft", loaded.draft)):
+            if m is not None:
+                mid = Path(m.path).stem
+                self.model_ids[role] = mid if mid not in self.model_ids.values() else f"{mid}-{role}"
+
+    def describe(self) -> str:
+        models = ", ".join(f"{r} {i}" for r, i in self.model_ids.items())
+        return f"{models}; mode {self.defaults.mode}, {self.pool.parallel} parallel, queue {self.pool.max_queue}"
+
+    @property
+    def model_id(self) -> str:
+        return self.model_ids.get("proposer", "prove-local")
+
+    def shutdown(self) -> None:
+        self.closing = True
+        for job in list(self.jobs):
+            job.cancel.set()
