@@ -18,12 +18,12 @@ would mean copying and rewinding sampler state per slot. Float64 because the rat
 probabilities must not underflow (a float16 q auto-accepts: lablup/mlxcel PR #992), and q must be
 the processed one the token was drawn from (raw q: HF transformers bug #47932, TV error 0.05).
 
-Cost per row (issue 20): with top-k on, the row is read twice (a comparison against a threshold
-from a strided sample, logits.top_candidates) and only the k candidates (k + the penalised tokens
-with a repetition penalty) are converted to float64, sorted and normalised; drawing, the ratio test
-and the residual work on those few. Only top-k off (0) needs the normaliser of the whole vocabulary:
-one float64 pass over the row, in a reused buffer. The rows are read, never written (they may be a
-view into llama.cpp's output buffer).
+Cost per row (issue 20): with top-k on, the row is read once (the maxima of strided groups,
+logits.top_candidates) and only the k candidates (k + the penalised tokens with a repetition
+penalty) are converted to float64, sorted and normalised; drawing, the ratio test and the residual
+work on those few. Only top-k off (0) needs the normaliser of the whole vocabulary: one float64
+pass over the row, in a reused buffer. The rows are read, never written (they may be a view into
+llama.cpp's output buffer).
 
 Random numbers: one `numpy.random.Generator` per request (`Sampler.rng`), consumed only here, one
 uniform per call, in this documented order within a cycle:
@@ -159,7 +159,7 @@ def _dense_pair(p, q):
 
 class Sampler:
     """The sampler chain of one request and its random generator. The rules call:
-    `dist` (processed distributions), `propose` (draw slot/draft tokens), `draw`, `verify`
+    `dists` (processed distributions, sparse), `propose` (draw slot/draft tokens), `draw`, `verify`
     (exact speculative sampling) and `residual`. Temperature 0 with a repetition penalty gives
     one-hot distributions (greedy on the penalized logits); without a penalty the engine passes
     no sampler at all and the rules run their greedy code."""
