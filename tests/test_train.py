@@ -329,3 +329,121 @@ def test_distill_miniature_end_to_end(tmp_path):
     assert r_new.fields["general.name"].contents().endswith(distill.DISTILLED_SUFFIX)
     with pytest.raises(SystemExit, match="already distilled"):
         distill.main(["--out", str(out), "--stage", "train", "--verifier", str(path), "--no-progress"])
+
+
+def test_self_distill_targets_hand_computed():
+    """Issue 21: clean rows get the proposer's argmax after each prefix; a noisy row gets it only while
+    the tokens of its block that it cannot see are greedy decoding's own (prompt tokens count as given)."""
+    from prove_local.train.self_distill import self_targets
+
+    ids = [1, 2, 3, 10, 11, 12, 13, 14, 15, 16]         # prompt 0..2, continuation 3..9 (a sampled one)
+    greedy = torch.tensor([10, 11, 99, 13, 14, 15, 16])  # argmax after ids[:3 + j]: position 5 left the path
+    clean, noisy = self_targets(ids, 3, greedy, block=4)
+    I = IGNORE
+    assert clean.tolist() == [I, I, 10, 11, 99, 13, 14, 15, 16, I]
+    # blocks [0..3] [4..7] [8..11]: row 4 sees nothing of its block but token 4 (on the path) -> kept;
+    # rows 5..7 cannot see token 5 (off the path) -> dropped; row 8 starts a new block -> kept
+    assert noisy.tolist() == [I, I, 10, 11, 99, I, I, I, 16, I]
+    # a greedy continuation: every row keeps its target
+    clean, noisy = self_targets([1, 2, 3, 10, 11, 12], 3, torch.tensor([10, 11, 12]), block=2)
+    assert torch.equal(clean, noisy) and clean.tolist() == [I, I, 10, 11, 12, I]
+
+
+def test_mars_loss_targets_matches_mars_loss_and_weights_slots():
+    from prove_local.train.mars import mars_loss, mars_loss_targets, slot_weights
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    ids = torch.randint(0, 39, (2, 11))
+    lm = torch.zeros_like(ids)
+    lm[:, 5:] = 1
+    labels = shift_targets(ids, lm)
+    want = mars_loss(model, ids, lm, 39, 4)
+    got = mars_loss_targets(model, ids, labels, labels, 39, 4)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(w, g)
+    assert slot_weights(11, 4, 4, 0.5).tolist() == [1, 0.5, 0.25, 0.125, 1, 0.5, 0.25]
+    # with every noisy row but one dropped, the weighting cannot matter; dropping rows changes the noisy term
+    one = torch.full_like(labels, IGNORE)
+    one[0, 6] = labels[0, 6]
+    a = mars_loss_targets(model, ids, labels, one, 39, 4, slot_decay=0.3)
+    b = mars_loss_targets(model, ids, labels, one, 39, 4)
+    torch.testing.assert_close(a[1], b[1])
+    assert abs(float(b[1]) - float(want[1])) > 1e-4
+    torch.testing.assert_close(a[2], want[2])              # the clean term is untouched
+    # soft clean targets: a one-hot teacher is the hard CE; a two-token one is the mixed CE
+    y = labels[labels != IGNORE]
+    other = (y + 1) % 40
+    onehot = (torch.stack([y, other], 1), torch.tensor([[0.0, -1e4]]).expand(len(y), 2))
+    torch.testing.assert_close(mars_loss_targets(model, ids, labels, labels, 39, 4, clean_soft=onehot)[2], want[2])
+    mix = (onehot[0], torch.log(torch.tensor([[0.75, 0.25]])).expand(len(y), 2))
+    got_mix = mars_loss_targets(model, ids, labels, labels, 39, 4, clean_soft=mix)[2]
+    x, pos, _, m = mars_inputs(ids, labels, 39, 4, 4)
+    logp = torch.log_softmax(model.logits(model.hidden(x, pos, m)[:, -11:][labels != IGNORE]), -1)
+    want_mix = -(0.75 * logp.gather(1, y[:, None]) + 0.25 * logp.gather(1, other[:, None])).mean()
+    torch.testing.assert_close(got_mix, want_mix)
+
+
+def test_self_distill_miniature_end_to_end(tmp_path):
+    """Issue 21 in miniature, on the shipped proposer: generate -> MARS training on greedy targets (+ the
+    reference AR term, slot weights) -> a2d HF folder -> F32 GGUF that llama.cpp loads, computes as torch
+    does, and decodes exactly (lossless == ar)."""
+    pytest.importorskip("llama_cpp")
+    from prove_local.engine import Engine, Settings
+    from prove_local.llama import Context, Model
+    from prove_local.train import distill, self_distill
+
+    if not distill.PROPOSER.exists():
+        pytest.skip("embedded proposer not present")
+    train_rows = [json.loads(l) for l in (ROOT / "prove_local" / "train" / "data" / "gsm8k_train.jsonl").open()]
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text("".join(json.dumps(r) + "\n" for r in train_rows[-3:]))
+    out, models = tmp_path / "run", tmp_path / "models"
+    common = ["--out", str(out), "--n-prompts", "6", "--shard", "3", "--max-new", "24", "--samples", "1",
+              "--dev-data", str(dev), "--no-progress"]
+    part = self_distill.main(common + ["--stage", "generate", "--part", "1/2"])
+    assert part["generate"]["prompts"] == 3 and [p.name for p in (out / "gen").glob("shard_*.npz")] == ["shard_0001.npz"]
+    with pytest.raises(ValueError, match="--stage generate"):
+        self_distill.main(common + ["--part", "0/2"])
+    with pytest.raises(SystemExit, match="not a MARS proposer"):
+        self_distill.main(common + ["--proposer", str(distill.VERIFIER)])
+    summary = self_distill.main(common + ["--epochs", "10", "--lr", "3e-3", "--warmup", "1", "--val-frac", "0.2",
+                                          "--ref-weight", "0.5", "--slot-decay", "0.8", "--eval-every", "5",
+                                          "--install", "--models-dir", str(models)])
+    tr = summary["train"]
+    assert tr["train_prompts"] == 5 and tr["heldout_examples"] == 1 and tr["train_examples"] == 10
+    # the GGUF read into torch reproduces llama.cpp's greedy tokens (the data's teacher is this model)
+    assert tr["before_f32"]["slot_acc"][0] >= self_distill.MIN_AGREEMENT
+    # sampled continuations leave the greedy path, so some noisy rows have no target; clean rows all do
+    assert 0 < tr["noisy_rows_with_target"] < tr["rows"]
+    log = json.loads((out / "curves" / "self-distill.json").read_text())["log"]
+    assert {"noisy", "clean", "ref"} <= set(log[0])
+    first, last = (sum(r["noisy"] for r in log[i:i + 5]) / 5 for i in (0, len(log) - 5))
+    assert last < first                                          # it learns the greedy targets
+    assert (out / "loss_curve.png").exists()
+    assert np.isfinite(tr["after_f32"]["dev_ar_loss"]) and tr["dev_references"] == 3
+
+    path = models / self_distill.PROPOSER_GGUF
+    assert path.exists() and (out / self_distill.PROPOSER_GGUF).read_bytes() == path.read_bytes()
+    text = "<|im_start|>user\nTom has 3 apples and buys 5 more. How many?<|im_end|>\n<|im_start|>assistant\nTom"
+    new = Model(path)
+    ids = new.tokenize(text) + [int(new.meta("tokenizer.ggml.mask_token_id"))] * 3
+    ctx = Context(new, n_ctx=256, n_threads=1, type_k="f32", type_v="f32")
+    try:
+        assert new.meta("prove.role") == "proposer" and new.meta("prove.block_size") == "16"
+        assert new.meta("general.name").endswith(self_distill.SUFFIX)
+        got = ctx.eval(ids, list(range(len(ids))))
+    finally:
+        ctx.close()
+    with torch.no_grad():
+        ref = load_hf(out / "hf" / "proposer").eval()(torch.tensor([ids]))[0].numpy()
+    assert json.loads((out / "hf" / "proposer" / "config.json").read_text())["model_type"] == "a2d-qwen2"
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=2e-3)
+    engine = Engine.load(new, n_ctx=512, n_threads=1, type_k="f32", type_v="f32")
+    prompt = new.tokenize(text[:-3])
+    outs = {m: [t for c in engine.generate(prompt, Settings(mode=m, max_new=40)) for t in c.committed]
+            for m in ("ar", "lossless")}
+    engine.contexts["proposer"].close()
+    new.close()
+    assert outs["lossless"] == outs["ar"] and len(outs["ar"]) > 0

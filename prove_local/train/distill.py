@@ -55,17 +55,12 @@ VERIFIER_GGUF = "gsm8k-verifier.gguf"
 DISTILLED_SUFFIX = "-distilled"     # general.name of a distilled verifier ends with it
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m prove_local.train.distill", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/distill")
+def add_generation_args(p, *, what: str) -> None:
+    """The generation stage's options (shared with self_distill.py, which runs the same stage)."""
+    p.add_argument("--out", default=f"runs/{what}")
     p.add_argument("--proposer", default=str(PROPOSER), help="proposer GGUF (the teacher)")
-    p.add_argument("--verifier", default=str(VERIFIER),
-                   help="verifier GGUF to start from (F32; the one `python -m prove_local.train` writes, or the "
-                        "pre-distillation file from git history; not an already distilled one)")
-    p.add_argument("--force", action="store_true", help="start from an already distilled verifier anyway")
     p.add_argument("--train-data", default=str(DEFAULT_TRAIN))
-    p.add_argument("--n-prompts", type=int, default=10**9, help="train prompts to continue (a seeded subset; default: all)")
+    p.add_argument("--n-prompts", type=int, default=10**9, help="train prompts to continue (a seeded subset; default %(default)s: all of them if more)")
     p.add_argument("--max-new", type=int, default=256, help="max new tokens per continuation")
     p.add_argument("--topk", type=int, default=8, help="proposer log-probs kept per position (soft targets)")
     p.add_argument("--shard", type=int, default=250, help="prompts per generation shard")
@@ -74,6 +69,17 @@ def parse_args(argv=None):
     p.add_argument("--part", default="0/1", help="i/n: generate only shards s with s %% n == i (n processes in parallel)")
     p.add_argument("--gen-minutes", type=float, default=0.0,
                    help="stop generating after this many minutes, at a shard boundary (0: no limit)")
+    p.add_argument("--ctx", type=int, default=1024, help="llama.cpp context for generation")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m prove_local.train.distill", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_generation_args(p, what="distill")
+    p.add_argument("--verifier", default=str(VERIFIER),
+                   help="verifier GGUF to start from (F32; the one `python -m prove_local.train` writes, or the "
+                        "pre-distillation file from git history; not an already distilled one)")
+    p.add_argument("--force", action="store_true", help="start from an already distilled verifier anyway")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--max-tokens", type=int, default=4096, help="padded tokens per batch")
@@ -87,7 +93,6 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--bf16", type=int, default=1, help="bf16 autocast for matmuls (weights stay f32)")
     p.add_argument("--threads", type=int, default=1, help="torch threads and llama.cpp threads")
-    p.add_argument("--ctx", type=int, default=1024, help="llama.cpp context for generation")
     p.add_argument("--stage", choices=("all", "generate", "train"), default="all")
     p.add_argument("--install", action="store_true",
                    help=f"also replace {VERIFIER} with the distilled verifier (atomically)")
@@ -435,15 +440,17 @@ def train(a) -> dict:
 
 # --------------------------------------------------------------------------- 3. export
 
-def save_verifier(model, meta: dict, out: Path, pad_id: int) -> Path:
-    """HF folder out/hf/verifier (weights, config, tokenizer rebuilt from the GGUF), written atomically."""
+def save_model(model, meta: dict, out: Path, pad_id: int, *, folder: str = "verifier", model_type: str = "qwen2",
+               suffix: str = DISTILLED_SUFFIX, extra: dict | None = None) -> Path:
+    """HF folder out/hf/<folder> (weights, config, tokenizer rebuilt from the GGUF), written atomically;
+    its general.name (through _name_or_path) is the GGUF's own name + `suffix`."""
     tok = tokenizer_from_gguf(meta)
     eos = int(meta["tokenizer.ggml.eos_token_id"])
-    d, tmp = out / "hf" / "verifier", out / "hf" / "verifier.tmp"
+    d, tmp = out / "hf" / folder, out / "hf" / (folder + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_hf(model, tmp, model_type="qwen2",
+    save_hf(model, tmp, model_type=model_type,
             extra_config={"bos_token_id": None, "eos_token_id": eos, "pad_token_id": pad_id,
-                          "_name_or_path": str(meta.get("general.name") or "verifier") + DISTILLED_SUFFIX})
+                          "_name_or_path": str(meta.get("general.name") or folder) + suffix, **(extra or {})})
     mask = meta.get("tokenizer.ggml.mask_token_id")
     save_hf_tokenizer(tok, tmp, mask_token=tok.id_to_token(int(mask)) if mask is not None else None)
     (tmp / "generation_config.json").write_text(json.dumps(
@@ -453,20 +460,30 @@ def save_verifier(model, meta: dict, out: Path, pad_id: int) -> Path:
     return d
 
 
+def save_verifier(model, meta: dict, out: Path, pad_id: int) -> Path:
+    return save_model(model, meta, out, pad_id)
+
+
+def convert_and_install(hf_dir: Path, out: Path, fname: str, role: str, block: int, install: bool,
+                        models_dir, progress: bool) -> dict:
+    """out/<fname> (F32 GGUF) from the HF folder; with `install` also models_dir/<fname>, replaced atomically."""
+    dst = convert_checkpoint(hf_dir, out / fname, outtype="f32", role=role, block_size=block, progress=progress)
+    res = {"gguf": str(dst), "bytes": dst.stat().st_size}
+    if install:
+        models = Path(models_dir)
+        models.mkdir(parents=True, exist_ok=True)
+        tmp = models / (fname + ".tmp")
+        shutil.copyfile(dst, tmp)
+        os.replace(tmp, models / fname)
+        res["installed"] = str(models / fname)
+    return res
+
+
 def convert(a, block: int) -> dict:
     """out/gsm8k-verifier.gguf (F32) from the HF folder; with --install also the embedded file."""
     out = Path(a.out)
-    dst = convert_checkpoint(out / "hf" / "verifier", out / VERIFIER_GGUF, outtype="f32", role="verifier",
-                             block_size=block, progress=not a.no_progress)
-    res = {"gguf": str(dst), "bytes": dst.stat().st_size}
-    if a.install:
-        models = Path(a.models_dir)
-        models.mkdir(parents=True, exist_ok=True)
-        tmp = models / (VERIFIER_GGUF + ".tmp")
-        shutil.copyfile(dst, tmp)
-        os.replace(tmp, models / VERIFIER_GGUF)
-        res["installed"] = str(models / VERIFIER_GGUF)
-    return res
+    return convert_and_install(out / "hf" / "verifier", out, VERIFIER_GGUF, "verifier", block, a.install,
+                               a.models_dir, not a.no_progress)
 
 
 def main(argv=None):

@@ -148,14 +148,48 @@ def ar_loss(model, ids, loss_mask):
 def mars_loss(model, ids, loss_mask, mask_id: int, block: int, ar_weight: float = 1.0):
     """CE(noisy) + ar_weight * CE(clean). Noisy rows start at the first block that has a label."""
     labels = shift_targets(ids, loss_mask)
-    has = (labels != IGNORE).any(0).nonzero()
+    return mars_loss_targets(model, ids, labels, labels, mask_id, block, ar_weight)
+
+
+def slot_weights(L: int, block: int, noisy_start: int, decay: float) -> torch.Tensor:
+    """Weight of each noisy row: decay ** (slot - 2), where the noisy row at position p is slot
+    p % block + 2 of its block's proposal (slot 1 is the clean row before the block)."""
+    return decay ** (torch.arange(noisy_start, L) % block).float()
+
+
+def mars_loss_targets(model, ids, clean_labels, noisy_labels, mask_id: int, block: int, ar_weight: float = 1.0,
+                      slot_decay: float = 1.0, clean_soft: tuple | None = None):
+    """MARS loss with separate targets for the clean rows and the noisy rows (both right-shifted, IGNORE
+    where a row has no target): CE(noisy) + ar_weight * CE(clean). With slot_decay < 1 the noisy rows'
+    CE is a weighted mean, slot s weighted slot_decay ** (s - 2), so the early slots (those a leading
+    run of accepted slots reaches) get more of the capacity. `clean_soft` = (ids [N, k], log-probs [N, k])
+    for the N clean rows that have a label (row-major order) replaces the clean rows' hard targets by
+    CE against that distribution renormalised over its k tokens (a teacher's top-k).
+    Returns (loss, noisy CE, clean CE)."""
+    lab = torch.where(noisy_labels != IGNORE, noisy_labels, clean_labels)
+    has = (lab != IGNORE).any(0).nonzero()
     first = int(has[0]) if len(has) else 0
     noisy_start = (first // block) * block
-    x, pos, y, m = mars_inputs(ids, labels, mask_id, block, noisy_start)
+    x, pos, _, m = mars_inputs(ids, clean_labels, mask_id, block, noisy_start)
     h = model.hidden(x, pos, m)
     Ln = x.shape[1] - ids.shape[1]
-    ln, _ = _ce_at_labels(model, h[:, :Ln], y[:, :Ln])
-    lc, _ = _ce_at_labels(model, h[:, Ln:], y[:, Ln:])
+    yn = noisy_labels[:, noisy_start:]
+    if slot_decay == 1.0:
+        ln, _ = _ce_at_labels(model, h[:, :Ln], yn)
+    else:
+        sel = yn != IGNORE
+        w = slot_weights(ids.shape[1], block, noisy_start, slot_decay).expand_as(yn)[sel]
+        if sel.any():
+            ce = F.cross_entropy(model.logits(h[:, :Ln][sel]).float(), yn[sel], reduction="none")
+            ln = (w * ce).sum() / w.sum()
+        else:
+            ln = h.sum() * 0.0
+    if clean_soft is None:
+        lc, _ = _ce_at_labels(model, h[:, Ln:], clean_labels)
+    else:
+        soft_ids, soft_logp = clean_soft
+        logp = F.log_softmax(model.logits(h[:, Ln:][clean_labels != IGNORE]).float(), dim=-1)
+        lc = -(torch.softmax(soft_logp, dim=-1) * logp.gather(1, soft_ids)).sum(-1).mean()
     return ln + ar_weight * lc, ln.detach(), lc.detach()
 
 
