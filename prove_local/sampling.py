@@ -182,3 +182,14 @@ class Sampler:
             if self.rng.random() >= accept[i]:
                 return i, self.residual(p[i], q[i]), accept, True
         return len(drafted), self.draw(p[len(drafted)]), accept, False
+
+
+def point_mass(tokens, n_vocab: int) -> np.ndarray:
+    """The draft distribution of tokens proposed without a model (lookup drafts): one row per token,
+    all its mass on that token. With it, `Sampler.verify` accepts x with probability p(x) and after a
+    rejection draws from norm(max(0, p - onehot(x))) = p without x: the committed token is distributed
+    as p (the rejection step's identity with q a point mass)."""
+    q = np.zeros((len(tokens), n_vocab), dtype=np.float64)
+    if len(tokens):
+        q[np.arange(len(tokens)), np.asarray(tokens, dtype=np.int64)] = 1.0
+    return q

@@ -28,10 +28,15 @@ def modes_table(res: dict) -> str:
                      stats.fmt(m["projected_speedup"]["curve"], 2, "×"), stats.fmt(m["projected_speedup"]["flat"], 2, "×"),
                      _pct(m["exact_match_vs_ar"]),
                      _pct(m["accuracy"]) + (f" (n={m['n_checkable']})" if m["n_checkable"] else ""),
-                     _pct(m.get("loop_share"))])
+                     _pct(m.get("loop_share")), _drafts(m.get("drafts"))])
     return _table(["run", "tokens/s", "speedup (median)", "speedup (totals)", "tokens/cycle", "passes/token",
                    "cycle cost", "cycle cost (curve)", "projected speedup", "flat-curve speedup",
-                   "= ar output", "accuracy", "in loops"], rows)
+                   "= ar output", "accuracy", "in loops", "accepted / drafted"], rows)
+
+
+def _drafts(d: dict | None) -> str:
+    """Accepted / drafted tokens per source (mask, lookup, draft)."""
+    return ", ".join(f"{src} {v['accepted']}/{v['drafted']}" for src, v in sorted((d or {}).items())) or "–"
 
 
 def summary_markdown(res: dict) -> str:

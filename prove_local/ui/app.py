@@ -49,6 +49,8 @@ CSS = """
 .cyc.c1, .tok.c1 {background: #fde68a; color: #78350f;}
 .cyc.fix, .tok.fix {background: #bbf7d0; color: #14532d; box-shadow: inset 0 -2px 0 #16a34a;}
 .cyc.sel {outline: 2px solid #db2777; outline-offset: 0;}
+.cyc.lk, .tok.lk {text-decoration: underline dotted #7c3aed; text-decoration-thickness: 2px; text-underline-offset: 3px;}
+td.src.lookup {color: #7c3aed; font-weight: 600;}
 .cyc:hover {filter: brightness(0.93);}
 .typing {color: var(--body-text-color-subdued);}
 .legend {display: flex; gap: 8px; align-items: center; font-size: 0.82em; margin: 2px 0 6px 0; flex-wrap: wrap;}
@@ -138,7 +140,7 @@ def cmd_ui(args) -> int:
     runtime = Runtime.from_args(args)
     if runtime.error:
         print(f"prove-local ui: {runtime.error} (the page shows this too)", file=sys.stderr)
-    demo = build_app(runtime, max_new=args.max_new, block=args.block, draft_k=args.draft_k)
+    demo = build_app(runtime, max_new=args.max_new, block=args.block, draft_k=args.draft_k, lookup=args.lookup)
     try:
         _, local_url, share_url = launch(demo, runtime, host=args.host, port=args.port, share=args.share,
                                          prevent_thread_lock=True, quiet=True)
@@ -165,7 +167,7 @@ def launch(demo, runtime, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                        css=CSS, head=HEAD, theme=gr.themes.Soft(primary_hue="indigo"), show_error=False, footer_links=["gradio"], **kw)
 
 
-def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
+def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto", lookup="auto"):
     """The page, on a loaded `Runtime` (or one whose `error` says why not)."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     import gradio as gr
@@ -242,7 +244,8 @@ def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
                                  temperature=t.settings.temperature)
 
     # ------------------------------------------------------------------ handlers
-    def send(text, mode, theta, tau, block, max_new_, draft_k, temp, top_k, top_p, min_p, repeat_penalty, seed, sess):
+    def send(text, mode, theta, tau, block, max_new_, draft_k, lookup, temp, top_k, top_p, min_p, repeat_penalty,
+             seed, sess):
         sess = sess if isinstance(sess, Session) else Session()
         text = (text or "").strip()
         if not text:
@@ -252,7 +255,8 @@ def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
         # sampling: the side panel's "sampling" controls (seed -1: a fresh seed per answer);
         # slider value 0 is "auto": the planner picks the widths per cycle (planner.py)
         settings = Settings(mode=mode, max_new=int(max_new_), block=int(block) or "auto", theta=float(theta),
-                            tau=float(tau), draft_k=int(draft_k) or "auto", temperature=float(temp), top_k=int(top_k),
+                            tau=float(tau), draft_k=int(draft_k) or "auto",
+                            lookup="auto" if int(lookup) < 0 else int(lookup), temperature=float(temp), top_k=int(top_k),
                             top_p=float(top_p), min_p=float(min_p), repeat_penalty=float(repeat_penalty),
                             seed=None if seed is None or int(seed) < 0 else int(seed))
         banner = ""
@@ -320,7 +324,8 @@ def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
     def mode_changed(mode):
         m = MODES[mode]
         return (gr.update(visible=m.gate == "theta"), gr.update(visible=m.gate == "tau"),
-                gr.update(visible=m.width == "block"), gr.update(visible=m.width == "draft_k"))
+                gr.update(visible=m.width == "block"), gr.update(visible=m.width == "draft_k"),
+                gr.update(visible=m.lookup))
 
     # ------------------------------------------------------------------ layout
     names = runtime.names()
@@ -365,6 +370,9 @@ def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
                                   visible=MODES[default_mode].width == "block", elem_id="block")
                 draft_k = gr.Slider(0, 16, value=0 if draft_k == "auto" else draft_k, step=1, label="draft tokens per cycle (spec; 0 = auto)",
                                     visible=MODES[default_mode].width == "draft_k", elem_id="draft_k")
+                lookup = gr.Slider(-1, 16, value=-1 if lookup == "auto" else lookup, step=1, elem_id="lookup",
+                                   label="lookup draft tokens (copied from the text; -1 = auto, 0 = off)",
+                                   visible=MODES[default_mode].lookup)
                 max_new = gr.Slider(1, 2048, value=max_new, step=1, label="max new tokens", elem_id="max_new")
                 with gr.Accordion("sampling", open=False, elem_id="sampling"):
                     temp = gr.Slider(0.0, 2.0, value=0.0, step=0.05, elem_id="temp",
@@ -388,7 +396,7 @@ def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
         pick_box = gr.Textbox(elem_id="pick", visible="hidden", show_label=False)
 
         gen_outputs = [chat_box, stats_box, insp_box, cycle_no, banner, compare_box, box, state]
-        gr.on([send_btn.click, box.submit], send, [box, mode, theta, tau, block, max_new, draft_k, temp, top_k, top_p,
+        gr.on([send_btn.click, box.submit], send, [box, mode, theta, tau, block, max_new, draft_k, lookup, temp, top_k, top_p,
                                                    min_p, repeat_penalty, seed, state],
               gen_outputs, concurrency_limit=parallel, concurrency_id="decode", show_progress="hidden")
         stop_btn.click(stop, state, state, queue=False, show_progress="hidden")
@@ -401,5 +409,5 @@ def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
         cycle_no.submit(goto, [cycle_no, state], sel_outputs, queue=False, show_progress="hidden")
         prev_btn.click(step(-1), state, sel_outputs, queue=False, show_progress="hidden")
         next_btn.click(step(1), state, sel_outputs, queue=False, show_progress="hidden")
-        mode.change(mode_changed, mode, [theta, tau, block, draft_k], queue=False, show_progress="hidden")
+        mode.change(mode_changed, mode, [theta, tau, block, draft_k, lookup], queue=False, show_progress="hidden")
     return demo
