@@ -231,6 +231,7 @@ class Engine:
         # without a seed a fresh one is drawn and recorded in the request, so a run can be repeated
         seed = s.seed if s.seed is not None else secrets.randbits(63)
         auto = self.prepare(s)
+        self.planner.start_request()
         mode = MODES[s.mode]
         # the widest block: the fixed one, else the GGUF's; none without a mask token (lookup drafts only)
         block = (s.block if isinstance(s.block, int) else self.block_size) if self.mask_token is not None or \

@@ -32,7 +32,7 @@ probability: the planner calibrates it into an acceptance rate from what the ver
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 N_MIN = 1                 # shortest n-gram that counts as a match (llama.cpp's LLAMA_NGRAM_MIN)
 N_MAX = 4                 # longest n-gram key (LLAMA_NGRAM_MAX); matches are measured further back
@@ -45,8 +45,7 @@ def score(m: int) -> float:
     return m / (m + 1.0)
 
 
-@dataclass(frozen=True)
-class Match:
+class Match(NamedTuple):
     """The best earlier occurrence of the sequence's end: `pos` is the index of the token that
     followed it (the first token a draft copies), `length` the tokens matched before it (n_min..max_match)."""
     pos: int
@@ -97,14 +96,20 @@ class NgramIndex:
             self._add(int(t))
 
     def _add(self, token: int) -> None:
-        """Append one token: the n-grams that end just before it now have it as their latest follower."""
+        """Append one token: the n-grams that end just before it now have it as their latest follower.
+        A match being copied that this token continues stays the match, one token longer (the common
+        case inside a repeat: no search next time)."""
         seq = self.tokens
         i = len(seq)
+        if self._match_at == i and self._match is not None:
+            p, m = self._match
+            self._match = Match(p + 1, m + 1 if m < self.max_match else m) if seq[p] == token else None
+            self._match_at = i + 1 if self._match is not None else -1
         seq.append(token)
-        cap = self.candidates
-        for n in range(self.n_min, min(self.n_max, i) + 1):
+        cap, maps = self.candidates, self._maps
+        for n in range(self.n_min, (self.n_max if i >= self.n_max else i) + 1):
             key = seq[i - 1] if n == 1 else tuple(seq[i - n:i])
-            table = self._maps[n]
+            table = maps[n]
             pos = table.get(key)
             if pos is None:
                 table[key] = [i]

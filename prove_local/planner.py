@@ -45,6 +45,8 @@ N_SLOTS = 64
 LOOKUP_K_MAX = 16                               # longest lookup draft the planner considers
 LOOKUP_DECAY = 0.995                            # lookup statistics follow the text faster than a model's slots
 LOOKUP_REFRESH = 8                              # lookup cycles between recomputations of the lookup table
+LOOKUP_LOCAL_WEIGHT = 4.0                       # the engine-wide lookup record counts as this many of the request's own slots
+LOOKUP_LOCAL_EAGER = 16                         # the request's first lookup cycles each recompute the table
 
 
 AR_SAMPLE = 8                                   # ar cycles per one whose cost the planner records
@@ -180,6 +182,7 @@ class _LookupTable:
     cur: object
     pend: int
     any: bool = False            # some match length gets a plan
+    local: int = 0               # the request's lookup cycles when it was made
 
 
 @dataclass
@@ -238,9 +241,16 @@ class Planner:
         self._vcosts: dict = {}                       # cycle costs per verify width, between replans
         self.slow_streak = 0                          # consecutive cycles far slower than predicted
         self._ltables: dict[str, _LookupTable] = {}   # lookup plans per match length, per key
+        # the lookup's track record in the current request (the text at hand: a list turned into JSON
+        # copies badly where a repeated listing copies well), next to the engine-wide one
+        self._lookup_local = SlotStats(decay=1.0)
         self.lookup_margin = 0.02                     # a lookup plan must beat the current choice by this share
 
     # ---------------------------------------------------------------------- statistics
+    def start_request(self) -> None:
+        """A new request: its own lookup track record starts empty (the engine-wide one is its prior)."""
+        self._lookup_local = SlotStats(decay=1.0)
+
     def stats_for(self, mode: str) -> SlotStats:
         if mode not in self.stats:
             self.stats[mode] = SlotStats(decay=LOOKUP_DECAY) if mode == LOOKUP else SlotStats()
@@ -271,6 +281,7 @@ class Planner:
             # scores, calibrated by the p̃ bins; a filled proposal's MARS slots count for the mode
             n_l = plan.lookup
             self.stats_for(LOOKUP).record(cycle.p, 0, n_l, min(cycle.n_accepted, n_l))
+            self._lookup_local.record(cycle.p, 0, n_l, min(cycle.n_accepted, n_l))
             if plan.filled and plan.verify:
                 self.stats_for(key or kind).record(cycle.p[n_l:], 1, plan.verify, cycle.n_accepted - n_l)
         else:
@@ -449,8 +460,10 @@ class Planner:
         tab = self._ltables.get(key)
         st = self.stats_for(LOOKUP)
         cur = self.current.get(key)
+        local = self._lookup_local.n_cycles
         if (tab is None or tab.cur is not cur or st.n_cycles - tab.made_at >= LOOKUP_REFRESH
-                or tab.pend != pending.get("proposer", 1)):
+                or tab.pend != pending.get("proposer", 1) or tab.local > local
+                or (local < LOOKUP_LOCAL_EAGER and local != tab.local)):
             tab = self._ltables[key] = self._lookup_table(mode, key, pending, block_max)
         explore = False
         if not tab.any:
@@ -515,7 +528,7 @@ class Planner:
         ms = np.arange(0, MAX_MATCH + 1)
         sc = (ms[:, None] + ks[None, :] - 1).astype(float)
         sc = np.where(sc > 0, sc / np.maximum(sc + 1.0, 1.0), 0.0)      # lookup.score(m + j - 1)
-        a = st.p_rates(sc.ravel()).reshape(sc.shape)
+        a = self._lookup_rates(sc.ravel()).reshape(sc.shape)
         run = np.cumprod(a, axis=1)                              # P(slots 1..j all accepted)
         gain = 1.0 + np.cumsum(run, axis=1)                      # E(m, k)
         oh = np.array([self._oh(LOOKUP, int(k)) for k in ks])
@@ -543,7 +556,17 @@ class Planner:
         ok = best_r > base * (1.0 + self.lookup_margin)
         rows = [r if good and m else None for m, (r, good) in enumerate(zip(rows, ok))]
         bests = [(int(ks[i]), float(rate[m, i])) for m, i in enumerate(best_i)]
-        return _LookupTable(rows, bests, base, st.n_cycles, cur, pend["proposer"], any(r is not None for r in rows))
+        return _LookupTable(rows, bests, base, st.n_cycles, cur, pend["proposer"], any(r is not None for r in rows),
+                            self._lookup_local.n_cycles)
+
+    def _lookup_rates(self, scores: np.ndarray) -> np.ndarray:
+        """Acceptance of lookup slots with these scores: this request's record per score bin, with the
+        engine-wide calibration as its prior worth LOOKUP_LOCAL_WEIGHT slots."""
+        prior = self.stats_for(LOOKUP).p_rates(scores)
+        loc = self._lookup_local
+        b = loc._bin(scores)
+        acc, tested = np.asarray(loc.bin_accepted)[b], np.asarray(loc.bin_tested)[b]
+        return (acc + LOOKUP_LOCAL_WEIGHT * prior) / (tested + LOOKUP_LOCAL_WEIGHT)
 
     def lookup_summary(self, key: str) -> dict | None:
         """The lookup table of `key` for people and the bench: per match length, the plan it gets."""

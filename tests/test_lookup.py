@@ -125,6 +125,31 @@ def brute_match(seq, n_min=lookup.N_MIN, n_max=lookup.N_MAX, cands=lookup.CANDID
     return None
 
 
+def test_a_match_being_copied_continues_and_stays_valid():
+    """Asked after every token (as the engine does), a match the text continues stays the match, one
+    token longer; whatever path led to it, it is a real earlier occurrence, found exactly where the
+    brute-force search finds one."""
+    rng = random.Random(11)
+    for trial in range(200):
+        vocab = rng.choice([2, 3, 6])
+        seq = [rng.randrange(vocab) for _ in range(rng.randrange(2, 50))]
+        seq += seq[-rng.randrange(1, 10):] * rng.randrange(1, 4)        # a repeat to be copied
+        ix = NgramIndex()
+        for i in range(1, len(seq) + 1):
+            ix.sync(seq[:i])
+            m = ix.match()
+            assert (m is None) == (brute_match(seq[:i]) is None), seq[:i]
+            if m is not None:
+                assert m.pos < i and m.length <= m.pos and seq[m.pos - m.length:m.pos] == seq[i - m.length:i]
+    ix = NgramIndex()
+    ix.sync([5, 1, 2, 3, 4, 9, 5, 1, 2])
+    assert ix.match() == Match(3, 3)
+    ix.sync([5, 1, 2, 3, 4, 9, 5, 1, 2, 3])                  # the copy goes on: one token longer, no search
+    assert ix.match() == Match(4, 4)
+    ix.sync([5, 1, 2, 3, 4, 9, 5, 1, 2, 3, 7])                # it breaks: a fresh search (7 never occurred)
+    assert ix.match() is None
+
+
 def test_the_index_equals_a_brute_force_search():
     rng = random.Random(7)
     for trial in range(300):
