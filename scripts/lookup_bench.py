@@ -91,6 +91,30 @@ def first_difference(model: Model, prompt: list[int], a: list[int], b: list[int]
     return {"at": i, "gap": round(float(logits[a[i]] - logits[b[i]]), 4)}
 
 
+def plot(rows: list[dict], names: list[str], path: Path) -> None:
+    """Per prompt: each run's tokens/s ÷ our ar's (one bar group per prompt)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = list(dict.fromkeys(names))
+    fig, ax = plt.subplots(figsize=(11, 4))
+    w = 0.8 / len(names)
+    for j, n in enumerate(names):
+        ys = [r["runs"][n].get("vs_ar", 0.0) for r in rows]
+        ax.bar([i + j * w for i in range(len(rows))], ys, w, label=n)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([i + w * (len(names) - 1) / 2 for i in range(len(rows))])
+    ax.set_xticklabels([r["id"] for r in rows], rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("tokens/s ÷ prove-local ar")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
@@ -199,6 +223,7 @@ def main() -> int:
         + (f" (**{summary[n]['median_vs_ar']:.2f}×**, min {summary[n]['min_vs_ar']:.2f}×)" if "median_vs_ar" in summary[n] else "")
         for n in names) + " |")
     (out / "summary.md").write_text("\n".join(lines) + "\n\n```\n" + json.dumps(summary, indent=1) + "\n```\n")
+    plot(rows, [n for n in ("lossless", "llama-lookup@3", summary.get("llama_lookup_best")) if n], out / "speedup.png")
     print("\n".join(lines))
     print(json.dumps(summary, indent=1))
     return 0

@@ -462,3 +462,30 @@ def test_cli_json_reports_lookup_drafts(models, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", str(plain.path), "-p", "x", "--lookup", "-1"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--lookup" in bad.stderr
+
+
+def test_bench_runs_per_lookup_value_and_drafts_by_source(models, tmp_path):
+    import json
+    from prove_local.bench.runner import make_runs
+    from prove_local.cli import main
+    runs = make_runs(["ar", "lossless", "lookup"], max_new=8, block="auto", thetas=[0.05], tau=0.95, draft_k="auto",
+                     lookup=["auto", 0])
+    assert [r.name for r in runs] == ["ar", "lossless@Lauto", "lossless@L0", "lookup"]
+    assert [r.settings.lookup for r in runs[1:]] == ["auto", 0, "auto"]
+    prop, _ = models
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
+    out = tmp_path / "out"
+    assert main(["bench", "--proposer", str(prop.path), "--modes", "ar,lossless", "--lookup", "4,0", "--block", "3",
+                 "--data", str(data), "--max-new", "16", "--threads", "1", "--ctx", "256", "--kv-type", "f32",
+                 "--warmup", "0", "--no-pass-cost", "--no-plots", "-q", "--raw", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    m = res["modes"]
+    assert set(m) == {"ar", "lossless@L4", "lossless@L0"} and res["settings"]["lookup"] == "4,0"
+    assert m["lossless@L4"]["exact_match_vs_ar"] == 1.0 and m["lossless@L0"]["exact_match_vs_ar"] == 1.0
+    assert m["lossless@L4"]["drafts"]["lookup"]["drafted"] > 0 and "lookup" not in m["lossless@L0"]["drafts"]
+    assert m["lossless@L4"]["lookup"] == 4 and "lookup " in (out / "summary.md").read_text()
+    lines = [json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()]
+    assert any(c["source"] and "lookup" in c["source"] for x in lines for c in x["cycles"])
+    assert main(["bench", "--out", str(out), "--report-only", "--no-plots"]) == 0
+    assert json.loads((out / "results.json").read_text())["modes"]["lossless@L4"]["drafts"] == m["lossless@L4"]["drafts"]

@@ -222,11 +222,12 @@ def greedy_path_analyses(ix: Index, name: str, run, entry: dict, bins: int) -> t
     labels, mruns = [], []
     for g in gens_ok:
         if g.prompt in ix.ref:
-            # the planner's plain ar cycles propose nothing: they are left out of these analyses
-            proposing = [c for c in g.cycles if c.plan.proposes]
+            # the planner's plain ar cycles propose nothing, and lookup drafts are not the proposer's
+            # (their record is the run's "drafts"): both are left out of these analyses
+            proposing = [c for c in g.cycles if c.plan.proposes and not c.plan.lookup]
             labels += stats.slot_labels(proposing, g.tokens, ix.ref[g.prompt])
             mruns += stats.matched_runs(proposing, g.tokens, ix.ref[g.prompt])
-    n_slots = max((len(c.proposed) for c in cycles), default=0)
+    n_slots = max((len(c.proposed) for c in cycles if not c.plan.lookup), default=0)
     rate, counts = stats.match_rate_by_slot(labels, n_slots)
     a = stats.detector_aucs(labels)
     a["positional"] = {k: (_r(v) if isinstance(v, float) else v)

@@ -85,6 +85,8 @@ def make_runs(modes: list[str], *, max_new: int, block, thetas: list[float], tau
             widths = [(blocks[0], k) for k in ks] if width == "draft_k" else \
                 ([(blocks[0], ks[0])] if width is None else [(b, ks[0]) for b in blocks])
             looks = lookups if MODES[mode].lookup else [lookups[0]]
+            if MODES[mode].width is None and MODES[mode].lookup:     # the lookup mode: 0 would draft nothing
+                looks = [x for x in looks if x != 0] or looks
             for (b, k), lk in ((w, lk) for w in widths for lk in looks):
                 common = dict(max_new=max_new, block=b, tau=tau, draft_k=k, lookup=lk, temperature=t, **sampling)
                 ltag = f"@L{lk}" if len(looks) > 1 else ""

@@ -16,7 +16,7 @@ import time
 from prove_local.engine import Settings, summarize
 from prove_local.errors import MissingExtra
 from prove_local.loading import MAX_NEW, PARALLEL, PORT, add_model_args, add_width_args
-from prove_local.modes import MODES
+from prove_local.modes import MODES, draft_counts
 
 from . import view
 from .runtime import Runtime, Session, UIError, compare_with_ar, run_turn
@@ -217,10 +217,12 @@ def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto", look
         # a sampled answer: its temperature and seed (with a fixed block, that seed gives this answer again)
         sampled = f"T {t.settings.temperature:g}, seed {t.seed} · " if t.settings.temperature > 0 else ""
         ppt = ", ".join(f"{r} {v:.2f}" for r, v in st["passes_per_token"].items())
+        lk = draft_counts(list(t.view.cycles)).get("lookup")
+        lookup = f"lookup drafts accepted {lk[1]}/{lk[0]} · " if lk else ""
         return (f'<div class="stats"><b>last answer</b> · {view.esc(view.title(t.settings.mode))} · '
                 f'{st["n_tokens"]} tokens in {st["n_cycles"]} cycles · <b>{st["tokens_per_cycle"]:.2f} tokens/cycle</b> · '
                 f'<b>{st["tokens_per_second"]:.1f} tokens/s</b> · passes: {passes} · passes/token: {ppt} · '
-                f'{sampled}stop: {st["stop"] or "running…"}</div>')
+                f'{lookup}{sampled}stop: {st["stop"] or "running…"}</div>')
 
     def cycle_number(sess):
         return (sess.selected[1] + 1) if sess.selected else 1
