@@ -30,7 +30,7 @@ class Settings:
     theta: float = 0.05
     tau: float = 0.95
     draft_k: int | str = DEFAULT_DRAFT_K   # "auto": the planner's choice per cycle
-    # lookup drafts (modes that take them: lossless, lookup): "auto" = the planner's choice per cycle
+    # lookup drafts (modes that take them: lossless, spec, lookup): "auto" = the planner's choice per cycle
     # (where it plans the widths), 0 = off, K = a K-token lookup draft whenever the index has a match
     lookup: int | str = "auto"
     # sampling (llama.cpp's names and, except temperature, its defaults); temperature 0 is greedy.

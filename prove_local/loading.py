@@ -145,7 +145,7 @@ def add_width_args(p: argparse.ArgumentParser) -> None:
                    help="drafts per cycle for --mode spec: 'auto' (default: chosen per cycle) or a fixed N")
     p.add_argument("--lookup", type=lookup_arg, default="auto",
                    help="lookup drafts (continuations copied from the prompt and answer, verified exactly; modes "
-                        "lossless and lookup, any GGUF): 'auto' (default: the planner decides per cycle whether and "
+                        "lossless, spec and lookup, any GGUF): 'auto' (default: the planner decides per cycle whether and "
                         "how long, where it plans the widths), 0 (off) or K (a K-token draft whenever there is a match)")
 
 

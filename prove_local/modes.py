@@ -133,7 +133,8 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          cycle=lambda c, t, plan, s, mask, sampler=None: rules.mars_cycle(
              c["proposer"], t, plan.block, mask, s.tau, sampler=sampler),
          widths=lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1]}, source="mask"),
-    Mode("spec", "speculative", "speculative decoding with a draft model; output identical to ar (in distribution when sampling)",
+    Mode("spec", "speculative", "speculative decoding with a draft model (and lookup drafts); output identical to ar "
+         "(in distribution when sampling)",
          ("proposer", "draft"), needs_mask=False, exact=True, width="draft_k", gate=None,
          gate_text="gate: drafted token = the target's greedy token",
          q_text="p̃: the draft's confidence; q: the target's probability of the drafted token",
@@ -141,7 +142,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          cycle=lambda c, t, plan, s, mask, sampler=None: rules.spec_cycle(
              c["proposer"], c["draft"], t, plan.draft_k, sampler=sampler),
          widths=lambda pend, plan: {"draft": ([pend["draft"]] + [1] * (plan.draft_k - 1)) if plan.draft_k else [],
-                                    "proposer": [pend["proposer"] + plan.draft_k]}, source="draft"),
+                                    "proposer": [pend["proposer"] + plan.draft_k]}, lookup=True, source="draft"),
     Mode(LOOKUP, "lookup", "lookup drafts alone: continuations copied from the prompt and the answer (n-gram "
          "matches), verified in one pass; any GGUF; output identical to ar (in distribution when sampling)",
          ("proposer",), needs_mask=False, exact=True, width=None, gate=None,

@@ -189,8 +189,8 @@ def run(engine, prompt, **kw):
 def test_forced_lookups_of_every_length_equal_ar(models, references, k):
     prop, plain = models
     for model, mode, block in ((prop, "lossless", "auto"), (prop, "lossless", 4), (plain, "lossless", "auto"),
-                               (plain, "lookup", "auto"), (prop, "lookup", "auto")):
-        e = Engine.load(model, **F32)
+                               (plain, "lookup", "auto"), (prop, "lookup", "auto"), (prop, "spec", "auto")):
+        e = Engine.load(model, draft=plain if model is prop else None, **F32)
         n_lookup = 0
         for p in PROMPTS:
             cycles, out = run(e, model.tokenize(p), mode=mode, block=block, lookup=k)
@@ -219,6 +219,20 @@ def test_auto_lookup_without_a_mask_token_is_the_default_and_exact(models, refer
         e.generate(plain.tokenize("hi"), Settings(mode="lookup", lookup=0))
     with pytest.raises(ModeError, match="lookup must be"):
         e.generate(plain.tokenize("hi"), Settings(mode="lossless", lookup=-2))
+
+
+def test_spec_takes_lookup_drafts_under_the_planner(models, references):
+    """spec with auto widths: the planner may run lookup cycles (the draft model sits them out and
+    catches up); the output is ar's."""
+    prop, plain = models
+    e = Engine.load(prop, draft=plain, **F32)
+    e.planner.explore = 0.5                       # (tiny random models: make the planner try lookup drafts)
+    kinds = set()
+    for p in PROMPTS:
+        cycles, out = run(e, prop.tokenize(p), mode="spec", draft_k="auto")
+        assert out == references[(id(prop), p)], p
+        kinds |= {c.plan.kind for c in cycles}
+    assert "lookup" in kinds
 
 
 def test_lookup_auto_with_fixed_widths_is_off(models):
