@@ -36,7 +36,7 @@ def add_run_parser(sub) -> None:
                        description="Generate text with ProVe decoding. Without -p: an interactive chat.")
     add_model_args(p)
     p.add_argument("--mode", choices=modes.NAMES,
-                   help="decoding rule (default: lossless if the model has a mask token, else ar)")
+                   help="decoding rule (default: lossless; without a mask token its drafts come from lookup only)")
     p.add_argument("--theta", type=THETA, default=0.05,
                    help="ProVe gate: commit while p*q >= theta, a finite number >= 0 (default 0.05)")
     p.add_argument("--tau", type=TAU, default=0.95,
@@ -114,9 +114,11 @@ def report(engine, model, settings, cycles, request, interrupted) -> dict:
         "prefill": {"tokens": request.prefill[0], "seconds": request.prefill[1]},
         "stop": "interrupted" if interrupted else s["stop"],
         "widths": planner.widths_histogram(cycles),
+        "drafts": {src: {"drafted": n, "accepted": a} for src, (n, a) in modes.draft_counts(cycles).items()},
         "planner": engine.explain(settings),      # why auto ran plain ar cycles, if it did
         "settings": {"block": settings.block or engine.block_size, "theta": settings.theta, "tau": settings.tau,
-                     "draft_k": settings.draft_k, "max_new": settings.max_new, "temperature": settings.temperature,
+                     "draft_k": settings.draft_k, "lookup": settings.lookup, "max_new": settings.max_new,
+                     "temperature": settings.temperature,
                      "top_k": settings.top_k, "top_p": settings.top_p, "min_p": settings.min_p,
                      "repeat_penalty": settings.repeat_penalty, "repeat_last_n": settings.repeat_last_n,
                      "seed": request.seed},
@@ -141,7 +143,9 @@ def summary_line(r: dict) -> str:
     return (f"[{r['mode']}] {len(r['token_ids'])} tokens, {r['n_cycles']} cycles, "
             f"{r['tokens_per_cycle']:.2f} tokens/cycle, passes: {passes}, {r['tokens_per_second']:.1f} tokens/s"
             + (", widths " + ", ".join(f"{k} x{v}" for k, v in list(r["widths"].items())[:4])
-               if r.get("widths") and r["settings"]["block"] == "auto" else "")
+               if r.get("widths") and "auto" in (r["settings"]["block"], r["settings"]["lookup"]) else "")
+            + ("".join(f", {src} drafts {d['accepted']}/{d['drafted']} accepted" for src, d in r["drafts"].items()
+                       if src == "lookup") if r.get("drafts") else "")
             + (" (interrupted)" if r["stop"] == "interrupted" else ""))
 
 
@@ -151,10 +155,11 @@ def cmd_run(args) -> int:
     engine, model = load_engine(args)
     mode = args.mode or engine.default_mode()
     if args.mode is None and engine.mask_token is None:
-        print(f"note: {model.path.name} has no mask token; using --mode ar (pass --mask-token ID for the exact modes)",
+        print(f"note: {model.path.name} has no mask token: lossless drafts by lookup only (continuations copied from "
+              "the prompt and the answer, verified exactly); --lookup 0 with --mode ar for plain decoding",
               file=sys.stderr)
     settings = Settings(mode=mode, max_new=args.max_new, block=args.block, theta=args.theta, tau=args.tau,
-                        draft_k=args.draft_k, **sampling_settings(args))
+                        draft_k=args.draft_k, lookup=args.lookup, **sampling_settings(args))
     engine.check(settings)
     engine.prepare(settings)            # --block auto: pass costs calibrated (or read from the cache) now
     note = seed_note(settings)

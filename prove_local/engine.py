@@ -9,14 +9,16 @@ from __future__ import annotations
 import codecs
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
+
 
 from . import modes, rules, sampling
 from .calibrate import calibrate, recheck_threads
 from .errors import ContextFull, EngineBusy, ModeError
 from .llama import Context, Model
-from .modes import DEFAULT_BLOCK, DEFAULT_DRAFT_K, MODES, Plan
+from .lookup import NgramIndex
+from .modes import AR_PLAN, DEFAULT_BLOCK, DEFAULT_DRAFT_K, LOOKUP, MODES, Plan
 from .planner import Costs, Planner
 
 
@@ -28,6 +30,9 @@ class Settings:
     theta: float = 0.05
     tau: float = 0.95
     draft_k: int | str = DEFAULT_DRAFT_K   # "auto": the planner's choice per cycle
+    # lookup drafts (modes that take them: lossless, spec, lookup): "auto" = the planner's choice per cycle
+    # (where it plans the widths), 0 = off, K = a K-token lookup draft whenever the index has a match
+    lookup: int | str = "auto"
     # sampling (llama.cpp's names and, except temperature, its defaults); temperature 0 is greedy.
     # The chain, its order and these defaults: sampling.py.
     temperature: float = sampling.TEMPERATURE
@@ -39,11 +44,25 @@ class Settings:
     seed: int | None = None
 
 
-def planned(s: Settings) -> bool:
-    """Whether the planner decides the widths of these settings: only the width the mode takes
-    (spec's draft length, the others' block; ar has none)."""
-    width = MODES[s.mode].width
-    return width is not None and getattr(s, width) == "auto"
+def planned(s: Settings, has_mask: bool = True) -> bool:
+    """Whether the planner decides the widths of these settings: the width the mode takes (spec's
+    draft length, the others' block; ar has none) is 'auto', or the mode has no width (the lookup
+    mode; lossless on a model without a mask token, `has_mask` False, whose block is moot) but takes
+    lookup drafts and they are 'auto'."""
+    m = MODES[s.mode]
+    width = m.width if has_mask or not m.needs_mask else None
+    if width is not None:
+        return getattr(s, width) == "auto"
+    return m.lookup and s.lookup == "auto"
+
+
+def lookup_on(s: Settings, has_mask: bool = True) -> bool:
+    """Whether these settings draft by lookup: a mode that takes lookup drafts, and --lookup K > 0, or
+    'auto' where the planner decides the widths (with fixed widths, 'auto' leaves lookup off: the
+    cycles then follow the settings alone, and a seed repeats the text)."""
+    if not MODES[s.mode].lookup or s.lookup == 0:
+        return False
+    return s.lookup != "auto" or planned(s, has_mask)
 
 
 def seed_note(s: Settings) -> str | None:
@@ -51,8 +70,8 @@ def seed_note(s: Settings) -> str | None:
     planner's choices follow measured timings, and they decide how the random stream is consumed
     (the output stays distributed exactly as ar sampling; it is the text that is not repeatable)."""
     if s.seed is not None and s.temperature > 0 and planned(s):
-        return ("the seed repeats a sampled answer only with fixed widths (--block N / --draft-k N, or the "
-                "request's block / draft_k): 'auto' widths follow measured timings")
+        return ("the seed repeats a sampled answer only with fixed widths (--block N / --draft-k N / --lookup K, "
+                "or the request's block / draft_k / lookup): 'auto' widths follow measured timings")
     return None
 
 
@@ -76,6 +95,8 @@ class Engine:
         # calibrated at the first auto request (Engine.load sets context_options for that)
         self.planner = Planner()
         self.context_options: dict | None = None
+        # lookup drafts: the n-gram index of the committed tokens (always a prefix of self.tokens)
+        self.index = NgramIndex()
         self._thread_curves: dict[str, dict] = {}
 
     @classmethod
@@ -124,19 +145,26 @@ class Engine:
     def explain(self, s: Settings, fix: str = "{flag} {width}") -> str | None:
         """Why the planner is running plain ar cycles for these settings, in one line (None if it is
         not, or the widths are fixed): see Planner.explain."""
-        if not planned(s) or self.planner.costs is None:
+        if not planned(s, self.mask_token is not None) or self.planner.costs is None:
             return None
         return self.planner.explain(s.mode, MODES[s.mode].key(s), fix)
 
     def default_mode(self) -> str:
-        return "lossless" if self.mask_token is not None else "ar"
+        """lossless, with or without a mask token: without one its drafts come from lookup alone."""
+        return "lossless"
 
     def check(self, s: Settings) -> None:
         mode = modes.get(s.mode)
-        if mode.needs_mask and self.mask_token is None:
-            raise ModeError(f"mode {s.mode!r} needs a mask token, and {self.name} has none "
-                            "(no prove.mask_token_id / tokenizer.ggml.mask_token_id); pass --mask-token ID "
-                            "or use --mode ar/spec")
+        if s.lookup != "auto" and (not isinstance(s.lookup, int) or isinstance(s.lookup, bool) or s.lookup < 0):
+            raise ModeError(f"lookup must be 'auto' or an integer >= 0 (0: off), not {s.lookup!r}")
+        if mode.needs_mask and self.mask_token is None and not lookup_on(s, False):
+            raise ModeError(f"mode {s.mode!r} needs a mask token for its MARS proposals, and {self.name} has none "
+                            "(no prove.mask_token_id / tokenizer.ggml.mask_token_id); "
+                            + ("its lookup drafts need none, but --lookup 0 turns them off; "
+                               if mode.lookup else "")
+                            + "pass --mask-token ID or use --mode ar/spec/lookup")
+        if mode.width is None and mode.lookup and not lookup_on(s, self.mask_token is not None):
+            raise ModeError(f"mode {s.mode!r} with --lookup 0 drafts nothing (use --mode ar, or --lookup auto/K)")
         if "verifier" in mode.roles and "verifier" not in self.contexts:
             raise ModeError(f"mode {s.mode!r} needs a verifier model (--verifier V.gguf)")
         if "draft" in mode.roles and "draft" not in self.contexts:
@@ -152,8 +180,19 @@ class Engine:
         """The widths of the next cycle: the planner's (planner.py) for an auto request, else the
         request's fixed settings; cut to the room left in the context."""
         room = self.n_ctx - len(self.tokens)
+        offer = None
+        if req.lookup and room > 2:            # "auto" or K: the index's match at the end of the tokens
+            self.index.sync(self.tokens)
+            if req.lookup != "auto":           # --lookup K: a K-token draft wherever there is a match
+                if self.index.match() is not None:
+                    return Plan(LOOKUP, lookup=min(req.lookup, room - 1), propose_lookup=self.index.propose)
+            else:
+                offer = self.index.match       # looked up only if the planner may use it
         if req.auto:
-            return self.planner.plan(req.settings.mode, self._pending(), req.block, room, key=req.key)
+            plan = self.planner.plan(req.settings.mode, self._pending(), req.block, room, key=req.key, lookup=offer)
+            return replace(plan, propose_lookup=self.index.propose) if plan.lookup else plan
+        if req.block < 1:                      # no mask token: no MARS proposal
+            return AR_PLAN
         k = req.settings.draft_k if req.settings.draft_k != "auto" else DEFAULT_DRAFT_K
         return MODES[req.settings.mode].plan(max(1, min(req.block, room)), max(0, min(k, room)))
 
@@ -185,20 +224,28 @@ class Engine:
             keep += 1
         self.tokens = self.tokens[:keep]
         self._sync()
+        if len(self.index) > keep:          # the index must stay a prefix of the committed tokens
+            self.index.clear()
         self.tokens = list(prompt)
         # one seeded generator per request (sampling.py documents the order it is consumed in);
         # without a seed a fresh one is drawn and recorded in the request, so a run can be repeated
         seed = s.seed if s.seed is not None else secrets.randbits(63)
         auto = self.prepare(s)
-        self.active = Request(list(prompt), s, s.block if isinstance(s.block, int) else self.block_size, auto=auto,
-                              seed=seed, sampler=sampling.Sampler.for_settings(s, seed), key=MODES[s.mode].key(s))
+        self.planner.start_request()
+        mode = MODES[s.mode]
+        # the widest block: the fixed one, else the GGUF's; none without a mask token (lookup drafts only)
+        block = (s.block if isinstance(s.block, int) else self.block_size) if self.mask_token is not None or \
+            not mode.needs_mask else 0
+        self.active = Request(list(prompt), s, block, auto=auto, seed=seed,
+                              sampler=sampling.Sampler.for_settings(s, seed), key=mode.key(s),
+                              lookup=(s.lookup if lookup_on(s, self.mask_token is not None) else 0))
         return Generation(self, self.active)
 
     def prepare(self, s: Settings) -> bool:
         """Whether the planner decides this request's widths (`planned`); calibrates the pass costs
         first if so, or if the thread count is left to measurement, and not yet done.
         Front ends call it before timing anything (the first request would otherwise pay for it)."""
-        auto = planned(s)
+        auto = planned(s, self.mask_token is not None)
         threads_open = self.context_options is not None and self.context_options.get("n_threads") is None
         if (auto or threads_open) and self.planner.costs is None:
             self.calibrate()        # (also picks the thread count of small models when --threads is not set)
@@ -228,6 +275,8 @@ class Engine:
             n_pre += max(0, len(self.tokens) - 1 - ctx.n_past)
             if ctx.n_past < len(self.tokens) - 1:
                 ctx.eval(self.tokens[ctx.n_past:-1], rows=[])
+        if req.lookup:                       # the prompt's n-grams, indexed with the prefill
+            self.index.sync(self.tokens)
         req.prefill = (n_pre, time.perf_counter() - t0)
         index = 0
         while s.max_new > 0:
@@ -243,7 +292,9 @@ class Engine:
                                     if c.n_decode > before[r][0]}
             if not cycle.committed:
                 raise RuntimeError(f"mode {s.mode}: a cycle committed no token (a decoding rule is broken)")
-            if mode.width is not None:               # acceptance statistics and costs, every cycle
+            if cycle.source is None:
+                cycle.source = modes.sources(cycle)
+            if mode.width is not None or req.lookup:  # acceptance statistics and costs, every cycle
                 if self.planner.observe(cycle, req.key, planned=req.auto):   # (plain ar: nothing to learn)
                     self._recheck_threads()          # passes far slower than calibrated
             run, stop = cycle.committed, None
@@ -284,6 +335,7 @@ class Request:
     seed: int | None = None                    # the seed of `sampler`'s generator (settings.seed or drawn)
     sampler: sampling.Sampler | None = field(default=None, repr=False)   # None: greedy
     key: str = ""                              # the planner's statistics key (Mode.key)
+    lookup: int | str = 0                      # lookup drafts: 0 off, "auto" (the planner), K (forced)
     decode_start: float | None = None          # time.perf_counter() when the first cycle started,
     decode_end: float = 0.0                    # and when the last one ended (decode_seconds)
 

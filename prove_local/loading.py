@@ -132,6 +132,7 @@ def auto_or(parse):
 
 width_arg = auto_or(BLOCK)          # --block: 'auto' or 1..MAX_BLOCK
 draft_width_arg = auto_or(DRAFT_K)  # --draft-k: 'auto' or 0..MAX_BLOCK
+lookup_arg = auto_or(DRAFT_K)       # --lookup: 'auto', 0 (off) or 1..MAX_BLOCK
 
 
 def add_width_args(p: argparse.ArgumentParser) -> None:
@@ -142,6 +143,10 @@ def add_width_args(p: argparse.ArgumentParser) -> None:
                         "costs and acceptance, up to the GGUF's prove.block_size) or a fixed N")
     p.add_argument("--draft-k", type=draft_width_arg, default="auto",
                    help="drafts per cycle for --mode spec: 'auto' (default: chosen per cycle) or a fixed N")
+    p.add_argument("--lookup", type=lookup_arg, default="auto",
+                   help="lookup drafts (continuations copied from the prompt and answer, verified exactly; modes "
+                        "lossless, spec and lookup, any GGUF): 'auto' (default: the planner decides per cycle whether and "
+                        "how long, where it plans the widths), 0 (off) or K (a K-token draft whenever there is a match)")
 
 
 @dataclass

@@ -40,6 +40,8 @@ class Mode:
     cycle: Callable
     # widths of its passes per role, given the tokens pending in each context: {role: [n, ...]}
     widths: Callable[[dict, Plan], dict]
+    lookup: bool = False            # takes lookup drafts (lookup.py), verified exactly: needs no mask token
+    source: str | None = None       # where its proposed slots come from: "mask", "draft", "lookup" (Cycle.source)
 
     @property
     def partner(self) -> str | None:
@@ -49,7 +51,7 @@ class Mode:
     def plan(self, block: int, draft_k: int) -> Plan:
         """The plan of a cycle at fixed widths."""
         if self.width is None:
-            return Plan(self.name)                  # (ar: AR_PLAN)
+            return Plan(self.name)                  # (ar: AR_PLAN; lookup: no draft, its rule runs ar)
         return Plan(self.name, block=block if self.width == "block" else 1,
                     draft_k=draft_k if self.width == "draft_k" else 0)
 
@@ -74,7 +76,28 @@ class Mode:
 
 def _lossless(c, t, plan, s, mask, sampler=None):
     verify = plan.choose_verify if plan.choose_verify is not None else plan.verify
+    if plan.lookup and plan.propose_lookup is not None:            # a proposal filled by lookup tokens
+        draft, scores = plan.propose_lookup(plan.lookup)
+        if draft:
+            return rules.lossless_fill_cycle(c["proposer"], t, draft, scores, plan.block, mask, verify=verify,
+                                             sampler=sampler)
     return rules.lossless_cycle(c["proposer"], t, plan.block, mask, verify=verify, sampler=sampler)
+
+
+def _lossless_widths(pend: dict, plan: Plan) -> dict:
+    """The proposal pass ([pending, lookup tokens of a filled proposal, masks]) and the verify pass
+    (none when a filled proposal's lookup token was rejected: verify = 0)."""
+    v = plan.block if plan.verify is None else plan.verify
+    first = pend["proposer"] + plan.lookup + plan.block - 1
+    return {"proposer": [first, v] if v else [first]}
+
+
+def _lookup(c, t, plan, s, mask, sampler=None):
+    draft, scores = plan.propose_lookup(plan.lookup) if plan.lookup and plan.propose_lookup else ([], [])
+    return rules.lookup_cycle(c["proposer"], t, draft, scores, sampler=sampler)
+
+
+LOOKUP = "lookup"           # the kind of a lookup-verify cycle, and the planner's statistics key of lookup drafts
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (
@@ -85,12 +108,13 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          cycle=lambda c, t, plan, s, mask, sampler=None: rules.ar_cycle(c["proposer"], t, sampler=sampler),
          widths=lambda pend, plan: {"proposer": [pend["proposer"]]}),
     Mode("lossless", "ProVe-lossless",
-         "ProVe-lossless: the proposer verifies its own block; output identical to ar (in distribution when sampling)",
+         "ProVe-lossless: the proposer verifies its own block (and lookup drafts); output identical to ar "
+         "(in distribution when sampling)",
          ("proposer",), needs_mask=True, exact=True, width="block", gate=None,
          gate_text="gate: proposed token = the proposer's greedy token (verify pass)",
          q_text="q: the proposer's own probability of the token in its verify pass",
-         free_first=True, correction=True, verify_choice=True, cycle=_lossless,
-         widths=lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1, plan.tested]}),
+         free_first=True, correction=True, verify_choice=True, cycle=_lossless, widths=_lossless_widths,
+         lookup=True, source="mask"),
     Mode("prove", "ProVe", "ProVe: a stock verifier gates the block, commit while p*q >= theta (lossy)",
          ("proposer", "verifier"), needs_mask=True, exact=False, width="block", gate="theta",
          gate_text="gate: p̃·q ≥ θ = {theta:g}", q_text="q: the verifier's probability of the token, teacher-forced",
@@ -98,15 +122,16 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          cycle=lambda c, t, plan, s, mask, sampler=None: rules.prove_cycle(
              c["proposer"], c["verifier"], t, plan.block, mask, s.theta, sampler=sampler),
          widths=lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1],
-                                    "verifier": [pend["verifier"] + plan.block - 1]}),
+                                    "verifier": [pend["verifier"] + plan.block - 1]}, source="mask"),
     Mode("mars", "MARS rule", "MARS confidence rule, commit while p >= tau (lossy)",
          ("proposer",), needs_mask=True, exact=False, width="block", gate="tau",
          gate_text="gate: p̃ ≥ τ = {tau:g}", q_text="no verifier: the rule looks at p̃ only",
          free_first=True, correction=False, verify_choice=False,
          cycle=lambda c, t, plan, s, mask, sampler=None: rules.mars_cycle(
              c["proposer"], t, plan.block, mask, s.tau, sampler=sampler),
-         widths=lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1]}),
-    Mode("spec", "speculative", "speculative decoding with a draft model; output identical to ar (in distribution when sampling)",
+         widths=lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1]}, source="mask"),
+    Mode("spec", "speculative", "speculative decoding with a draft model (and lookup drafts); output identical to ar "
+         "(in distribution when sampling)",
          ("proposer", "draft"), needs_mask=False, exact=True, width="draft_k", gate=None,
          gate_text="gate: drafted token = the target's greedy token",
          q_text="p̃: the draft's confidence; q: the target's probability of the drafted token",
@@ -114,10 +139,41 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          cycle=lambda c, t, plan, s, mask, sampler=None: rules.spec_cycle(
              c["proposer"], c["draft"], t, plan.draft_k, sampler=sampler),
          widths=lambda pend, plan: {"draft": ([pend["draft"]] + [1] * (plan.draft_k - 1)) if plan.draft_k else [],
-                                    "proposer": [pend["proposer"] + plan.draft_k]}),
+                                    "proposer": [pend["proposer"] + plan.draft_k]}, lookup=True, source="draft"),
+    Mode(LOOKUP, "lookup", "lookup drafts alone: continuations copied from the prompt and the answer (n-gram "
+         "matches), verified in one pass; any GGUF; output identical to ar (in distribution when sampling)",
+         ("proposer",), needs_mask=False, exact=True, width=None, gate=None,
+         gate_text="gate: drafted token = the model's greedy token (one verify pass)",
+         q_text="p̃: the lookup's score m/(m+1) (m tokens matched); q: the model's probability of the drafted token",
+         free_first=False, correction=True, verify_choice=False, cycle=_lookup,
+         widths=lambda pend, plan: {"proposer": [pend["proposer"] + plan.lookup]}, lookup=True, source="lookup"),
 )}
 
 NAMES = tuple(MODES)
+
+
+def sources(cycle) -> list[str]:
+    """Where each proposed slot of a cycle came from (Cycle.source, else its kind's Mode.source)."""
+    if cycle.source is not None:
+        return cycle.source
+    if not cycle.plan.proposes:
+        return []
+    return [of(cycle.plan).source or "mask"] * len(cycle.proposed)
+
+
+def draft_counts(cycles) -> dict[str, tuple[int, int]]:
+    """Tokens proposed and accepted per source ("mask", "lookup", "draft") over cycles that proposed
+    (llama.cpp's draft_n / draft_n_accepted, split by where the drafts came from). A slot is accepted
+    when it lies in the cycle's accepted run (committed[:n_accepted])."""
+    out: dict[str, list[int]] = {}
+    for c in cycles:
+        if not c.plan.proposes:
+            continue
+        for i, src in enumerate(sources(c)):
+            n = out.setdefault(src, [0, 0])
+            n[0] += 1
+            n[1] += i < c.n_accepted
+    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def get(name: str) -> Mode:

@@ -37,10 +37,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .modes import MODES, cycle_cost
+from .lookup import MAX_MATCH
+from .modes import LOOKUP, MODES, cycle_cost
 from .rules import AR_PLAN, Plan
 
 N_SLOTS = 64
+LOOKUP_K_MAX = 16                               # longest lookup draft the planner considers
+LOOKUP_DECAY = 0.995                            # lookup statistics follow the text faster than a model's slots
+LOOKUP_REFRESH = 8                              # lookup cycles between recomputations of the lookup table
+LOOKUP_LOCAL_WEIGHT = 4.0                       # the engine-wide lookup record counts as this many of the request's own slots
+LOOKUP_LOCAL_EAGER = 16                         # the request's first lookup cycles each recompute the table
 
 
 AR_SAMPLE = 8                                   # ar cycles per one whose cost the planner records
@@ -165,6 +171,21 @@ class _Layout:
 
 
 @dataclass
+class _LookupTable:
+    """Per match length m (1..MAX_MATCH): the plan a lookup offer of that match gets (None: the current
+    choice is expected to do better) and the best lookup draft's (k, rate) (for exploration), computed
+    against `rate`, the current choice's expected tokens per second."""
+    rows: list
+    best: list
+    rate: float
+    made_at: int
+    cur: object
+    pend: int
+    any: bool = False            # some match length gets a plan
+    local: int = 0               # the request's lookup cycles when it was made
+
+
+@dataclass
 class Choice:
     kind: str          # "ar" or the mode
     width: int         # B, or k for spec
@@ -219,11 +240,20 @@ class Planner:
         self._layouts: dict = {}                      # the options' passes per (mode, pending, width cap)
         self._vcosts: dict = {}                       # cycle costs per verify width, between replans
         self.slow_streak = 0                          # consecutive cycles far slower than predicted
+        self._ltables: dict[str, _LookupTable] = {}   # lookup plans per match length, per key
+        # the lookup's track record in the current request (the text at hand: a list turned into JSON
+        # copies badly where a repeated listing copies well), next to the engine-wide one
+        self._lookup_local = SlotStats(decay=1.0)
+        self.lookup_margin = 0.02                     # a lookup plan must beat the current choice by this share
 
     # ---------------------------------------------------------------------- statistics
+    def start_request(self) -> None:
+        """A new request: its own lookup track record starts empty (the engine-wide one is its prior)."""
+        self._lookup_local = SlotStats(decay=1.0)
+
     def stats_for(self, mode: str) -> SlotStats:
         if mode not in self.stats:
-            self.stats[mode] = SlotStats()
+            self.stats[mode] = SlotStats(decay=LOOKUP_DECAY) if mode == LOOKUP else SlotStats()
         return self.stats[mode]
 
     def observe(self, cycle, key: str | None = None, planned: bool = True) -> bool:
@@ -246,6 +276,14 @@ class Planner:
             self._ar_seen += 1
             if self._ar_seen % AR_SAMPLE:
                 return False
+        elif plan.lookup:
+            # lookup drafts have statistics of their own (whatever the request's mode): p holds their
+            # scores, calibrated by the p̃ bins; a filled proposal's MARS slots count for the mode
+            n_l = plan.lookup
+            self.stats_for(LOOKUP).record(cycle.p, 0, n_l, min(cycle.n_accepted, n_l))
+            self._lookup_local.record(cycle.p, 0, n_l, min(cycle.n_accepted, n_l))
+            if plan.filled and plan.verify:
+                self.stats_for(key or kind).record(cycle.p[n_l:], 1, plan.verify, cycle.n_accepted - n_l)
         else:
             lo = 1 if MODES[kind].free_first else 0     # a free first slot teaches nothing
             self.stats_for(key or kind).record(cycle.p, lo, plan.tested, cycle.n_accepted)
@@ -351,11 +389,21 @@ class Planner:
         return lay
 
     # ---------------------------------------------------------------------- the plan
-    def plan(self, mode: str, pending: dict, block_max: int, room: int, key: str | None = None) -> Plan:
+    def plan(self, mode: str, pending: dict, block_max: int, room: int, key: str | None = None,
+             lookup=None) -> Plan:
         """The plan of the next cycle of `mode` (pending: committed tokens not yet in each context;
-        key: as for `observe`). While ar is the choice, runs of ar cycles up to the next exploration draw or replan
-        are returned without any other work (a quiet run: ~0.3 us per cycle instead of ~3)."""
+        key: as for `observe`; lookup: the lookup index's match at the end of the committed tokens
+        (lookup.Match), offered where the mode takes lookup drafts). While ar is the choice, runs of ar cycles
+        up to the next exploration draw or replan are returned without any other work (a quiet run:
+        ~0.3 us per cycle instead of ~3). A lookup offer is judged first, every cycle, from a table per
+        match length (`_lookup_plan`)."""
         key = key or mode
+        if lookup is not None:
+            lp = self._lookup_plan(mode, key, pending, block_max, room, lookup)
+            if lp is not None:
+                return lp
+        if MODES[mode].width is None or block_max < 1:
+            return AR_PLAN     # the lookup mode, or lossless without a mask token: ar where no lookup draft pays
         q = self._quiet.get(key)
         if q:
             self._quiet[key] = q - 1
@@ -400,6 +448,134 @@ class Planner:
             rate, costs = cur.rate, self._verify_costs(mode, pending, plan.block)
             return Plan(mode, plan.block, choose_verify=lambda p: self.verify_width(p, rate, costs, key))
         return plan
+
+    # ---------------------------------------------------------------------- lookup drafts
+    def _lookup_plan(self, mode: str, key: str, pending: dict, block_max: int, room: int, lookup) -> Plan | None:
+        """The plan for a lookup offer (`lookup()` -> the index's lookup.Match, or None), from the lookup
+        table (recomputed at every replan and every LOOKUP_REFRESH lookup cycles): per match length m, a
+        lookup draft of k tokens, a MARS proposal filled by k lookup tokens, or None (the current choice
+        runs). Where the table has no plan, an exploration (the lookup's best k for m) with probability
+        `explore`, within the regret budget. The match is only looked up when the table or an exploration
+        draw may use it (a text whose lookup drafts do not pay costs ~1 us a cycle)."""
+        tab = self._ltables.get(key)
+        st = self.stats_for(LOOKUP)
+        cur = self.current.get(key)
+        local = self._lookup_local.n_cycles
+        if (tab is None or tab.cur is not cur or st.n_cycles - tab.made_at >= LOOKUP_REFRESH
+                or tab.pend != pending.get("proposer", 1) or tab.local > local
+                or (local < LOOKUP_LOCAL_EAGER and local != tab.local)):
+            tab = self._ltables[key] = self._lookup_table(mode, key, pending, block_max)
+        explore = False
+        if not tab.any:
+            if self.explore <= 0.0 or self.rng.random() >= self.explore:
+                return None
+            explore = True
+        match = lookup()
+        if match is None:
+            return None
+        m = min(max(1, match.length), MAX_MATCH)
+        plan = None if explore else tab.rows[m]
+        if plan is None:
+            if not explore and (self.explore <= 0.0 or self.rng.random() >= self.explore):
+                return None
+            k, rate = tab.best[m]
+            if not self._budget_left() or (self.explore_by_rate and self.rng.random() * tab.rate >= rate):
+                return None
+            self._displaced, self._after = tab.rate, 0
+            plan = Plan(LOOKUP, lookup=k)
+        if plan.lookup + plan.block > room:      # near the end of the context: what still fits
+            k = room - plan.block
+            if k < 1:
+                return None
+            plan = Plan(plan.kind, plan.block, verify=plan.verify, lookup=k)
+        if plan.filled:
+            rate, costs = tab.rate, self._verify_costs(mode, pending, plan.block)
+            return Plan(mode, plan.block, lookup=plan.lookup,
+                        choose_verify=lambda p: self.verify_width(p, rate, costs, key))
+        return plan
+
+    def _plan_costs(self, pend: dict, plans: list[Plan]) -> np.ndarray:
+        """modes.cycle_cost of each plan, the passes from Mode.widths (cached per pending counts, as
+        _layout does) and their t(n) from the curves' tables in one step."""
+        key = ("plans", tuple(sorted(pend.items())), tuple((p.kind, p.block, p.verify, p.lookup) for p in plans))
+        lay = self._layouts.get(key)
+        if lay is None:
+            idx, roles, ns = [], [], []
+            for i, plan in enumerate(plans):
+                for role, ws in MODES[plan.kind].widths(pend, plan).items():
+                    idx += [i] * len(ws)
+                    roles += [role] * len(ws)
+                    ns += ws
+            lay = self._layouts[key] = (np.asarray(idx, dtype=int), roles, np.asarray(ns, dtype=int))
+        idx, roles, ns = lay
+        ts = np.array([self.costs.t(r, n) for r, n in zip(roles, ns)]) if len(ns) else np.zeros(0)
+        return np.bincount(idx, weights=ts, minlength=len(plans))
+
+    def _lookup_table(self, mode: str, key: str, pending: dict, block_max: int) -> _LookupTable:
+        """For every match length m: the expected tokens per second of a lookup draft of k = 1..LOOKUP_K_MAX
+        tokens, E(m, k) / (cost(k) + overhead), with E(m, k) = 1 + sum over j <= k of the product of the
+        calibrated acceptance of slots 1..j (slot j's score: lookup.score(m + j - 1)) and cost(k) modes.cycle_cost
+        of the lookup plan; where the mode proposes with masks, also a MARS proposal of the current best
+        block B (verify v) filled by k lookup tokens: E = E(m, k) + P(all k accepted) x (E_B - 1), its cost the
+        filled plan's when all k are accepted (proposal and verify pass), else the proposal pass alone
+        (verify = 0). A row gets the best plan if its rate beats the current choice's by lookup_margin."""
+        st = self.stats_for(LOOKUP)
+        pend = {"proposer": pending.get("proposer", 1)}
+        cur = self.current.get(key)
+        t_ar = max(1e-12, cycle_cost(self.costs.t, pend, AR_PLAN) + self._oh("ar"))
+        base = cur.rate if cur is not None else 1.0 / t_ar
+        ks = np.arange(1, LOOKUP_K_MAX + 1)
+        ms = np.arange(0, MAX_MATCH + 1)
+        sc = (ms[:, None] + ks[None, :] - 1).astype(float)
+        sc = np.where(sc > 0, sc / np.maximum(sc + 1.0, 1.0), 0.0)      # lookup.score(m + j - 1)
+        a = self._lookup_rates(sc.ravel()).reshape(sc.shape)
+        run = np.cumprod(a, axis=1)                              # P(slots 1..j all accepted)
+        gain = 1.0 + np.cumsum(run, axis=1)                      # E(m, k)
+        oh = np.array([self._oh(LOOKUP, int(k)) for k in ks])
+        cost = self._plan_costs(pend, [Plan(LOOKUP, lookup=int(k)) for k in ks]) + oh
+        rate = gain / np.maximum(cost, 1e-12)[None, :]
+        best_i = rate.argmax(axis=1)
+        best_r = rate[ms, best_i]
+        plans = [Plan(LOOKUP, lookup=int(k)) for k in ks]
+        rows = [plans[best_i[m]] for m in ms]
+        # a MARS proposal filled by k lookup tokens (only where the mode proposes with masks)
+        options = self._options.get(key) or []
+        mars = [o for o in options[1:] if o.kind == mode and o.width > 1] \
+            if MODES[mode].source == "mask" and block_max > 1 else []
+        if mars:
+            best = max(mars, key=lambda o: o.rate)
+            B, v = best.width, best.verify if best.verify is not None else best.width
+            full = self._plan_costs(pend, [Plan(mode, B, verify=v, lookup=int(k)) for k in ks])
+            short = self._plan_costs(pend, [Plan(mode, B, verify=0, lookup=int(k)) for k in ks])
+            f_rate = (gain + run * (best.tokens - 1.0)) / np.maximum(
+                run * full[None, :] + (1.0 - run) * short[None, :] + self._oh(mode, B), 1e-12)
+            f_i = f_rate.argmax(axis=1)
+            f_r = f_rate[ms, f_i]
+            for m in np.flatnonzero(f_r > best_r):
+                rows[m], best_r[m] = Plan(mode, B, lookup=int(ks[f_i[m]])), f_r[m]
+        ok = best_r > base * (1.0 + self.lookup_margin)
+        rows = [r if good and m else None for m, (r, good) in enumerate(zip(rows, ok))]
+        bests = [(int(ks[i]), float(rate[m, i])) for m, i in enumerate(best_i)]
+        return _LookupTable(rows, bests, base, st.n_cycles, cur, pend["proposer"], any(r is not None for r in rows),
+                            self._lookup_local.n_cycles)
+
+    def _lookup_rates(self, scores: np.ndarray) -> np.ndarray:
+        """Acceptance of lookup slots with these scores: this request's record per score bin, with the
+        engine-wide calibration as its prior worth LOOKUP_LOCAL_WEIGHT slots."""
+        prior = self.stats_for(LOOKUP).p_rates(scores)
+        loc = self._lookup_local
+        b = loc._bin(scores)
+        acc, tested = np.asarray(loc.bin_accepted)[b], np.asarray(loc.bin_tested)[b]
+        return (acc + LOOKUP_LOCAL_WEIGHT * prior) / (tested + LOOKUP_LOCAL_WEIGHT)
+
+    def lookup_summary(self, key: str) -> dict | None:
+        """The lookup table of `key` for people and the bench: per match length, the plan it gets."""
+        tab = self._ltables.get(key)
+        if tab is None:
+            return None
+        return {"rate": round(tab.rate, 2),
+                "plans": {m: (p.label() if p is not None else "no") for m, p in enumerate(tab.rows) if m},
+                "best_k": {m: k for m, (k, _) in enumerate(tab.best) if m}}
 
     def _verify_costs(self, mode: str, pending: dict, block: int) -> list[float]:
         """The cycle's cost when verifying v = 1..block of a block (modes.cycle_cost), cached until

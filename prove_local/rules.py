@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from .logits import probs_at, row_stats
-from .sampling import stack
+from .sampling import point_mass, stack
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,20 @@ class Plan:
     `verify` (lossless): proposed tokens fed to the verify pass, 1..block (None: all of them).
     `choose_verify`, on a plan handed to a rule only, picks the verify width from the slot
     confidences p̃ between the two passes (the planner's marginal choice); the recorded plan holds
-    the width it picked in `verify`."""
+    the width it picked in `verify`.
+    `lookup`: tokens drafted by lookup (lookup.py: copied from the request's own tokens). A "lookup"
+    plan verifies them in one pass; a lossless plan with `lookup` > 0 is a *filled* proposal: the
+    lookup tokens go in front of the masks of its proposal pass (`lossless_fill_cycle`), and
+    `verify` = 0 records that the second pass was skipped (a lookup token was rejected).
+    `propose_lookup(k) -> (tokens, scores)`, on a plan handed to a rule only, drafts them (the
+    engine's index, synced to the committed tokens)."""
     kind: str = "ar"
     block: int = 1
     draft_k: int = 0
     verify: int | None = None
     choose_verify: Callable | None = field(default=None, compare=False, repr=False)
+    lookup: int = 0
+    propose_lookup: Callable | None = field(default=None, compare=False, repr=False)
 
     @property
     def proposes(self) -> bool:
@@ -48,26 +56,42 @@ class Plan:
 
     @property
     def width(self) -> int:
-        """The value of the mode's width parameter: k for spec, the block otherwise."""
+        """The value of the mode's width parameter: k for spec, the lookup draft for lookup, the block otherwise."""
+        if self.kind == "lookup":
+            return self.lookup
         return self.draft_k if self.kind == "spec" else self.block
 
     @property
+    def filled(self) -> bool:
+        """A MARS proposal whose first slots were filled by lookup tokens (lossless_fill_cycle)."""
+        return self.lookup > 0 and self.kind != "lookup"
+
+    @property
     def tested(self) -> int:
-        """Proposed tokens up for acceptance: verified (lossless), drafted (spec), or the block."""
+        """Proposed tokens up for acceptance: verified (lossless), drafted (spec, lookup), or the block;
+        a filled proposal's lookup tokens plus its verified slots."""
         if self.kind == "spec":
             return self.draft_k
-        return self.block if self.verify is None else self.verify
+        if self.kind == "lookup":
+            return self.lookup
+        return self.lookup + (self.block if self.verify is None else self.verify)
 
     def label(self) -> str:
-        """'ar', 'B=4 v=2' (lossless), 'B=4' (prove, mars), 'k=3' (spec)."""
+        """'ar', 'B=4 v=2' (lossless), 'B=4' (prove, mars), 'k=3' (spec), 'L=3' (lookup),
+        'L=3+B=4 v=2' (a filled proposal)."""
         if self.kind == "ar":
             return "ar"
         if self.kind == "spec":
             return f"k={self.draft_k}"
-        return f"B={self.block} v={self.tested}" if self.kind == "lossless" else f"B={self.block}"
+        if self.kind == "lookup":
+            return f"L={self.lookup}"
+        fill = f"L={self.lookup}+" if self.lookup else ""
+        v = self.block if self.verify is None else self.verify
+        return fill + (f"B={self.block} v={v}" if self.kind == "lossless" else f"B={self.block}")
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind, "block": self.block, "draft_k": self.draft_k, "verify": self.verify}
+        return {"kind": self.kind, "block": self.block, "draft_k": self.draft_k, "verify": self.verify,
+                "lookup": self.lookup}
 
 
 AR_PLAN = Plan()
@@ -100,6 +124,9 @@ class Cycle:
     # at the first failure; a threshold gate (prove, mars) is evaluated on every slot)
     plan: Plan = AR_PLAN
     gate: list | None = None
+    # where each proposed slot came from: "mask" (a MARS slot), "lookup" (lookup.py), "draft" (spec's
+    # draft model); the engine fills it from the mode table (Mode.source) where a rule leaves it None
+    source: list[str] | None = None
 
 
 def _gate(ok, tested: int, n_slots: int, stop_at_failure: bool) -> list:
@@ -358,3 +385,122 @@ def _mars_sampled(ctx, tokens, block, mask, tau, sampler) -> Cycle:
     n = max(1, leading_run(ok))
     return Cycle(d, conf.tolist(), None, d[:n], n, {"proposer": 1}, {"proposer": [width]},
                  plan=_mars_plan(block), gate=_gate(ok, block, block, False))
+
+
+# ---------------------------------------------------------------------------------- lookup drafts
+# Drafts copied from the request's own tokens (lookup.py) cost no pass: they are verified exactly in
+# the proposer's one pass, as spec's target verifies its draft. Greedy: commit the matching run plus
+# the model's own next token. Sampling: exact speculative sampling with the draft's distribution a
+# point mass on the drafted token (q = one-hot: accept x with probability p(x); after a rejection
+# draw from norm(max(0, p - onehot(x))), i.e. p without x), so the output is distributed as ar's.
+
+def lookup_cycle(ctx, tokens: list[int], draft: list[int], scores: list[float], sampler=None) -> Cycle:
+    """Verify lookup-drafted tokens x_1..x_k in one pass of [pending..., x_1..x_k]: row j is the
+    model's next token after tokens + x[:j]; commit the leading run of x that matches it plus the
+    model's token after that run (the correction, or the bonus after a full match). `scores`: the
+    lookup's score of each slot (Cycle.p). Without a draft, a plain ar cycle."""
+    draft = [int(x) for x in draft]
+    if not draft:
+        return ar_cycle(ctx, tokens, sampler=sampler)
+    if sampler is not None:
+        return _lookup_sampled(ctx, tokens, draft, scores, sampler)
+    k = len(draft)
+    pending = _pending(ctx, tokens)
+    logits = _logits(ctx, pending + draft, rows=list(range(len(pending) - 1, len(pending) + k)))
+    g, q = greedy_and_prob(logits, draft)
+    ok = np.asarray(draft, dtype=np.int64) == g[:k]
+    n = leading_run(ok)
+    ctx.truncate(len(tokens) + n)                # keep x[:n]; the correction / bonus stays pending
+    return Cycle(draft, [float(s) for s in scores], q.tolist(), draft[:n] + [int(g[n])], n, {"proposer": 1},
+                 {"proposer": [len(pending) + k]}, residual=n < k, plan=Plan("lookup", lookup=k),
+                 gate=_gate(ok, k, k, True), source=["lookup"] * k)
+
+
+def _lookup_sampled(ctx, tokens, draft, scores, sampler) -> Cycle:
+    """Row j's processed target p_j (penalties over tokens + x[:j]); the point-mass rejection step
+    (sampling.Sampler.verify with q = sampling.point_mass)."""
+    k = len(draft)
+    pending = _pending(ctx, tokens)
+    logits = _logits(ctx, pending + draft, rows=list(range(len(pending) - 1, len(pending) + k)))
+    p = sampler.dists(logits, tokens, draft)
+    n, nxt, accept, residual = sampler.verify(p, point_mass(draft, p.shape[1]), draft)
+    ctx.truncate(len(tokens) + n)
+    return Cycle(draft, [float(s) for s in scores], [float(p[j, draft[j]]) for j in range(k)], draft[:n] + [nxt], n,
+                 {"proposer": 1}, {"proposer": [len(pending) + k]}, accept_prob=accept, residual=residual,
+                 plan=Plan("lookup", lookup=k), gate=_tested(n, residual, k), source=["lookup"] * k)
+
+
+def lossless_fill_cycle(ctx, tokens: list[int], draft: list[int], scores: list[float], block: int, mask: int,
+                        verify=None, sampler=None) -> Cycle:
+    """A MARS proposal whose first slots are filled by lookup tokens: the proposal pass reads
+    [pending..., x_1..x_j, <mask> x (block-1)]. Its rows before the masks verify x exactly (row i:
+    the model's token after tokens + x[:i], causal attention: the masks after them are unseen), so a
+    rejected x_i ends the cycle there with the model's own token, one pass. After a full match the
+    row of x_j is slot 1 of a MARS block that continues the copied run (its own AR token) and the
+    mask rows are slots 2..block: the second pass verifies them as lossless_cycle does (`verify`
+    as there). Every committed token is the model's own greedy token (in distribution when sampling)."""
+    draft = [int(x) for x in draft]
+    j = len(draft)
+    pend = _pending(ctx, tokens)
+    P = len(pend)
+    logits = _logits(ctx, pend + draft + [mask] * (block - 1), rows=list(range(P - 1, P + j + block - 1)))
+    ctx.truncate(len(tokens) + j)                # the masks go at once; x stays until it is judged
+    if sampler is not None:
+        return _fill_sampled(ctx, tokens, draft, scores, block, verify, sampler, logits, P)
+    g = logits[:j].argmax(axis=1)
+    ok_l = np.asarray(draft, dtype=np.int64) == g
+    n = leading_run(ok_l)
+    width1 = P + j + block - 1
+    if n < j:                                    # a lookup token was rejected: one pass, as lookup_cycle
+        ctx.truncate(len(tokens) + n)
+        q = prob_of(logits[:j], draft)
+        return Cycle(draft, [float(s) for s in scores], q.tolist(), draft[:n] + [int(g[n])], n, {"proposer": 1},
+                     {"proposer": [width1]}, residual=True, plan=Plan("lossless", block, verify=0, lookup=j),
+                     gate=_gate(ok_l, j, j, True), source=["lookup"] * j)
+    d, p = top1(logits[j:])                      # slot 1: the token after x_j; slots 2..: the masks
+    q_l = prob_of(logits[:j], draft) if j else np.zeros(0)   # read before the next pass reuses the rows
+    if callable(verify):
+        verify = verify(p)
+    v = block if verify is None else max(1, min(int(verify), block))
+    logits2 = _logits(ctx, d[:v].tolist(), rows=list(range(v)))
+    g2, q2 = greedy_and_prob(logits2, d[1:v])
+    ok = np.concatenate([[True], d[1:v] == g2[:-1]])
+    n2 = leading_run(ok)
+    ctx.truncate(len(tokens) + j + n2)
+    return Cycle(draft + d.tolist(), [float(s) for s in scores] + p.tolist(), q_l.tolist() + [float(p[0])] + q2.tolist(),
+                 draft + d[:n2].tolist() + [int(g2[n2 - 1])], j + n2, {"proposer": 2},
+                 {"proposer": [width1, v]}, residual=n2 < v, plan=Plan("lossless", block, verify=v, lookup=j),
+                 gate=[True] * j + _gate(ok, v, block, True), source=["lookup"] * j + ["mask"] * block)
+
+
+def _fill_sampled(ctx, tokens, draft, scores, block, verify, sampler, logits, P) -> Cycle:
+    """The filled proposal with a sampler. Uniforms in this order: the point-mass tests of x (then the
+    residual after a rejection, or the bonus: slot 1, an exact sample of the target after x), the
+    slot draws 2..block, their tests, the residual or bonus."""
+    j = len(draft)
+    width1 = P + j + block - 1
+    p_l = sampler.dists(logits[:j + 1], tokens, draft)           # row i: the target after tokens + x[:i]
+    n, nxt, accept_l, residual = sampler.verify(p_l, point_mass(draft, p_l.shape[1]), draft)
+    target_l = [float(p_l[i, draft[i]]) for i in range(j)]
+    if n < j:
+        ctx.truncate(len(tokens) + n)
+        return Cycle(draft, [float(s) for s in scores], target_l, draft[:n] + [nxt], n, {"proposer": 1},
+                     {"proposer": [width1]}, accept_prob=accept_l, residual=True,
+                     plan=Plan("lossless", block, verify=0, lookup=j), gate=_tested(n, True, j),
+                     source=["lookup"] * j)
+    prefix = tokens + draft
+    rest, q = sampler.propose(logits[j + 1:], prefix + [nxt])   # slots 2..block, penalties see slot 1
+    d = [nxt] + rest
+    conf = [float(p_l[j, nxt])] + [float(q[i, rest[i]]) for i in range(block - 1)]
+    if callable(verify):
+        verify = verify(np.asarray(conf))
+    v = block if verify is None else max(1, min(int(verify), block))
+    p = sampler.dists(_logits(ctx, d[:v], rows=list(range(v))), prefix + d[:1], d[1:v])
+    n2, nxt2, accept, residual2 = sampler.verify(p, q[:v - 1], d[1:v])
+    n2 += 1                                       # slot 1 (exact)
+    ctx.truncate(len(tokens) + j + n2)
+    target = target_l + [conf[0]] + [float(p[i, d[i + 1]]) for i in range(v - 1)]
+    return Cycle(draft + d, [float(s) for s in scores] + conf, target, draft + d[:n2] + [nxt2], j + n2,
+                 {"proposer": 2}, {"proposer": [width1, v]}, accept_prob=accept_l + [1.0] + accept,
+                 residual=residual2, plan=Plan("lossless", block, verify=v, lookup=j),
+                 gate=[True] * j + _tested(n2, residual2, block), source=["lookup"] * j + ["mask"] * block)

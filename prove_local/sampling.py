@@ -315,3 +315,12 @@ class Sampler:
             if self.rng.random() >= accept[i]:
                 return i, self.residual(p[i], q[i]), accept, True
         return len(drafted), self.draw(p[len(drafted)]), accept, False
+
+
+def point_mass(tokens, n_vocab: int) -> Dists:
+    """The draft distribution of tokens proposed without a model (lookup drafts): one row per token,
+    all its mass on that token. With it, `Sampler.verify` accepts x with probability p(x) and after a
+    rejection draws from norm(max(0, p - onehot(x))) = p without x: the committed token is distributed
+    as p (the rejection step's identity with q a point mass)."""
+    one = np.ones(1)
+    return Dists([Row(np.array([int(x)], dtype=np.int64), one, n_vocab) for x in tokens], n_vocab)

@@ -60,12 +60,16 @@ def test_every_planner_branch_is_exact_on_real_contexts(models, ar_outputs, cach
     prop, draft = models
     engine = Engine.load(prop, None, draft, **F32)
     engine.planner = Planner(explore=1.0, explore_wide=1.0, seed=1, explore_by_rate=False)   # every cycle a random plan
-    seen = {"lossless": set(), "spec": set()}
+    seen = {"lossless": set(), "spec": set(), "lookup": set()}
     for p in PROMPTS:
-        for mode, kw in (("lossless", {"block": "auto"}), ("spec", {"draft_k": "auto"})):
+        # (lookup drafts off for the widths' coverage: with explore=1 a lookup exploration would take
+        # every cycle that has a match; they get a run of their own)
+        for mode, kw, key in (("lossless", {"block": "auto", "lookup": 0}, "lossless"),
+                              ("spec", {"draft_k": "auto", "lookup": 0}, "spec"),
+                              ("lossless", {"block": "auto"}, "lookup")):
             cycles, out = run(engine, prop.tokenize(p), mode=mode, **kw)
             assert out == ar_outputs[p], (mode, p)
-            seen[mode].update((c.plan.kind, c.plan.width, c.plan.tested) for c in cycles)
+            seen[key].update((c.plan.kind, c.plan.width, c.plan.tested) for c in cycles)
             for role, ctx in engine.contexts.items():      # caches hold committed tokens only
                 assert ctx.n_past <= len(engine.tokens)
     widths = {b for kind, b, v in seen["lossless"] if kind == "lossless"}
@@ -73,6 +77,7 @@ def test_every_planner_branch_is_exact_on_real_contexts(models, ar_outputs, cach
     assert any(v < b for kind, b, v in seen["lossless"] if kind == "lossless")      # verify prefixes
     assert ("ar", 1, 1) in seen["lossless"] and ("ar", 1, 1) in seen["spec"]        # fallback to ar
     assert {b for kind, b, v in seen["spec"] if kind == "spec"} == set(range(1, 9))
+    assert any(kind == "lookup" for kind, b, v in seen["lookup"])                   # lookup explorations
     # the engine calibrated its pass costs at the first auto request, into the test's cache
     assert (cache_dir / "calibration.json").is_file()
     assert set(engine.planner.costs.base) == {"proposer", "draft"}

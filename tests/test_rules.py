@@ -169,8 +169,10 @@ def test_engine_errors():
         run(e, [1] * 64, mode="ar")
     no_mask = Engine({"proposer": FakeContext(ar_model(), V)}, is_eog=lambda t: False, mask_token=None, n_ctx=64)
     with pytest.raises(ModeError, match="mask token"):
-        run(no_mask, PROMPT, mode="lossless")
-    assert no_mask.default_mode() == "ar"
+        run(no_mask, PROMPT, mode="lossless", lookup=0)        # lossless drafts by lookup alone without one
+    with pytest.raises(ModeError, match="mask token"):
+        run(no_mask, PROMPT, mode="mars")
+    assert no_mask.default_mode() == "lossless"
 
 
 def test_top1_and_prob_of():

@@ -239,7 +239,9 @@ def test_cli_json_and_errors(models, tmp_path):
 
     r = cli("run", str(tmp_path / "nope.gguf"), "-p", "hi")
     assert r.returncode == 1 and "nope.gguf: no such model file" in r.stderr and "Traceback" not in r.stderr
-    r = cli("run", str(models[2].path), "-p", "hi", "--mode", "lossless")
+    r = cli("run", str(models[2].path), "-p", "hi", "--mode", "mars")
+    assert r.returncode == 1 and "needs a mask token" in r.stderr and "Traceback" not in r.stderr
+    r = cli("run", str(models[2].path), "-p", "hi", "--mode", "lossless", "--lookup", "0")    # (lookup drafts need none)
     assert r.returncode == 1 and "needs a mask token" in r.stderr and "Traceback" not in r.stderr
     r = cli("run", str(prop.path), "-p", "word " * 100, "--ctx", "32")
     assert r.returncode == 1 and "the context holds 32" in r.stderr and "Traceback" not in r.stderr

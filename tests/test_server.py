@@ -233,6 +233,21 @@ def test_completions_and_prove_mode(client, local):
     assert p["draft_n"] == 8 * 20 and p["draft_n_accepted"] == 20
 
 
+def test_lookup_drafts_over_the_api(client, local, server):
+    """mode lookup with a fixed lookup length: greedy ar's text, the drafts per source in the `prove`
+    object and in /metrics."""
+    prompt = "a b c a b c a b c a b"
+    _, ref = local.complete(prompt, 24)
+    r = client.completions.create(model="any", prompt=prompt, max_tokens=24, extra_body={"mode": "lookup", "lookup": 3})
+    p = check_stats(r, mode="lookup")
+    assert r.choices[0].text == ref and p["lookup"] == 3 and p["drafts"]["lookup"]["drafted"] >= 3
+    assert p["draft_n"] == sum(d["drafted"] for d in p["drafts"].values())
+    assert any(k.startswith("L=") for k in p["widths"])
+    assert metrics(server)['prove_drafts_total{source="lookup"}'] >= p["drafts"]["lookup"]["drafted"]
+    bad = raw(server, "POST", "/v1/completions", {"prompt": "hi", "lookup": -1})
+    assert bad[0] == 400 and "lookup" in json.loads(bad[2])["error"]["message"]
+
+
 def test_stop_strings_plain_and_streamed(client, local):
     _, ref = local.complete("Hello world", 60)
     start = next(i for i in range(12, len(ref) - 3) if ref[i:i + 2].isprintable() and "\ufffd" not in ref[i:i + 2])

@@ -16,7 +16,7 @@ def test_soak_script_small(tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     assert res["cycles"] >= 300 and res["errors"] == 0 and res["error_messages"] == []
-    assert set(res["modes"]) == {"ar", "lossless", "prove", "mars", "spec"}
+    assert set(res["modes"]) == {"ar", "lossless", "prove", "mars", "spec", "lookup"}
     assert all(m["requests"] >= 1 and m["cycles"] >= 1 for m in res["modes"].values())
     # every greedy request of an exact mode was compared with a fresh greedy decode (sampled ones are
     # exact in distribution only: tests/test_sampling.py)

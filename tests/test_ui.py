@@ -159,7 +159,7 @@ def ui_args(**kw):
 
 def test_runtime_turns_equal_the_engine_and_compare(ui_models, ui_paths):
     rt = Runtime(Loaded(*ui_models, context_options=F32), parallel=1)
-    assert rt.error is None and rt.default_mode == "lossless" and set(rt.modes) == {"ar", "lossless", "prove", "mars"}
+    assert rt.error is None and rt.default_mode == "lossless" and set(rt.modes) == {"ar", "lossless", "prove", "mars", "lookup"}
     assert "draft" in rt.mode_errors["spec"]
     sess = Session()
     users = ["What is 7 times 8?", "And 9 times 9?"]

@@ -25,7 +25,8 @@ from ..engine import Engine
 from ..errors import MissingExtra, UsageError
 from ..llama import Model, gpu_offload_supported
 from ..loading import (CTX, EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, GPU_LAYERS, KV_TYPES, MAX_NEW, TAU, THETA, THREADS,
-                       TOKEN_ID, add_rpc_args, draft_width_arg, int_in, placement_note, rpc_devices, width_arg)
+                       TOKEN_ID, add_rpc_args, draft_width_arg, int_in, lookup_arg, placement_note, rpc_devices,
+                       width_arg)
 from ..modes import MODES
 from . import runner
 from .data import DataError, load_prompts
@@ -48,8 +49,8 @@ def _width_list(option: str):
 
 
 def _widths(text: str, option: str) -> list:
-    """--block / --draft-k: a comma-separated list of 'auto' and widths (loading.width_arg's range)."""
-    parse = draft_width_arg if option == "--draft-k" else width_arg
+    """--block / --draft-k / --lookup: a comma-separated list of 'auto' and widths (loading's ranges)."""
+    parse = {"--draft-k": draft_width_arg, "--lookup": lookup_arg}.get(option, width_arg)
     out = []
     for part in str(text).split(","):
         if part.strip():
@@ -73,7 +74,7 @@ def _floats(text: str) -> list[float]:
 def canonical_command(args) -> str:
     """The command line that reproduces this run, every option spelled out."""
     parts = ["prove-local", "bench"]
-    for opt in ("proposer", "verifier", "draft", "modes", "limit", "max_new", "theta", "tau", "block", "draft_k",
+    for opt in ("proposer", "verifier", "draft", "modes", "limit", "max_new", "theta", "tau", "block", "draft_k", "lookup",
                 "temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed", "samples",
                 "mask_token", "threads", "ctx", "n_gpu_layers", "kv_type", "warmup", "pass_cost_reps", "pass_cost_max",
                 "llama_spec",
@@ -110,6 +111,9 @@ def add_parser(sub) -> None:
                         "list (e.g. auto,2,4,16) makes one run per value, side by side")
     p.add_argument("--draft-k", default="auto", type=_width_list("--draft-k"),
                    help="drafts per cycle for spec: 'auto' (default) or N; a comma-separated list makes one run per value")
+    p.add_argument("--lookup", default="auto", type=_width_list("--lookup"),
+                   help="lookup drafts (lossless, lookup): 'auto' (default: the planner's choice), 0 (off) or K; a "
+                        "comma-separated list (e.g. auto,0) makes one run per value, named mode@Lauto, mode@L0")
     p.add_argument("--llama-spec", metavar="BIN",
                    help="also run llama.cpp's llama-speculative-simple at BIN on every prompt (proposer as target, "
                         "--draft as draft, greedy) as an external baseline; skipped with a note when BIN is absent")
@@ -204,8 +208,9 @@ def cmd_bench(args) -> int:
     sampling = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                     repeat_last_n=args.repeat_last_n, seed=args.seed)
     blocks, draft_ks = _widths(args.block, "--block"), _widths(args.draft_k, "--draft-k")
+    lookups = _widths(args.lookup, "--lookup")
     runs = runner.make_runs(modes, max_new=args.max_new, block=blocks, thetas=thetas, tau=args.tau, draft_k=draft_ks,
-                            temps=temps, sampling=sampling, samples=args.samples)
+                            temps=temps, sampling=sampling, samples=args.samples, lookup=lookups)
     for r in runs:
         engine.check(r.settings)
     kept, prompt_tokens = _prompt_tokens(args, prompts, models["proposer"], engine.n_ctx)
@@ -231,7 +236,8 @@ def cmd_bench(args) -> int:
                           "mask_token": (engine.mask_token if role == "proposer" else m.mask_token),
                           "block_size": m.block_size} for role, m in models.items()},
         "settings": {"modes": modes, "max_new": args.max_new, "block": ",".join(map(str, blocks)), "theta": thetas,
-                     "tau": args.tau, "draft_k": ",".join(map(str, draft_ks)), "temperature": temps, **sampling,
+                     "tau": args.tau, "draft_k": ",".join(map(str, draft_ks)), "lookup": ",".join(map(str, lookups)),
+                     "temperature": temps, **sampling,
                      "samples": args.samples, "ctx": args.ctx, "kv_type": kv, "threads": threads,
                      "n_gpu_layers": ngl, "warmup": args.warmup, "chat_template": not args.raw},
         "data": {"paths": [str(p) for p in args.data], "limit": args.limit},

@@ -29,10 +29,15 @@ def modes_table(res: dict) -> str:
                      _pct(m["exact_match_vs_ar"]),
                      _pct(m["accuracy"]) + (f" (n={m['n_checkable']})" if m["n_checkable"] else ""),
                      _pct(m.get("loop_share")), stats.fmt(m.get("host_ms_per_cycle"), 3),
-                     _pct(m.get("overhead_share"))])
+                     _pct(m.get("overhead_share")), _drafts(m.get("drafts"))])
     return _table(["run", "tokens/s", "speedup (median)", "speedup (totals)", "tokens/cycle", "passes/token",
                    "cycle cost", "cycle cost (curve)", "projected speedup", "flat-curve speedup",
-                   "= ar output", "accuracy", "in loops", "host ms/cycle", "host share"], rows)
+                   "= ar output", "accuracy", "in loops", "host ms/cycle", "host share", "accepted / drafted"], rows)
+
+
+def _drafts(d: dict | None) -> str:
+    """Accepted / drafted tokens per source (mask, lookup, draft)."""
+    return ", ".join(f"{src} {v['accepted']}/{v['drafted']}" for src, v in sorted((d or {}).items())) or "–"
 
 
 def summary_markdown(res: dict) -> str:

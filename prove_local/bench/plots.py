@@ -142,7 +142,8 @@ def roc_data(data: BenchData, res: dict) -> dict | None:
         for i in range(len(data.prompts)):
             g, ref = by.get((i, name)), by.get((i, ref_name))
             if g and ref:
-                labels += stats.slot_labels([c for c in g.cycles if c.plan.proposes], g.tokens, ref.tokens)
+                labels += stats.slot_labels([c for c in g.cycles if c.plan.proposes and not c.plan.lookup],
+                                            g.tokens, ref.tokens)
         if not labels:
             continue
         y = [r["on_path"] for r in labels]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..engine import Settings, tokens_per_second
 from ..files import write_atomic
-from ..modes import MODES
+from ..modes import MODES, draft_counts
 from ..planner import projection as project, widths_histogram
 from ..rules import Cycle, Plan
 from . import stats
@@ -146,6 +146,10 @@ def mode_entry(ix: Index, name: str, run) -> dict:
         "theta": s.theta if MODES[s.mode].gate == "theta" else None,
         "tau": s.tau if MODES[s.mode].gate == "tau" else None,
         "block": s.block, "draft_k": s.draft_k if MODES[s.mode].width == "draft_k" else None,
+        "lookup": s.lookup if MODES[s.mode].lookup else None,
+        # tokens proposed and accepted per source (mask: MARS slots, lookup: copied from the text, draft)
+        "drafts": {src: {"drafted": n, "accepted": a, "rate": _r(a / n) if n else None}
+                   for src, (n, a) in draft_counts(cycles).items()},
         "n_prompts": len(gens_ok),
         "tokens": sum(len(g.tokens) for g in gens_ok),
         "seconds": _r(sum(g.seconds for g in gens_ok), 3),
@@ -164,9 +168,12 @@ def mode_entry(ix: Index, name: str, run) -> dict:
             "reference": sampled_ref, "p_value": None if dist["p_value"] is None else float(f"{dist['p_value']:.4g}"), "positions": dist["positions"],
             "samples": dist["samples"], "tv_by_position": [_r(x) for x in dist["tv_by_position"]],
             "method": dist["method"]},
+        # without the lookup drafts of a mode that has its own proposals (they are in "drafts", by source)
         "acceptance_by_slot": ({k: [_r(x) for x in v] if k != "n" else v
-                                for k, v in stats.acceptance_by_slot(all_cycles).items()}
-                               if MODES[s.mode].exact and MODES[s.mode].width is not None else None),
+                                for k, v in stats.acceptance_by_slot(
+                                    [c for c in all_cycles if not c.plan.lookup or MODES[s.mode].width is None]).items()}
+                               if MODES[s.mode].exact and (MODES[s.mode].width is not None or MODES[s.mode].lookup)
+                               else None),
         "accuracy": _r(stats.accuracy(checkable)),
         "n_checkable": sum(c is not None for c in checkable),
         **family_stats(ix, name, gens),
@@ -216,11 +223,12 @@ def greedy_path_analyses(ix: Index, name: str, run, entry: dict, bins: int) -> t
     labels, mruns = [], []
     for g in gens_ok:
         if g.prompt in ix.ref:
-            # the planner's plain ar cycles propose nothing: they are left out of these analyses
-            proposing = [c for c in g.cycles if c.plan.proposes]
+            # the planner's plain ar cycles propose nothing, and lookup drafts are not the proposer's
+            # (their record is the run's "drafts"): both are left out of these analyses
+            proposing = [c for c in g.cycles if c.plan.proposes and not c.plan.lookup]
             labels += stats.slot_labels(proposing, g.tokens, ix.ref[g.prompt])
             mruns += stats.matched_runs(proposing, g.tokens, ix.ref[g.prompt])
-    n_slots = max((len(c.proposed) for c in cycles), default=0)
+    n_slots = max((len(c.proposed) for c in cycles if not c.plan.lookup), default=0)
     rate, counts = stats.match_rate_by_slot(labels, n_slots)
     a = stats.detector_aucs(labels)
     a["positional"] = {k: (_r(v) if isinstance(v, float) else v)
@@ -359,7 +367,8 @@ def generations_jsonl(data: BenchData) -> str:
                         "residual": c.residual,
                         "n_accepted": c.n_accepted, "passes": c.passes, "seconds": round(c.seconds, 6),
                         "decode_seconds": {k: round(v, 6) for k, v in c.decode_seconds.items()},
-                        "widths": c.widths, "plan": c.plan.as_dict(), "gate": c.gate} for c in g.cycles],
+                        "widths": c.widths, "plan": c.plan.as_dict(), "gate": c.gate, "source": c.source}
+                       for c in g.cycles],
         }, ensure_ascii=False))
     return "\n".join(lines) + "\n"
 
@@ -407,6 +416,7 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
                                theta=default.theta if m["theta"] is None else m["theta"],
                                tau=default.tau if m["tau"] is None else m["tau"],
                                draft_k=default.draft_k if m["draft_k"] is None else m["draft_k"],
+                               lookup=default.lookup if m.get("lookup") is None else m["lookup"],
                                temperature=m.get("temperature") or 0.0, **sampling(m)),
                 (m.get("sampling") or {}).get("samples", 1))
             for name, m in res["modes"].items()]
@@ -420,7 +430,7 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
                         seconds=c["seconds"], index=k, start=c["start"], accept_prob=c.get("accept_prob"),
                         residual=c.get("residual", False), widths=c.get("widths") or {},
                         plan=Plan(**c["plan"]) if c.get("plan") else _plan_of_old_report(modes_of[g["run"]], c),
-                        gate=c.get("gate"))
+                        gate=c.get("gate"), source=c.get("source"))
                   for k, c in enumerate(g["cycles"])]
         if cycles:
             cycles[-1].stop = g["stop"] if "stop" in g else stops.get((g["prompt"], g["run"]))

@@ -54,13 +54,16 @@ class BenchData:
 
 
 def make_runs(modes: list[str], *, max_new: int, block, thetas: list[float], tau: float, draft_k,
-              temps: list[float] = (0.0,), sampling: dict | None = None, samples: int = 1) -> list[Run]:
+              temps: list[float] = (0.0,), sampling: dict | None = None, samples: int = 1,
+              lookup="auto") -> list[Run]:
     """One run per mode (and θ), width and temperature. `block` and `draft_k` are a value or a list of
     values ("auto" or N); with several, each gets its own run named mode@auto, mode@B4 (spec: spec@k4),
     so that auto and fixed widths are measured side by side, interleaved per prompt. Runs at
     temperature > 0 are named `...@T<t>` and generate `samples` times per prompt (the exactness check
-    compares their distributions)."""
+    compares their distributions). `lookup` likewise ("auto", 0 or K, or a list): modes that take lookup
+    drafts get one run per value, named ...@Lauto, @L0, @L4, when there are several."""
     blocks = block if isinstance(block, list) else [block]
+    lookups = lookup if isinstance(lookup, list) else [lookup]
     ks = draft_k if isinstance(draft_k, list) else [draft_k]
     sampling = dict(sampling or {})
     sampling.setdefault("seed", 0)
@@ -81,14 +84,18 @@ def make_runs(modes: list[str], *, max_new: int, block, thetas: list[float], tau
             width = MODES[mode].width
             widths = [(blocks[0], k) for k in ks] if width == "draft_k" else \
                 ([(blocks[0], ks[0])] if width is None else [(b, ks[0]) for b in blocks])
-            for b, k in widths:
-                common = dict(max_new=max_new, block=b, tau=tau, draft_k=k, temperature=t, **sampling)
+            looks = lookups if MODES[mode].lookup else [lookups[0]]
+            if MODES[mode].width is None and MODES[mode].lookup:     # the lookup mode: 0 would draft nothing
+                looks = [x for x in looks if x != 0] or looks
+            for (b, k), lk in ((w, lk) for w in widths for lk in looks):
+                common = dict(max_new=max_new, block=b, tau=tau, draft_k=k, lookup=lk, temperature=t, **sampling)
+                ltag = f"@L{lk}" if len(looks) > 1 else ""
                 if MODES[mode].gate == "theta":             # one run per θ
                     for th in thetas:
-                        name = (mode if len(thetas) == 1 else f"{mode}@{th:g}") + tag(mode, b, k) + suffix
+                        name = (mode if len(thetas) == 1 else f"{mode}@{th:g}") + tag(mode, b, k) + ltag + suffix
                         runs.append(Run(name, Settings(mode=mode, theta=th, **common), n))
                 else:
-                    runs.append(Run(mode + tag(mode, b, k) + suffix,
+                    runs.append(Run(mode + tag(mode, b, k) + ltag + suffix,
                                     Settings(mode=mode, theta=thetas[0] if thetas else 0.05, **common), n))
     return runs
 

@@ -28,6 +28,7 @@ def settings_for(state, body, n_prompt: int):
         block=body.block if body.block is not None else d.block,
         theta=d.theta if body.theta is None else body.theta, tau=d.tau if body.tau is None else body.tau,
         draft_k=d.draft_k if body.draft_k is None else body.draft_k,
+        lookup=d.lookup if body.lookup is None else body.lookup,
         temperature=d.temperature if body.temperature is None else body.temperature,
         top_k=d.top_k if body.top_k is None else body.top_k, top_p=d.top_p if body.top_p is None else body.top_p,
         min_p=d.min_p if body.min_p is None else body.min_p,

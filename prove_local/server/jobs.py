@@ -127,6 +127,8 @@ class Job:
                       if self.request is not None and mode.width == "block" else None),
             "widths": planner.widths_histogram(self.cycles),
             "draft_k": self.settings.draft_k if mode.width == "draft_k" else None,
+            "lookup": (self.request.lookup if self.request is not None else self.settings.lookup) if mode.lookup else None,
+            "drafts": {src: {"drafted": n, "accepted": a} for src, (n, a) in modes.draft_counts(self.cycles).items()},
             "n_cycles": s["n_cycles"],
             "tokens_per_cycle": round(s["tokens_per_cycle"], 4),
             "passes": s["n_passes"],

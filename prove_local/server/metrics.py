@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+from .. import modes
 
 
 class Metrics:
@@ -18,6 +19,7 @@ class Metrics:
         self.tokens_by_slot: dict[int, int] = {}
         self.passes: dict[str, int] = {}
         self.decode_seconds: dict[str, float] = {}
+        self.drafts: dict[str, list[int]] = {}              # source -> [drafted, accepted]
 
     def request(self, endpoint: str, status: int) -> None:
         with self.lock:
@@ -37,9 +39,12 @@ class Metrics:
                     self.passes[r] = self.passes.get(r, 0) + n
                 for r, t in c.decode_seconds.items():
                     self.decode_seconds[r] = self.decode_seconds.get(r, 0.0) + t
-            d_n, d_acc = draft_counts(job.cycles)
-            self.draft_n += d_n
-            self.draft_n_accepted += d_acc
+            for src, (n, acc) in modes.draft_counts(job.cycles).items():
+                d = self.drafts.setdefault(src, [0, 0])
+                d[0] += n
+                d[1] += acc
+                self.draft_n += n
+                self.draft_n_accepted += acc
 
     def render(self, pool_stats: dict | None) -> str:
         out: list[str] = []
@@ -69,6 +74,11 @@ class Metrics:
             metric("draft_n_total", "counter", "tokens proposed or drafted (llama.cpp's draft_n)", [({}, self.draft_n)])
             metric("draft_n_accepted_total", "counter", "proposed or drafted tokens accepted (draft_n_accepted)",
                    [({}, self.draft_n_accepted)])
+            metric("drafts_total", "counter", "tokens proposed, by source (mask: MARS slots, lookup: copied from "
+                   "the prompt and answer, draft: a draft model)",
+                   [({"source": s}, d[0]) for s, d in sorted(self.drafts.items())])
+            metric("drafts_accepted_total", "counter", "proposed tokens accepted, by source",
+                   [({"source": s}, d[1]) for s, d in sorted(self.drafts.items())])
             metric("passes_total", "counter", "forward passes (llama_decode calls) per model",
                    [({"model": r}, n) for r, n in sorted(self.passes.items())])
             metric("decode_seconds_total", "counter", "seconds in llama_decode per model",
@@ -92,7 +102,8 @@ def _label(value) -> str:
 
 def draft_counts(cycles) -> tuple[int, int]:
     """llama.cpp's draft_n / draft_n_accepted for our cycles: the tokens proposed (MARS block slots,
-    or spec's drafts) and those accepted. Plain ar proposes nothing, nor do the plain ar cycles that
-    the planner runs inside another mode (--block auto)."""
-    drafted = [c for c in cycles if c.plan.proposes]
-    return sum(len(c.proposed) for c in drafted), sum(c.n_accepted for c in drafted)
+    lookup drafts, or spec's drafts) and those accepted, all sources together (modes.draft_counts
+    splits them). Plain ar proposes nothing, nor do the plain ar cycles that the planner runs inside
+    another mode (--block auto)."""
+    by_source = modes.draft_counts(cycles).values()
+    return sum(n for n, _ in by_source), sum(a for _, a in by_source)

@@ -53,6 +53,7 @@ class Common(Body):
     tau: float | None = Field(None, ge=0)
     block: Union[Literal["auto"], Annotated[int, Field(ge=1, le=512)], None] = None
     draft_k: Union[Literal["auto"], Annotated[int, Field(ge=0, le=512)], None] = None
+    lookup: Union[Literal["auto"], Annotated[int, Field(ge=0, le=512)], None] = None
 
 
 class Chat(Common):

@@ -46,6 +46,8 @@ CSS = """
 .cyc.c1, .tok.c1 {background: #fde68a; color: #78350f;}
 .cyc.fix, .tok.fix {background: #bbf7d0; color: #14532d; box-shadow: inset 0 -2px 0 #16a34a;}
 .cyc.sel {outline: 2px solid #db2777; outline-offset: 0;}
+.cyc.lk, .tok.lk {text-decoration: underline dotted #7c3aed; text-decoration-thickness: 2px; text-underline-offset: 3px;}
+td.src.lookup {color: #7c3aed; font-weight: 600;}
 .cyc:hover {filter: brightness(0.93);}
 .typing {color: var(--body-text-color-subdued);}
 .legend {display: flex; gap: 8px; align-items: center; font-size: 0.82em; margin: 2px 0 6px 0; flex-wrap: wrap;}
@@ -136,7 +138,7 @@ def cmd_ui(args) -> int:
     runtime = Runtime.from_args(args)
     if runtime.error:
         print(f"prove-local ui: {runtime.error} (the page shows this too)", file=sys.stderr)
-    demo = build_app(runtime, max_new=args.max_new, block=args.block, draft_k=args.draft_k)
+    demo = build_app(runtime, max_new=args.max_new, block=args.block, draft_k=args.draft_k, lookup=args.lookup)
     try:
         _, local_url, share_url = launch(demo, runtime, host=args.host, port=args.port, share=args.share,
                                          prevent_thread_lock=True, quiet=True)
@@ -185,9 +187,9 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
+def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto", lookup="auto"):
     """The page (page.py), on a loaded `Runtime` (or one whose `error` says why not)."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     from .page import build_app as build
 
-    return build(runtime, max_new=max_new, block=block, draft_k=draft_k)
+    return build(runtime, max_new=max_new, block=block, draft_k=draft_k, lookup=lookup)

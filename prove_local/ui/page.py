@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import gradio as gr
 
 from prove_local.engine import Settings, summarize
-from prove_local.modes import MODES
+from prove_local.modes import MODES, draft_counts
 
 from . import runtime as rt
 from . import view
@@ -21,12 +21,12 @@ PLACEHOLDER = ("Ask something, e.g. a GSM8K question. Each cycle's committed tok
 NO_CYCLE = '<div class="inspector empty">No cycle selected: send a prompt, then click a colored run.</div>'
 
 
-def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto"):
+def build_app(runtime, *, max_new: int = 256, block="auto", draft_k="auto", lookup="auto"):
     """The page, on a loaded `Runtime` (or one whose `error` says why not): its layout, then the
     wiring of its events to the handlers of `Page`."""
     page = Page(runtime)
     with gr.Blocks(title="prove-local", analytics_enabled=False) as demo:
-        ui = layout(page, max_new=max_new, block=block, draft_k=draft_k)
+        ui = layout(page, max_new=max_new, block=block, draft_k=draft_k, lookup=lookup)
         wire(page, ui)
     return demo
 
@@ -95,10 +95,12 @@ class Page:
         # a sampled answer: its temperature and seed (with a fixed block, that seed gives this answer again)
         sampled = f"T {t.settings.temperature:g}, seed {t.seed} · " if t.settings.temperature > 0 else ""
         ppt = ", ".join(f"{r} {v:.2f}" for r, v in st["passes_per_token"].items())
+        lk = draft_counts(list(t.view.cycles)).get("lookup")
+        lookup = f"lookup drafts accepted {lk[1]}/{lk[0]} · " if lk else ""
         return (f'<div class="stats"><b>last answer</b> · {view.esc(view.title(t.settings.mode))} · '
                 f'{st["n_tokens"]} tokens in {st["n_cycles"]} cycles · <b>{st["tokens_per_cycle"]:.2f} tokens/cycle</b> · '
                 f'<b>{st["tokens_per_second"]:.1f} tokens/s</b> · passes: {passes} · passes/token: {ppt} · '
-                f'{sampled}stop: {st["stop"] or "running…"}</div>')
+                f'{lookup}{sampled}stop: {st["stop"] or "running…"}</div>')
 
     def compare_panel(self, sess) -> str:
         if not sess.turns or not sess.turns[-1].compare:
@@ -115,8 +117,8 @@ class Page:
                 self.compare_panel(sess), box, sess)
 
     # ------------------------------------------------------------------ handlers
-    def send(self, text, mode, theta, tau, block, max_new, draft_k, temp, top_k, top_p, min_p, repeat_penalty,
-             seed, sess):
+    def send(self, text, mode, theta, tau, block, max_new, draft_k, lookup, temp, top_k, top_p, min_p,
+             repeat_penalty, seed, sess):
         sess = self.session(sess)
         text = (text or "").strip()
         if not text:
@@ -125,7 +127,8 @@ class Page:
         # sampling: the side panel's "sampling" controls (seed -1: a fresh seed per answer);
         # slider value 0 is "auto": the planner picks the widths per cycle (planner.py)
         settings = Settings(mode=mode, max_new=int(max_new), block=int(block) or "auto", theta=float(theta),
-                            tau=float(tau), draft_k=int(draft_k) or "auto", temperature=float(temp), top_k=int(top_k),
+                            tau=float(tau), draft_k=int(draft_k) or "auto",
+                            lookup="auto" if int(lookup) < 0 else int(lookup), temperature=float(temp), top_k=int(top_k),
                             top_p=float(top_p), min_p=float(min_p), repeat_penalty=float(repeat_penalty),
                             seed=None if seed is None or int(seed) < 0 else int(seed))
         banner = ""
@@ -194,7 +197,8 @@ class Page:
     def mode_changed(mode):
         m = MODES[mode]
         return (gr.update(visible=m.gate == "theta"), gr.update(visible=m.gate == "tau"),
-                gr.update(visible=m.width == "block"), gr.update(visible=m.width == "draft_k"))
+                gr.update(visible=m.width == "block"), gr.update(visible=m.width == "draft_k"),
+                gr.update(visible=m.lookup))
 
 
 # ---------------------------------------------------------------------- layout
@@ -220,7 +224,7 @@ def unavailable_modes(runtime) -> str:
     return "; ".join(f"{', '.join(ms)}: {r}" for r, ms in reasons.items())
 
 
-def layout(page: Page, *, max_new: int, block, draft_k) -> SimpleNamespace:
+def layout(page: Page, *, max_new: int, block, draft_k, lookup) -> SimpleNamespace:
     """The page's components (inside an open gr.Blocks), by name."""
     ui = SimpleNamespace(state=gr.State(lambda: rt.Session()))
     gr.Markdown("# ProVe local · proposer–verifier decoding, cycle by cycle", elem_id="title")
@@ -230,7 +234,7 @@ def layout(page: Page, *, max_new: int, block, draft_k) -> SimpleNamespace:
         with gr.Column(scale=5):
             chat_column(ui)
         with gr.Column(scale=2, min_width=260):
-            settings_column(ui, page.runtime, max_new=max_new, block=block, draft_k=draft_k)
+            settings_column(ui, page.runtime, max_new=max_new, block=block, draft_k=draft_k, lookup=lookup)
     inspector_row(ui, page)
     return ui
 
@@ -249,7 +253,7 @@ def chat_column(ui: SimpleNamespace) -> None:
     ui.stats_box = gr.HTML("", elem_id="stats", padding=False)
 
 
-def settings_column(ui: SimpleNamespace, runtime, *, max_new: int, block, draft_k) -> None:
+def settings_column(ui: SimpleNamespace, runtime, *, max_new: int, block, draft_k, lookup) -> None:
     modes = runtime.modes
     default_mode = runtime.default_mode if runtime.default_mode in modes else (modes[0] if modes else "ar")
     unavailable = unavailable_modes(runtime)
@@ -266,6 +270,9 @@ def settings_column(ui: SimpleNamespace, runtime, *, max_new: int, block, draft_
     ui.draft_k = gr.Slider(0, 16, value=0 if draft_k == "auto" else draft_k, step=1,
                            label="draft tokens per cycle (spec; 0 = auto)", visible=MODES[default_mode].width == "draft_k",
                            elem_id="draft_k")
+    ui.lookup = gr.Slider(-1, 16, value=-1 if lookup == "auto" else lookup, step=1, elem_id="lookup",
+                          label="lookup draft tokens (copied from the text; -1 = auto, 0 = off)",
+                          visible=MODES[default_mode].lookup)
     ui.max_new = gr.Slider(1, 2048, value=max_new, step=1, label="max new tokens", elem_id="max_new")
     with gr.Accordion("sampling", open=False, elem_id="sampling"):
         ui.temp = gr.Slider(0.0, 2.0, value=0.0, step=0.05, elem_id="temp",
@@ -297,7 +304,7 @@ def wire(page: Page, ui: SimpleNamespace) -> None:
     """Events to handlers. Decoding (send, compare) shares `parallel` slots of gradio's queue; the
     cheap ones (stop, clear, selecting a cycle) skip the queue, so Stop works while an answer streams."""
     parallel = page.runtime.parallel
-    settings = [ui.mode, ui.theta, ui.tau, ui.block, ui.max_new, ui.draft_k, ui.temp, ui.top_k, ui.top_p,
+    settings = [ui.mode, ui.theta, ui.tau, ui.block, ui.max_new, ui.draft_k, ui.lookup, ui.temp, ui.top_k, ui.top_p,
                 ui.min_p, ui.repeat_penalty, ui.seed]
     answer = [ui.chat_box, ui.stats_box, ui.insp_box, ui.cycle_no, ui.banner, ui.compare_box, ui.box, ui.state]
     gr.on([ui.send_btn.click, ui.box.submit], page.send, [ui.box, *settings, ui.state], answer,
@@ -312,5 +319,5 @@ def wire(page: Page, ui: SimpleNamespace) -> None:
     ui.cycle_no.submit(page.goto, [ui.cycle_no, ui.state], selection, queue=False, show_progress="hidden")
     ui.prev_btn.click(page.step(-1), ui.state, selection, queue=False, show_progress="hidden")
     ui.next_btn.click(page.step(1), ui.state, selection, queue=False, show_progress="hidden")
-    ui.mode.change(page.mode_changed, ui.mode, [ui.theta, ui.tau, ui.block, ui.draft_k], queue=False,
+    ui.mode.change(page.mode_changed, ui.mode, [ui.theta, ui.tau, ui.block, ui.draft_k, ui.lookup], queue=False,
                    show_progress="hidden")

@@ -39,7 +39,7 @@ def mode_choice(mode: str) -> str:
 class Span:
     text: str
     cycle: int     # the cycle's index within its answer
-    kind: str      # "run": accepted proposals; "fix": lossless/spec correction or bonus token
+    kind: str      # "run": accepted proposals; "lookup": accepted lookup drafts; "fix": correction or bonus token
 
 
 @dataclass
@@ -58,7 +58,10 @@ class AnswerView:
         self.cycles.append(cycle)
         k = len(self.cycles) - 1
         na = cycle.n_accepted
-        for kind, ids in (("run", cycle.committed[:na]), ("fix", cycle.committed[na:])):
+        src = cycle.source or []
+        n_l = sum(1 for s in src[:na] if s == "lookup")       # accepted lookup drafts lead the run
+        for kind, ids in (("lookup", cycle.committed[:n_l]), ("run", cycle.committed[n_l:na]),
+                          ("fix", cycle.committed[na:])):
             if ids:
                 text = self._stream.feed(ids)
                 if text:
@@ -100,6 +103,7 @@ class SlotRow:
     verdict: str            # the gate's verdict in words
     status: str             # "committed", "dropped", "correction" or "bonus"
     accept: float | None = None   # sampling (lossless, spec): min(1, p/q), the slot's acceptance probability
+    source: str | None = None     # where the proposed token came from: "mask", "lookup", "draft" (Cycle.source)
 
 
 
@@ -122,6 +126,7 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
     m = MODES[cycle.plan.kind]
     d, p, q = cycle.proposed, cycle.p, cycle.q
     k, na = len(d), cycle.n_accepted
+    sources = list(cycle.source or []) + [m.source] * (k - len(cycle.source or []))
     gate = list(cycle.gate or []) + [None] * (k - len(cycle.gate or []))
     n_checked = cycle.plan.tested                  # the planner's verify width (lossless)
     extra = cycle.committed[na:]
@@ -139,7 +144,8 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
         pq = p[i] * qi if qi is not None else None
         committed = i < na
         a = cycle.accept_prob[i] if sampled and i < len(cycle.accept_prob) else None
-        if m.width is None:
+        lookup_slot = sources[i] == "lookup"
+        if m.width is None and not cycle.plan.lookup:
             verdict = "the AR token: always committed"
         elif m.gate:                                  # a threshold on every slot (prove, mars)
             ok = gate[i]
@@ -155,7 +161,10 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
         else:  # lossless, spec: matched against the target's greedy token, or (sampled) tested by
             # exact speculative sampling with probability min(1, p/q)
             if committed:
-                if m.free_first and i == 0:
+                if lookup_slot:
+                    verdict = (f"copied by lookup, accepted (probability p(x) = {_fmt(a)}: the draft is a point mass)"
+                               if sampled else f"copied by lookup, = the {who} greedy token")
+                elif m.free_first and i == 0 or (cycle.plan.filled and i == cycle.plan.lookup):
                     verdict = ("slot 1 is an exact sample of the target: always accepted" if sampled
                                else "slot 1 is the AR token: always matches")
                 else:
@@ -165,13 +174,15 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
             elif gate[i] is False and extra:
                 verdict = (f"rejected (acceptance probability {_fmt(a)}): replaced by a draw from the residual"
                            if sampled else f"≠ the {who} greedy token {token_text(extra[0])}: replaced")
+                if lookup_slot:
+                    verdict = "copied by lookup, " + verdict
             elif not extra and cycle.stop:
                 verdict = cut
             else:
                 verdict = ("not tested: after the first rejection" if sampled
                            else "not checked: after the first mismatch")
         rows.append(SlotRow(i + 1, d[i], token_text(d[i]), p[i], qi, pq, gate[i], verdict,
-                            "committed" if committed else "dropped", a))
+                            "committed" if committed else "dropped", a, sources[i]))
     for t in extra:
         bonus = not cycle.residual
         if sampled:
@@ -200,7 +211,7 @@ def _fmt(x: float | None) -> str:
 def spans_html(turn: int, spans: list[Span], selected: int | None = None) -> str:
     out = []
     for s in spans:
-        cls = f"cyc {'fix' if s.kind == 'fix' else 'c' + str(s.cycle % 2)}"
+        cls = f"cyc {'fix' if s.kind == 'fix' else 'c' + str(s.cycle % 2)}" + (" lk" if s.kind == "lookup" else "")
         if selected is not None and s.cycle == selected:
             cls += " sel"
         out.append(f'<span class="{cls}" data-pick="{turn}:{s.cycle}" title="cycle {s.cycle + 1}">{esc(s.text)}</span>')
@@ -248,6 +259,7 @@ def chat_html(messages: list[Message], selected: tuple[int, int] | None = None, 
 def legend_html() -> str:
     return ('<div class="legend"><span class="cyc c0">cycle n</span><span class="cyc c1">cycle n+1</span>'
             '<span class="cyc fix">correction / bonus token</span>'
+            '<span class="cyc c0 lk">copied by lookup</span>'
             '<span class="hint">click any colored run to inspect its cycle</span></div>')
 
 
@@ -263,12 +275,15 @@ def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: 
     qr = ['<th class="rowhead">q</th>']
     pqr = ['<th class="rowhead">p̃·q</th>']
     acr = ['<th class="rowhead" title="acceptance probability of exact speculative sampling">min(1, p/q)</th>']
+    src = ['<th class="rowhead" title="where the proposed token came from">source</th>']
     gr_ = ['<th class="rowhead">gate</th>']
     st = ['<th class="rowhead">result</th>']
     for r in rows:
         status_cls = {"committed": f"c{par}", "dropped": "drop"}.get(r.status, "fix")
         head.append(f'<th>{r.slot if r.slot is not None else "+1"}</th>')
-        tok.append(f'<td><span class="tok {status_cls}" title="id {r.token}">{esc(r.text)}</span></td>')
+        lk = " lk" if r.source == "lookup" else ""
+        tok.append(f'<td><span class="tok {status_cls}{lk}" title="id {r.token}">{esc(r.text)}</span></td>')
+        src.append(f'<td class="src {r.source or ""}">{esc(r.source or "")}</td>')
         pr.append(f"<td>{_fmt(r.p)}</td>")
         qr.append(f"<td>{_fmt(r.q)}</td>")
         pqr.append(f"<td>{_fmt(r.pq)}</td>")
@@ -277,8 +292,10 @@ def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: 
         gr_.append(f'<td title="{esc(r.verdict)}">{mark}</td>')
         st.append(f'<td class="status {r.status}">{r.status}</td>')
     sampled = cycle.accept_prob is not None or any(r.accept is not None for r in rows)
+    mixed = any(r.source == "lookup" for r in rows)        # lookup drafts: say where each slot came from
     table = "".join(f"<tr>{''.join(row)}</tr>" for row in
-                    ((head, tok, pr, qr, acr, gr_, st) if sampled else (head, tok, pr, qr, pqr, gr_, st)))
+                    ((head, tok) + ((src,) if mixed else ()) +
+                     ((pr, qr, acr, gr_, st) if sampled else (pr, qr, pqr, gr_, st))))
     n_prop = sum(1 for r in rows if r.slot is not None)
     n_comm = sum(1 for r in rows if r.status == "committed")
     extra = [r for r in rows if r.slot is None]
@@ -290,7 +307,12 @@ def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: 
     if sampled and m.exact and m.width is not None:
         gate = ("gate: exact speculative sampling, accept the sampled token x with probability min(1, p(x)/q(x)); "
                 "p̃ and q are the processed (sampled-from) probabilities of the proposal and the target")
-    if not cycle.plan.proposes and MODES[mode].width is not None:
+    if cycle.plan.lookup:
+        gate = ("lookup draft: the tokens that followed the longest recent match of the text's end, copied; "
+                "p̃ is the lookup's score m/(m+1) (m tokens matched), the verify pass accepts a copied token "
+                + ("with probability p(x) (the draft is a point mass)" if sampled else "when it is the model's greedy token")
+                + (". After the copied run: the MARS slots, verified as usual" if cycle.plan.filled else ""))
+    if not cycle.plan.proposes and (MODES[mode].width is not None or MODES[mode].lookup):
         gate = ("no proposal in this cycle: the planner (--block auto) ran a plain ar cycle, because on this "
                 "machine a proposal is expected to cost more than it commits. "
                 + (planner_note + "." if planner_note else "Fix the block length to watch proposals."))

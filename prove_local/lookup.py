@@ -1,0 +1,179 @@
+"""Lookup drafts: continuations copied from the request's own tokens (prompt + answer so far).
+
+Text that repeats (structured records, code edits, quotations, lists, a model's own loops) is
+predicted for free by the text itself: find the longest recent earlier occurrence of the sequence's
+last tokens and propose what followed it. The decoding rules verify such drafts exactly (rules.py:
+`lookup_cycle`), so they can only cost time, never change the output; the planner decides per cycle,
+from the match and the lookup's track record, whether a draft and of what length pays (planner.py).
+
+What this absorbs, and from where:
+  * llama.cpp `common/ngram-cache.{h,cpp}` (`llama-lookup`): maps of n-grams, n = 1..4 (its
+    LLAMA_NGRAM_MIN/MAX), to the tokens that followed them, updated once per committed token; the
+    longest n with a match decides, and a continuation is only trusted when it dominates the key's
+    followers (its draft_min_percent). Here: n = 1..4 too, with the latest `candidates` positions of
+    each n-gram instead of full counts, and a vote among them for the most frequent follower.
+  * llama.cpp `common/ngram-map.{h,cpp}` (`--spec-type ngram-simple`, `ngram-map-k`): search the token
+    history backwards for the most recent occurrence of the key and copy the m tokens after it; keep
+    a few values per key (COMMON_NGRAM_MAX_VALUES = 4). Here: the copy, and 4 positions per key.
+  * llama.cpp `common/ngram-mod.{h,cpp}` (`--spec-type ngram-mod`): a fixed-size table, O(1) update
+    per token, reset when too full; bounded memory. Here: memory is O(n_max · L) with L <= the
+    context, and each key keeps at most `candidates` positions.
+  * vLLM `vllm/v1/spec_decode/ngram_proposer.py` (`prompt_lookup_min/max`): the longest suffix
+    n-gram in [min_n, max_n] that occurred before, then up to k tokens after it. Here: candidates are
+    ranked by their *measured* match length (the backward walk goes past n_max, up to `max_match`),
+    then by the vote, then by recency (vLLM takes the earliest position, ngram-simple the latest).
+  * LZ77's overlapping copy: when the copy reaches the end of the sequence it continues with its own
+    drafted tokens, so a period-p loop ("1, 1, 1," or a repeated line) drafts any length.
+
+Each drafted slot carries a score (m + j - 1) / (m + j) for slot j of a match of m tokens: Laplace's
+rule of succession on "the text has agreed for m tokens in a row". It is a ranking, not a
+probability: the planner calibrates it into an acceptance rate from what the verifier accepted
+(planner.SlotStats' p̃ bins), and Cycle.p holds it for lookup slots.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+N_MIN = 1                 # shortest n-gram that counts as a match (llama.cpp's LLAMA_NGRAM_MIN)
+N_MAX = 4                 # longest n-gram key (LLAMA_NGRAM_MAX); matches are measured further back
+CANDIDATES = 4            # latest positions kept per key (ngram-map's COMMON_NGRAM_MAX_VALUES)
+MAX_MATCH = 16            # how far back a candidate's match is measured
+
+
+def score(m: int) -> float:
+    """The score of a slot that extends a match of m tokens (Laplace's rule of succession)."""
+    return m / (m + 1.0)
+
+
+class Match(NamedTuple):
+    """The best earlier occurrence of the sequence's end: `pos` is the index of the token that
+    followed it (the first token a draft copies), `length` the tokens matched before it (n_min..max_match)."""
+    pos: int
+    length: int
+
+
+class NgramIndex:
+    """n-gram -> the latest positions that followed it, over one token sequence that only grows
+    (the engine's committed tokens). `sync(tokens)` indexes what is new (O(n_max) per token; a
+    sequence that is not an extension of the indexed one is indexed again from its first difference
+    by rebuilding); `match()` finds the best earlier occurrence of the end; `draft(match, k)` copies k
+    tokens after it. Memory: at most `candidates` positions per key, n_max keys per token."""
+
+    def __init__(self, n_min: int = N_MIN, n_max: int = N_MAX, candidates: int = CANDIDATES,
+                 max_match: int = MAX_MATCH):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"lookup n-gram sizes must satisfy 1 <= n_min <= n_max, not {n_min}..{n_max}")
+        self.n_min, self.n_max = n_min, n_max
+        self.candidates, self.max_match = max(1, candidates), max(n_max, max_match)
+        self.tokens: list[int] = []
+        self._maps: list[dict] = [{} for _ in range(n_max + 1)]      # [n] -> {key: [positions]}; [0] unused
+        self._match_at = -1                       # the sequence length `_match` was computed for
+        self._match: Match | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def clear(self) -> None:
+        self.tokens = []
+        self._maps = [{} for _ in range(self.n_max + 1)]
+        self._match_at = -1
+
+    def sync(self, tokens) -> None:
+        """Index `tokens`: the new ones after the indexed prefix. The caller promises that the indexed
+        tokens are a prefix of `tokens` when len(tokens) >= len(self); a shorter sequence, or one the
+        caller says differs (`reset`), is indexed from scratch."""
+        n = len(self.tokens)
+        if len(tokens) < n:
+            self.reset(tokens)
+            return
+        for t in tokens[n:]:
+            self._add(int(t))
+
+    def reset(self, tokens) -> None:
+        """Index `tokens` from scratch (a new request whose prompt does not extend the indexed tokens)."""
+        self.clear()
+        for t in tokens:
+            self._add(int(t))
+
+    def _add(self, token: int) -> None:
+        """Append one token: the n-grams that end just before it now have it as their latest follower.
+        A match being copied that this token continues stays the match, one token longer (the common
+        case inside a repeat: no search next time)."""
+        seq = self.tokens
+        i = len(seq)
+        if self._match_at == i and self._match is not None:
+            p, m = self._match
+            self._match = Match(p + 1, m + 1 if m < self.max_match else m) if seq[p] == token else None
+            self._match_at = i + 1 if self._match is not None else -1
+        seq.append(token)
+        cap, maps = self.candidates, self._maps
+        for n in range(self.n_min, (self.n_max if i >= self.n_max else i) + 1):
+            key = seq[i - 1] if n == 1 else tuple(seq[i - n:i])
+            table = maps[n]
+            pos = table.get(key)
+            if pos is None:
+                table[key] = [i]
+            else:
+                pos.append(i)
+                if len(pos) > cap:
+                    del pos[0]
+
+    def match(self) -> Match | None:
+        """The best earlier occurrence of the end of the sequence: the longest n-gram key (n_max down to
+        n_min) that occurred before; among its latest positions, the longest measured match (walking
+        back up to max_match tokens), then the follower most of them share, then the latest. Cached
+        until the sequence grows."""
+        seq = self.tokens
+        L = len(seq)
+        if self._match_at == L:
+            return self._match
+        best = None
+        for n in range(min(self.n_max, L), self.n_min - 1, -1):
+            key = seq[L - 1] if n == 1 else tuple(seq[L - n:L])
+            cands = self._maps[n].get(key)
+            if cands:
+                best = self._choose(cands, n)
+                break
+        self._match_at, self._match = L, best
+        return best
+
+    def _choose(self, cands: list[int], n: int) -> Match:
+        seq, L, cap = self.tokens, len(self.tokens), self.max_match
+        votes: dict[int, int] = {}
+        for p in cands:
+            votes[seq[p]] = votes.get(seq[p], 0) + 1
+        best_key, best = None, None
+        for p in cands:                          # oldest first: a tie goes to the later one
+            m = n
+            while m < cap and p - 1 - m >= 0 and seq[p - 1 - m] == seq[L - 1 - m]:
+                m += 1
+            k = (m, votes[seq[p]], p)
+            if best_key is None or k >= best_key:
+                best_key, best = k, Match(p, m)
+        return best
+
+    def draft(self, match: Match, k: int) -> list[int]:
+        """k tokens copied from match.pos on; past the end of the sequence the copy reads its own
+        drafted tokens (an overlapping copy: a repeated line or a loop drafts any length)."""
+        seq, L = self.tokens, len(self.tokens)
+        out: list[int] = []
+        for j in range(k):
+            i = match.pos + j
+            out.append(seq[i] if i < L else out[i - L])
+        return out
+
+    @staticmethod
+    def scores(match: Match, k: int) -> list[float]:
+        """Per drafted slot j = 1..k: score(match.length + j - 1), the match it extends if the slots before it hold."""
+        return [score(match.length + j) for j in range(k)]
+
+    def propose(self, k: int) -> tuple[list[int], list[float]]:
+        """Up to k drafted tokens after the end of the sequence and their scores ([] without a match)."""
+        m = self.match()
+        if m is None or k <= 0:
+            return [], []
+        return self.draft(m, k), self.scores(m, k)
+
+    def size(self) -> int:
+        """Positions stored over all keys (the memory bound's count)."""
+        return sum(len(v) for table in self._maps for v in table.values())

@@ -1,0 +1,505 @@
+"""Lookup drafts: the n-gram index against hand-written sequences and a brute-force search, and the
+lookup cycles on real llama.cpp contexts (tiny F32 models): output == ar token for token with forced
+lookups of every length, with and without a mask token, filled MARS proposals, the KV cache, the
+passes each cycle declares, the planner's choices, and sampling (distribution against closed forms
+and against the enumerated ar distribution of a real context)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from prove_local import lookup, modes, rules
+from prove_local.engine import Engine, Settings
+from prove_local.errors import ModeError
+from prove_local.llama import Context, Model
+from prove_local.lookup import Match, NgramIndex
+from prove_local.planner import Costs, Planner
+from prove_local.sampling import Sampler, point_mass
+from tests.fakes import FakeContext
+from tests.reference import greedy_ar
+from tests.test_sampling import (ALPHA, FAKE_SETTINGS, MASK, PROMPT, TRUNC, V, ar_dist, exact_ar, exact_pairs,
+                                 fake_logits, first_tokens, gof, marginal, mars_dist)
+from tests.tiny import tiny_gguf
+
+F32 = dict(n_ctx=512, n_threads=1, type_k="f32", type_v="f32")
+
+
+# ------------------------------------------------------------------ the index, by hand
+def index_of(seq, **kw) -> NgramIndex:
+    ix = NgramIndex(**kw)
+    ix.sync(seq)
+    return ix
+
+
+def test_no_match_on_short_or_fresh_text():
+    assert index_of([]).match() is None
+    assert index_of([5]).match() is None
+    assert index_of([1, 2, 3, 4]).match() is None           # no token repeats
+    assert index_of([1, 2, 3, 4]).propose(4) == ([], [])
+
+
+def test_a_repeated_bigram_drafts_what_followed_it():
+    ix = index_of([1, 2, 3, 1, 2])                             # "a b c a b" -> c a b ...
+    assert ix.match() == Match(pos=2, length=2)
+    assert ix.draft(ix.match(), 3) == [3, 1, 2]
+    assert ix.propose(2) == ([3, 1], [lookup.score(2), lookup.score(3)])
+
+
+def test_the_longest_key_wins_over_a_more_recent_shorter_one():
+    # (1, 2, 3) was followed by 4; the token 3 alone was followed by 5 more recently
+    ix = index_of([1, 2, 3, 4, 7, 3, 5, 1, 2, 3])
+    assert ix.match().pos == 3 and ix.draft(ix.match(), 1) == [4]
+
+
+def test_equal_matches_take_the_most_recent():
+    ix = index_of([1, 2, 8, 1, 2, 9, 1, 2])                    # (1, 2) -> 8, later -> 9
+    assert ix.propose(1)[0] == [9]
+
+
+def test_a_longer_measured_match_beats_recency_past_n_max():
+    # the 4-gram (1, 2, 3, 4) occurs twice; the older occurrence shares 2 more tokens (7, 7) with the end
+    seq = [7, 7, 1, 2, 3, 4, 8, 6, 1, 2, 3, 4, 9, 7, 7, 1, 2, 3, 4]
+    ix = index_of(seq)
+    assert ix.match() == Match(pos=6, length=6)
+    assert ix.propose(1)[0] == [8]
+
+
+def test_the_most_frequent_follower_wins_among_equal_matches():
+    ix = index_of([1, 2, 5, 1, 2, 5, 1, 2, 6, 1, 2])           # (1, 2) -> 5, 5, then 6 (the latest)
+    assert ix.match().pos == 5 and ix.propose(1)[0] == [5]
+
+
+def test_an_overlapping_copy_drafts_a_loop_of_any_length():
+    assert index_of([3, 1, 1, 1]).propose(5)[0] == [1] * 5
+    assert index_of([9, 1, 2, 1, 2]).propose(5)[0] == [1, 2, 1, 2, 1]
+
+
+def test_scores_follow_the_match_length():
+    ix = index_of([1, 2, 3, 1, 2])
+    _, s = ix.propose(3)
+    assert s == [2 / 3, 3 / 4, 4 / 5]
+    assert lookup.score(1) == 0.5 and lookup.score(9) == 0.9
+
+
+def test_n_min_and_the_candidate_cap_bound_what_is_kept():
+    assert index_of([4, 9, 4], n_min=2).match() is None        # a one-token match is not enough
+    assert index_of([4, 9, 4]).match() == Match(pos=1, length=1)
+    ix = index_of([1] * 200)
+    assert ix.size() <= 4 * lookup.N_MAX                        # one key per n, at most 4 positions each
+    # the oldest occurrence of (1, 2, 3, 4) (the longest match: 9 before it) was evicted by 4 later ones
+    seq = [9, 1, 2, 3, 4, 100] + [x for i in range(4) for x in (50 + i, 1, 2, 3, 4, 60 + i)] + [9, 1, 2, 3, 4]
+    ix = index_of(seq)
+    assert ix.match() == Match(pos=len(seq) - 6, length=4) and ix.propose(1)[0] == [63]
+
+
+def test_sync_extends_and_a_shorter_sequence_rebuilds():
+    seq = [1, 2, 3, 1, 2, 4, 1, 2]
+    ix = NgramIndex()
+    for i in range(1, len(seq) + 1):
+        ix.sync(seq[:i])                                        # one token at a time, as the engine does
+    assert ix.propose(1)[0] == [4] and len(ix) == len(seq)
+    ix.sync([1, 2, 3, 1])                                       # shorter: indexed from scratch
+    assert len(ix) == 4 and ix.propose(2)[0] == [2, 3]
+    ix.reset([7, 8, 7])
+    assert ix.propose(1)[0] == [8]
+
+
+def brute_match(seq, n_min=lookup.N_MIN, n_max=lookup.N_MAX, cands=lookup.CANDIDATES, cap=lookup.MAX_MATCH):
+    """The rule by exhaustive search: the longest n whose suffix n-gram occurred earlier (with a token
+    after it), its `cands` latest occurrences, ranked by measured match length, votes, recency."""
+    L = len(seq)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        pos = [i + n for i in range(0, L - n) if seq[i:i + n] == seq[L - n:]][-cands:]
+        if not pos:
+            continue
+        votes = {t: sum(seq[p] == t for p in pos) for t in {seq[p] for p in pos}}
+        def measured(p):
+            m = 0
+            while m < cap and p - 1 - m >= 0 and seq[p - 1 - m] == seq[L - 1 - m]:
+                m += 1
+            return m
+        best = max(pos, key=lambda p: (measured(p), votes[seq[p]], p))
+        return best, measured(best)
+    return None
+
+
+def test_a_match_being_copied_continues_and_stays_valid():
+    """Asked after every token (as the engine does), a match the text continues stays the match, one
+    token longer; whatever path led to it, it is a real earlier occurrence, found exactly where the
+    brute-force search finds one."""
+    rng = random.Random(11)
+    for trial in range(200):
+        vocab = rng.choice([2, 3, 6])
+        seq = [rng.randrange(vocab) for _ in range(rng.randrange(2, 50))]
+        seq += seq[-rng.randrange(1, 10):] * rng.randrange(1, 4)        # a repeat to be copied
+        ix = NgramIndex()
+        for i in range(1, len(seq) + 1):
+            ix.sync(seq[:i])
+            m = ix.match()
+            assert (m is None) == (brute_match(seq[:i]) is None), seq[:i]
+            if m is not None:
+                assert m.pos < i and m.length <= m.pos and seq[m.pos - m.length:m.pos] == seq[i - m.length:i]
+    ix = NgramIndex()
+    ix.sync([5, 1, 2, 3, 4, 9, 5, 1, 2])
+    assert ix.match() == Match(3, 3)
+    ix.sync([5, 1, 2, 3, 4, 9, 5, 1, 2, 3])                  # the copy goes on: one token longer, no search
+    assert ix.match() == Match(4, 4)
+    ix.sync([5, 1, 2, 3, 4, 9, 5, 1, 2, 3, 7])                # it breaks: a fresh search (7 never occurred)
+    assert ix.match() is None
+
+
+def test_the_index_equals_a_brute_force_search():
+    rng = random.Random(7)
+    for trial in range(300):
+        vocab = rng.choice([2, 3, 5, 20])
+        seq = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        ix = index_of(seq)
+        m = ix.match()
+        want = brute_match(seq)
+        assert (None if m is None else (m.pos, m.length)) == want, seq
+
+
+# ------------------------------------------------------------------ real contexts: exactness
+PROMPTS = ["a a a a a", "The cat sat on the mat. The cat sat on the mat. The cat",
+           "for i in range(10):\n    print(i)\nfor i in range(10):\n", "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1,",
+           "Natalia sold clips to 48 of her friends.", "12345 + 678 = ?"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lookup-models")
+    prop = Model(tiny_gguf(d, seed=0))
+    plain = Model(tiny_gguf(d, seed=3, mask=False, role="verifier"))
+    return prop, plain
+
+
+@pytest.fixture(scope="module")
+def references(models):
+    return {(id(m), p): greedy_ar(m, m.tokenize(p), 48) for m in models for p in PROMPTS}
+
+
+def run(engine, prompt, **kw):
+    cycles = list(engine.generate(prompt, Settings(max_new=48, **kw)))
+    return cycles, [t for c in cycles for t in c.committed]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6, 8, 12, 16])
+def test_forced_lookups_of_every_length_equal_ar(models, references, k):
+    prop, plain = models
+    for model, mode, block in ((prop, "lossless", "auto"), (prop, "lossless", 4), (plain, "lossless", "auto"),
+                               (plain, "lookup", "auto"), (prop, "lookup", "auto"), (prop, "spec", "auto")):
+        e = Engine.load(model, draft=plain if model is prop else None, **F32)
+        n_lookup = 0
+        for p in PROMPTS:
+            cycles, out = run(e, model.tokenize(p), mode=mode, block=block, lookup=k)
+            assert out == references[(id(model), p)], (mode, block, k, p)
+            for c in cycles:
+                if c.plan.lookup:
+                    n_lookup += 1
+                    assert c.plan.label() == f"L={k}" and len(c.proposed) == k
+                    assert c.source == ["lookup"] * len(c.proposed) and c.passes == {"proposer": 1}
+                    assert c.committed[:c.n_accepted] == c.proposed[:c.n_accepted]
+        assert n_lookup >= 5, (mode, block, k)
+
+
+def test_auto_lookup_without_a_mask_token_is_the_default_and_exact(models, references):
+    prop, plain = models
+    e = Engine.load(plain, **F32)
+    assert e.default_mode() == "lossless"
+    for p in PROMPTS:
+        gen = e.generate(plain.tokenize(p), Settings(mode=e.default_mode(), block="auto", max_new=48))
+        out = [t for c in gen for t in c.committed]
+        assert gen.request.auto and gen.request.lookup == "auto"
+        assert out == references[(id(plain), p)], p
+    with pytest.raises(ModeError, match="--lookup 0"):
+        e.generate(plain.tokenize("hi"), Settings(mode="lossless", lookup=0))
+    with pytest.raises(ModeError, match="drafts nothing"):
+        e.generate(plain.tokenize("hi"), Settings(mode="lookup", lookup=0))
+    with pytest.raises(ModeError, match="lookup must be"):
+        e.generate(plain.tokenize("hi"), Settings(mode="lossless", lookup=-2))
+
+
+def test_spec_takes_lookup_drafts_under_the_planner(models, references):
+    """spec with auto widths: the planner may run lookup cycles (the draft model sits them out and
+    catches up); the output is ar's."""
+    prop, plain = models
+    e = Engine.load(prop, draft=plain, **F32)
+    e.planner.explore = 0.5                       # (tiny random models: make the planner try lookup drafts)
+    kinds = set()
+    for p in PROMPTS:
+        cycles, out = run(e, prop.tokenize(p), mode="spec", draft_k="auto")
+        assert out == references[(id(prop), p)], p
+        kinds |= {c.plan.kind for c in cycles}
+    assert "lookup" in kinds
+
+
+def test_lookup_auto_with_fixed_widths_is_off(models):
+    prop, _ = models
+    e = Engine.load(prop, **F32)
+    cycles, _ = run(e, prop.tokenize(PROMPTS[1]), mode="lossless", block=4)          # lookup "auto", block fixed
+    assert not any(c.plan.lookup for c in cycles)
+
+
+@pytest.mark.parametrize("j,block", [(1, 2), (2, 4), (3, 3), (5, 6), (8, 2)])
+def test_filled_proposals_equal_ar_and_keep_the_cache_clean(models, references, j, block):
+    """Filled proposals with the index's drafts (often right on repeated text) and with wrong drafts:
+    output == ar, every cycle commits its lookup run before any MARS slot, and after every cycle the
+    cache holds exactly the committed tokens (next-token logits == a fresh context's)."""
+    prop, _ = models
+    e = Engine.load(prop, **F32)
+    ctx = e.contexts["proposer"]
+    ix = NgramIndex()
+    for wrong in (False, True):
+        for p in PROMPTS[:3]:
+            prompt = prop.tokenize(p)
+            ctx.truncate(0)
+            ctx.eval(prompt[:-1], rows=[])
+            tokens = list(prompt)
+            want = references[(id(prop), p)]
+            n_full = 0
+            while len(tokens) - len(prompt) < len(want):
+                ix.reset(tokens)
+                d, s = ix.propose(j)
+                if not d or wrong:
+                    d, s = [(tokens[-1] * 7 + 3 + i) % prop.n_vocab for i in range(j)], [0.5] * j
+                c = rules.lossless_fill_cycle(ctx, tokens, d, s, block, e.mask_token, verify=None)
+                assert c.committed[:min(c.n_accepted, j)] == d[:min(c.n_accepted, j)]
+                assert c.plan.lookup == j and c.plan.block == block and (c.plan.verify == 0) == (c.n_accepted < j)
+                n_full += c.n_accepted >= j
+                tokens += c.committed
+                if ctx.n_past >= len(tokens):
+                    ctx.truncate(len(tokens) - 1)
+                got = ctx.eval(tokens[ctx.n_past:])[0]
+                ctx.truncate(len(tokens) - 1)
+                fresh = Context(prop, **F32)
+                ref = fresh.eval(tokens)[0]
+                fresh.close()
+                np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+            n = len(want)
+            assert tokens[len(prompt):len(prompt) + n] == want, (j, block, p, wrong)
+            if not wrong and p.startswith("a a"):
+                assert n_full >= 1
+
+
+@pytest.mark.parametrize("plan", [modes.Plan("lookup", lookup=3), modes.Plan("lookup", lookup=1),
+                                  modes.Plan("lossless", 4, lookup=2), modes.Plan("lossless", 3, lookup=5)])
+def test_passes_measured_equal_declared(models, plan):
+    """modes.cycle_cost's widths (Mode.widths) are the passes lookup and filled cycles really make."""
+    prop, _ = models
+    e = Engine.load(prop, n_batch=512, **F32)
+    prompt = prop.tokenize(PROMPTS[1])
+    ctx = e.contexts["proposer"]
+    ctx.eval(prompt[:-1], rows=[])
+    tokens = list(prompt)
+    ix = NgramIndex()
+    for _ in range(12):
+        ix.reset(tokens)
+        pending = {"proposer": len(tokens) - ctx.n_past}
+        run_plan = modes.Plan(plan.kind, plan.block, lookup=plan.lookup, propose_lookup=ix.propose)
+        before = ctx.n_decode
+        c = modes.of(run_plan).cycle(e.contexts, tokens, run_plan, Settings(), e.mask_token)
+        if c.plan.proposes:                        # (no match: a plain ar cycle)
+            assert c.widths == modes.of(c.plan).widths(pending, c.plan), c.plan
+            assert ctx.n_decode - before == len(c.widths["proposer"])
+        tokens += c.committed
+
+
+# ------------------------------------------------------------------ the planner
+def test_the_planner_drafts_where_the_lookup_has_earned_it():
+    curve = {1: 1e-3, 2: 1.9e-3, 4: 2.6e-3, 8: 4.9e-3, 16: 9e-3}        # SmolLM2 on 2 cores (the issue's figures)
+    pl = Planner(Costs({"proposer": curve}), explore=0.0)
+    st = pl.stats_for(modes.LOOKUP)
+    # a track record: long matches are accepted, one-token matches are not
+    for _ in range(300):
+        st.record([lookup.score(8 + j) for j in range(8)], 0, 8, 8)
+        st.record([lookup.score(1)], 0, 1, 0)
+    match_long, match_short = Match(10, 12), Match(10, 1)
+    p_long = pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=lambda: match_long)
+    assert p_long.kind == "lookup" and p_long.lookup >= 6, p_long
+    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=lambda: match_short) == modes.AR_PLAN
+    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=None) == modes.AR_PLAN
+    # near the end of the context the draft is cut to what fits
+    assert pl.plan("lookup", {"proposer": 1}, 0, 4, lookup=lambda: match_long).lookup == 3
+    # a lookup track record of rejections: no lookup draft at any match length
+    bad = Planner(Costs({"proposer": curve}), explore=0.0)
+    for _ in range(300):
+        for m in range(1, 17):                      # the first drafted slot is rejected, at every match length
+            bad.stats_for(modes.LOOKUP).record([lookup.score(m)], 0, 1, 0)
+    assert all(bad.plan("lookup", {"proposer": 1}, 0, 4000, lookup=lambda: Match(5, m)) == modes.AR_PLAN for m in (1, 4, 16))
+
+
+def test_the_planner_fills_mars_proposals_where_passes_are_flat():
+    """On a flat curve (a GPU) with a good MARS proposer, short matches whose first two copied tokens
+    hold (and the third does not): a bare lookup draft commits ~3 tokens a pass, a MARS block ~17 in
+    two passes, and the copied pair in front of the masks ~19 in two: the planner fills."""
+    flat = {1: 1e-3, 64: 1.05e-3}
+    pl = Planner(Costs({"proposer": flat}), explore=0.0)
+    st = pl.stats_for("lossless")
+    for _ in range(300):
+        st.record([0.99] * 16, 1, 16, 16)
+        pl.stats_for(modes.LOOKUP).record([lookup.score(1), lookup.score(2), lookup.score(3)], 0, 3, 2)
+    for _ in range(20):                                # replans: the current choice becomes a MARS block
+        pl.plan("lossless", {"proposer": 1}, 16, 4000)
+    assert pl.current["lossless"].kind == "lossless"
+    plan = pl.plan("lossless", {"proposer": 1}, 16, 4000, lookup=lambda: Match(10, 1))
+    assert plan.filled and plan.lookup == 2 and plan.block > 8 and plan.choose_verify is not None, plan
+
+
+# ------------------------------------------------------------------ sampling
+class AlwaysAccept(Sampler):
+    """A broken lookup verification (control): every drafted token is accepted."""
+
+    def verify(self, p, q, drafted):
+        return len(drafted), self.draw(p[len(drafted)]), [1.0] * len(drafted), False
+
+
+def lookup_drafts(tokens):
+    """A deterministic stand-in for the index on the fake vocabulary: the last two tokens again."""
+    return [tokens[-2], tokens[-1]], [0.5, 0.6]
+
+
+@pytest.mark.parametrize("kind,sampler_cls,ok", [("lookup", Sampler, True), ("fill", Sampler, True),
+                                                 ("lookup", AlwaysAccept, False), ("fill", AlwaysAccept, False)])
+def test_sampled_lookup_cycles_match_closed_form_ar(kind, sampler_cls, ok):
+    """Three tokens with truncation and a sliding penalty window, against the enumerated ar distribution
+    (tests/test_sampling.py's fakes): point-mass drafts keep the output distributed as ar's."""
+    exact = exact_ar(fake_logits(ar_dist), PROMPT, FAKE_SETTINGS, 3)
+    s = sampler_cls(np.random.default_rng(5), **FAKE_SETTINGS)
+    if kind == "lookup":
+        ctx = FakeContext(ar_dist, V)
+        def cycle(t): return rules.lookup_cycle(ctx, t, *lookup_drafts(t), sampler=s)
+    else:
+        ctx = FakeContext(mars_dist, V)
+        def cycle(t): return rules.lossless_fill_cycle(ctx, t, *lookup_drafts(t), 3, MASK, sampler=s)
+    samples = [first_tokens(cycle, 3) for _ in range(2500 if ok else 800)]
+    pval = gof(samples, exact)
+    assert (pval > ALPHA) if ok else (pval < ALPHA), pval
+
+
+def test_point_mass_rejection_closed_form():
+    """Accept x with probability p(x); the residual is p without x: P(token) = p."""
+    p = np.array([[0.5, 0.3, 0.2, 0.0], [0.1, 0.2, 0.3, 0.4]])
+    q = point_mass([1], 4)
+    assert np.asarray(q).tolist() == [[0, 1, 0, 0]]
+    s = Sampler(np.random.default_rng(3), temperature=1.0)
+    counts = np.zeros(4)
+    for _ in range(20000):
+        n, nxt, acc, res = s.verify(p, q, [1])
+        assert acc == [0.3]
+        counts[1 if n == 1 else nxt] += 1
+    assert gof([i for i in range(4) for _ in range(int(counts[i]))], dict(enumerate(p[0]))) > ALPHA
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from prove_local.loading import EMBEDDED_PROPOSER
+    prop = Model(EMBEDDED_PROPOSER)
+    opts = dict(n_ctx=256, n_threads=1, type_k="f32", type_v="f32")
+    return prop, Context(prop, **opts), Context(prop, **opts)
+
+
+@pytest.mark.parametrize("kind", ["lookup", "fill"])
+def test_sampled_lookup_on_llama_cpp_matches_ar(embedded, kind):
+    """The first two tokens of lookup / filled cycles on the embedded F32 proposer, drafts copied from a
+    repetitive prompt, against the enumerated ar distribution of the same model."""
+    from prove_local.chat import Conversation
+    prop, ref_ctx, ctx = embedded
+    prompt = Conversation(prop).prompt_tokens("Repeat: 3 + 4 = 7. 3 + 4 = 7. 3 + 4 = 7. 3 + 4 =")
+    settings = dict(temperature=0.8, **TRUNC)
+    exact = exact_pairs(ref_ctx, prompt, settings)
+    s = Sampler(np.random.default_rng(99), **settings)
+    ix = NgramIndex()
+    ctx.truncate(0)
+
+    def drafts(tokens):
+        ix.reset(tokens)
+        d, sc = ix.propose(3)
+        return (d, sc) if d else ([tokens[-1]] * 3, [0.5] * 3)
+
+    if kind == "lookup":
+        def cycle(t): return rules.lookup_cycle(ctx, t, *drafts(t), sampler=s)
+    else:
+        def cycle(t): return rules.lossless_fill_cycle(ctx, t, *drafts(t), 3, prop.mask_token, sampler=s)
+    samples = [first_tokens(cycle, 2, prompt) for _ in range(500)]
+    pval = min(gof(samples, exact), *(gof([x[i] for x in samples], marginal(exact, i)) for i in (0, 1)))
+    assert pval > ALPHA, pval
+
+
+def test_seeded_forced_lookup_reproduces(models):
+    prop, _ = models
+    e = Engine.load(prop, **F32)
+    prompt = prop.tokenize(PROMPTS[1])
+    kw = dict(mode="lossless", block=4, lookup=3, temperature=0.9, seed=1234, max_new=40)
+    a = [t for c in e.generate(prompt, Settings(**kw)) for t in c.committed]
+    b = [t for c in e.generate(prompt, Settings(**kw)) for t in c.committed]
+    assert a == b
+
+
+# ------------------------------------------------------------------ front ends
+def test_draft_counts_by_source():
+    mk = lambda plan, prop, n, src=None: rules.Cycle(prop, [0.5] * len(prop), None, prop[:n] + [0], n,  # noqa: E731
+                                                     {"proposer": 1}, plan=plan, source=src,
+                                                     gate=[True] * n + [False] * (n < len(prop)))
+    cycles = [mk(modes.Plan("lookup", lookup=3), [1, 2, 3], 2, ["lookup"] * 3),
+              mk(modes.Plan("lossless", 2), [4, 5], 1),                               # source from the table
+              mk(modes.Plan("lossless", 2, verify=2, lookup=1), [6, 7, 8], 3, ["lookup", "mask", "mask"]),
+              mk(modes.AR_PLAN, [9], 1)]
+    assert modes.draft_counts(cycles) == {"lookup": (4, 3), "mask": (4, 3)}
+    from prove_local.server import draft_counts
+    assert draft_counts(cycles) == (8, 6)
+    from prove_local.ui import view
+    rows = view.inspect_cycle(cycles[0], "lossless")
+    assert [r.source for r in rows[:3]] == ["lookup"] * 3 and "copied by lookup" in rows[0].verdict
+    assert rows[2].status == "dropped" and "copied by lookup" in rows[2].verdict
+    html = view.inspector_html(cycles[0], rows, "lossless", theta=0.05, tau=0.95)
+    assert ">source<" in html and 'class="tok c0 lk"' in html and "lookup draft" in html
+    spans = view.AnswerView(type("M", (), {"piece": staticmethod(lambda t: b"x")})())
+    spans.add(cycles[0])
+    assert [s.kind for s in spans.spans] == ["lookup", "fix"]
+
+
+def test_cli_json_reports_lookup_drafts(models, tmp_path):
+    import json
+    import subprocess
+    import sys
+    _, plain = models
+    r = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", str(plain.path), "--raw", "-p", PROMPTS[1],
+                        "-n", "24", "--lookup", "4", "--json", "--ctx", "256", "--threads", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["mode"] == "lossless" and out["settings"]["lookup"] == 4
+    assert out["drafts"]["lookup"]["drafted"] >= out["drafts"]["lookup"]["accepted"] >= 0
+    assert any(k.startswith("L=") for k in out["widths"]) and "drafts by lookup only" in r.stderr
+    bad = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", str(plain.path), "-p", "x", "--lookup", "-1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--lookup" in bad.stderr
+
+
+def test_bench_runs_per_lookup_value_and_drafts_by_source(models, tmp_path):
+    import json
+    from prove_local.bench.runner import make_runs
+    from prove_local.cli import main
+    runs = make_runs(["ar", "lossless", "lookup"], max_new=8, block="auto", thetas=[0.05], tau=0.95, draft_k="auto",
+                     lookup=["auto", 0])
+    assert [r.name for r in runs] == ["ar", "lossless@Lauto", "lossless@L0", "lookup"]
+    assert [r.settings.lookup for r in runs[1:]] == ["auto", 0, "auto"]
+    prop, _ = models
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
+    out = tmp_path / "out"
+    assert main(["bench", "--proposer", str(prop.path), "--modes", "ar,lossless", "--lookup", "4,0", "--block", "3",
+                 "--data", str(data), "--max-new", "16", "--threads", "1", "--ctx", "256", "--kv-type", "f32",
+                 "--warmup", "0", "--no-pass-cost", "--no-plots", "-q", "--raw", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    m = res["modes"]
+    assert set(m) == {"ar", "lossless@L4", "lossless@L0"} and res["settings"]["lookup"] == "4,0"
+    assert m["lossless@L4"]["exact_match_vs_ar"] == 1.0 and m["lossless@L0"]["exact_match_vs_ar"] == 1.0
+    assert m["lossless@L4"]["drafts"]["lookup"]["drafted"] > 0 and "lookup" not in m["lossless@L0"]["drafts"]
+    assert m["lossless@L4"]["lookup"] == 4 and "lookup " in (out / "summary.md").read_text()
+    lines = [json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()]
+    assert any(c["source"] and "lookup" in c["source"] for x in lines for c in x["cycles"])
+    assert main(["bench", "--out", str(out), "--report-only", "--no-plots"]) == 0
+    assert json.loads((out / "results.json").read_text())["modes"]["lossless@L4"]["drafts"] == m["lossless@L4"]["drafts"]
