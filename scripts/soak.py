@@ -8,7 +8,7 @@ spec) on GSM8K questions from the package's training data, with fixed widths or 
 (`auto`), and one request in four sampled at temperature 0.7. Conversations go on for a few turns
 (the engine reuses the KV cache of the earlier turns) and are reset at random or when the context is
 full; some generations are closed early after a random number of cycles (what a Stop button or
-Ctrl-C does). Every `--check-every`-th greedy request of an exact mode (ar, lossless, spec) is compared with
+Ctrl-C does). Every `--check-every`-th greedy request of an exact mode (ar, lossless, spec, lookup) is compared with
 a fresh greedy decode of the same prompt on a separate, emptied llama.cpp context, by hand, one token
 per llama_decode call (no engine): a full answer must be equal, an early-closed one a prefix. Resident
 memory (VmRSS from /proc/self/status) is sampled every `--rss-every` cycles, after a warm-up that
