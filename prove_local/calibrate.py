@@ -183,7 +183,10 @@ def calibrate(model, options: dict, *, refresh: bool = False, budget_s: float = 
     for th in candidates:
         key = f"{mkey}|{config_key(model, options, th)}|{build}"
         entry = cache["entries"].get(key)
-        if entry is None or refresh:
+        # a partial curve (a machine so busy that the time budget ran out after a few widths) serves
+        # this process but is measured again by the next: cached, it would price every wider pass
+        # from the narrow ones for good
+        if entry is None or refresh or len(entry["curve"]) < len(ns):
             t0 = time.perf_counter()
             curve, _, med = measure(model, options, ns=ns, budget_s=budget_s / len(candidates), threads=th)
             entry = {"curve": {str(n): t for n, t in curve.items()}, "mean": {str(n): t for n, t in med.items()}, "seconds": round(time.perf_counter() - t0, 3),

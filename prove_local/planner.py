@@ -70,7 +70,11 @@ class Costs:
         ts = [float(curve[n]) for n in ns]
         grid = np.arange(self.n_max + 1, dtype=float)
         t = np.interp(grid, ns, ts)
-        if len(ns) >= 2:
+        if len(ns) == 1:
+            # one measured width (a calibration cut short): t(n) proportional to n, a CPU's worst
+            # case, rather than flat (which would make every width look free)
+            t = ts[0] * grid / max(ns[0], 1)
+        elif len(ns) >= 2:
             # past the last measured width: the curve's mean slope (a noisy last segment can fall)
             slope = max(0.0, (ts[-1] - ts[0]) / (ns[-1] - ns[0]))
             past = grid > ns[-1]
