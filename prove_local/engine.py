@@ -267,6 +267,8 @@ class Engine:
         s = req.settings
         t0 = time.perf_counter()
         n_pre = 0
+        # prompt tokens the proposer's cache holds already (llama-server's timings.prompt_n leaves them out)
+        req.n_cached = min(self.contexts["proposer"].n_past, len(self.tokens) - 1)
         # prefill: all but the last token, in the contexts the mode uses; under the planner only the
         # proposer's (its partner catches up in its first cycle: a planner that stays with ar never
         # pays for a verifier's or draft's prefill)
@@ -328,6 +330,7 @@ class Request:
     block: int                                  # fixed width, or the widest an auto request may use
     auto: bool = False                          # the planner picks widths (--block auto)
     prefill: tuple[int, float] = (0, 0.0)      # (prompt tokens evaluated, seconds)
+    n_cached: int = 0                          # prompt tokens reused from the proposer's cache
     n_tokens: int = 0
     n_cycles: int = 0
     passes: dict = field(default_factory=dict)

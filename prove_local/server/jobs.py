@@ -145,6 +145,35 @@ class Job:
             "notes": self.notes,
         }
 
+    def timings(self) -> dict:
+        """llama-server's `timings` object (tools/server/server.cpp, result_timings; draft_n and
+        draft_n_accepted from PR #12603), with its meanings: prompt_n the prompt tokens evaluated for
+        this request (those reused from the proposer's KV cache left out), prompt_ms their prefill
+        (the last prompt token is evaluated in the first cycle, as llama-server evaluates it with the
+        prompt: a difference of one token's pass); predicted_n the generated tokens, predicted_ms the
+        decode time (engine.tokens_per_second's, so predicted_per_second is the `prove` object's
+        tokens_per_second); draft_n / draft_n_accepted the proposed and accepted tokens, present, as
+        in llama-server, only when something was proposed."""
+        req = self.request
+        prompt_n = len(self.prompt) - (req.n_cached if req is not None else 0)
+        prompt_ms = (req.prefill[1] if req is not None else 0.0) * 1e3
+        predicted_n = sum(len(c.committed) for c in self.cycles)
+        predicted_ms = (req.decode_seconds if req is not None else 0.0) * 1e3
+        out = {
+            "prompt_n": prompt_n,
+            "prompt_ms": round(prompt_ms, 3),
+            "prompt_per_token_ms": round(prompt_ms / prompt_n, 3) if prompt_n else 0.0,
+            "prompt_per_second": round(prompt_n / prompt_ms * 1e3, 3) if prompt_ms > 0 else 0.0,
+            "predicted_n": predicted_n,
+            "predicted_ms": round(predicted_ms, 3),
+            "predicted_per_token_ms": round(predicted_ms / predicted_n, 3) if predicted_n else 0.0,
+            "predicted_per_second": round(predicted_n / predicted_ms * 1e3, 3) if predicted_ms > 0 else 0.0,
+        }
+        d_n, d_acc = draft_counts(self.cycles)
+        if d_n > 0:
+            out["draft_n"], out["draft_n_accepted"] = d_n, d_acc
+        return out
+
     def usage(self) -> dict:
         n = sum(len(c.committed) for c in self.cycles)
         return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}

@@ -1,6 +1,7 @@
 """A running job's events as an OpenAI answer: one JSON object, or a stream of server-sent events
 (`chat.completion.chunk` / `text_completion` chunks, then `data: [DONE]`). The `prove` object with
-the cycle statistics rides on the last chunk (and on the usage chunk), or on the whole answer.
+the cycle statistics and llama-server's `timings` object ride on the last chunk (and on the usage
+chunk), or on the whole answer.
 
 SSE: FastAPI's own `fastapi.sse` (FastAPI >= 0.135; `EventSourceResponse` and `format_sse_event`)
 rather than sse-starlette: FastAPI is needed anyway, so it is one dependency less, and it sends
@@ -64,7 +65,7 @@ class Answer:
             choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason(job)}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": job.usage(),
-                "prove": job.stats()}
+                "timings": job.timings(), "prove": job.stats()}
 
 
 def sse(obj) -> bytes:
@@ -85,9 +86,10 @@ async def _events(job: Job, answer: Answer, include_usage: bool):
             if ev == "text":
                 yield sse(answer.chunk(value, None))
             elif ev == "done":
-                yield sse({**answer.chunk(None, finish_reason(job)), "prove": job.stats()})
+                yield sse({**answer.chunk(None, finish_reason(job)), "timings": job.timings(), "prove": job.stats()})
                 if include_usage:     # OpenAI: a last chunk with no choices, only usage
-                    yield sse({**answer.base(), "choices": [], "usage": job.usage(), "prove": job.stats()})
+                    yield sse({**answer.base(), "choices": [], "usage": job.usage(), "timings": job.timings(),
+                               "prove": job.stats()})
                 break
             elif ev == "error":
                 err = api_error_of(value)
