@@ -22,7 +22,8 @@ BLOCK = 8
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("structured")
-    s = Server(["--threads", "1", "--ctx", "1024", "--block", str(BLOCK), "--lookup", "0"], d / "server.log")
+    s = Server(["--threads", "1", "--ctx", "1024", "--block", str(BLOCK), "--lookup", "0", "--kv-type", "f32"],
+               d / "server.log")
     yield s
     s.stop()
     assert "Traceback" not in s.log.read_text()
@@ -91,3 +92,119 @@ def test_spec_decode_metrics(server, client):
     assert delta("prove_draft_n_total") == p["draft_n"]                 # the existing names stay
     _, _, text = raw(server, "GET", "/metrics")
     assert "# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter" in text.decode()
+
+
+# ------------------------------------------------------------------------------ references
+F32 = dict(n_ctx=1024, n_threads=1, type_k="f32", type_v="f32")
+
+
+def log_softmax(row, allowed=None):
+    z = np.asarray(row, dtype=np.float64).copy()
+    if allowed is not None:
+        z[~allowed] = -np.inf
+    m = z.max()
+    return z - (m + np.log(np.exp(z - m).sum()))
+
+
+def reference(model, prompt, max_new, grammar=None):
+    """Greedy decoding by hand on a fresh F32 context, one token per pass: (tokens, log-softmax row of
+    each), the rows masked by llama.cpp's grammar sampler (grammar.Grammar states) when given."""
+    ctx = Context(model, **F32)
+    try:
+        row = ctx.eval(list(prompt))[0]
+        state = grammar.start() if grammar is not None else None
+        out, rows = [], []
+        while len(out) < max_new:
+            lp = log_softmax(row, state.mask() if state is not None else None)
+            tok = int(np.argmax(lp))
+            out.append(tok)
+            rows.append(lp)
+            if model.is_eog(tok):
+                break
+            if state is not None:
+                state = state.then(tok)
+            row = ctx.eval([tok])[0]
+        return out, rows
+    finally:
+        ctx.close()
+
+
+def visible(model, tokens):
+    return [t for t in tokens if not model.is_eog(t)]
+
+
+# ------------------------------------------------------------------------------ logprobs
+@pytest.mark.parametrize("mode", ["lossless", "ar"])
+def test_chat_logprobs_against_reference(client, model, mode):
+    user = "Tom has 3 apples and buys 5 more. How many apples does he have?"
+    want, rows = reference(model, Conversation(model).prompt_tokens(user), 24)
+    r = client.chat.completions.create(model="any", messages=chat(user), max_tokens=24, logprobs=True,
+                                       top_logprobs=5, extra_body={"mode": mode})
+    content = r.choices[0].logprobs.content
+    vis = visible(model, want)
+    assert len(content) == len(vis) and r.choices[0].message.content == model.detokenize(vis)
+    for item, tok, lp in zip(content, want, rows):
+        assert bytes(item.bytes) == model.piece(tok)
+        assert item.logprob == pytest.approx(lp[tok], abs=2e-4)
+        assert len(item.top_logprobs) == 5
+        top = np.argsort(-lp, kind="stable")[:5]
+        assert [bytes(t.bytes) for t in item.top_logprobs] == [model.piece(int(i)) for i in top]
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx(lp[top], abs=2e-4)
+    # streamed: the same entries, spread over the chunks
+    chunks = list(client.chat.completions.create(model="any", messages=chat(user), max_tokens=24, logprobs=True,
+                                                 top_logprobs=2, stream=True, extra_body={"mode": mode}))
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert [(x.token, x.logprob) for x in streamed] == pytest.approx([(x.token, x.logprob) for x in content])
+    # without logprobs: none
+    plain = client.chat.completions.create(model="any", messages=chat(user), max_tokens=4)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_shape_and_modes(client, model):
+    prompt = "Question: 2 + 2 = ?\nAnswer:"
+    want, rows = reference(model, model.tokenize(prompt, add_special=True), 16)
+    r = client.completions.create(model="any", prompt=prompt, max_tokens=16, logprobs=3)
+    lp = r.choices[0].logprobs
+    vis = visible(model, want)
+    assert lp.tokens == [model.piece(t).decode("utf-8", "replace") for t in vis]
+    assert lp.token_logprobs == pytest.approx([row[t] for t, row in zip(want, rows)], abs=2e-4)
+    assert all(len(d) <= 3 and max(d.values()) == pytest.approx(v, abs=1e-6)      # greedy: the top one
+               for d, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # mars: the number is the proposer's probability in the slot it committed from (its p̃): the
+    # committed token is that row's argmax, so it heads its own top list
+    m = client.completions.create(model="any", prompt=prompt, max_tokens=16, logprobs=2,
+                                  extra_body={"mode": "mars", "tau": 0.3})
+    ml = m.choices[0].logprobs
+    assert len(ml.tokens) == len(ml.token_logprobs) == len(ml.top_logprobs) > 0
+    assert all(list(d)[0] == t and d[t] == pytest.approx(v) for d, t, v in
+               zip(ml.top_logprobs, ml.tokens, ml.token_logprobs))
+    # sampled: the processed distribution (top_k 3: at most three tokens carry probability)
+    s = client.completions.create(model="any", prompt=prompt, max_tokens=16, logprobs=5, temperature=0.9, seed=1,
+                                  extra_body={"top_k": 3, "top_p": 1.0, "min_p": 0.0})
+    for d, v in zip(s.choices[0].logprobs.top_logprobs, s.choices[0].logprobs.token_logprobs):
+        assert 1 <= len(d) <= 3 and sum(math.exp(x) for x in d.values()) == pytest.approx(1.0, abs=1e-5)
+        assert any(v == pytest.approx(x) for x in d.values())
+
+
+@pytest.mark.parametrize("path,body,words", [
+    ("/v1/chat/completions", {"messages": chat("hi"), "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": chat("hi"), "top_logprobs": 2}, "needs logprobs"),
+    ("/v1/chat/completions", {"messages": chat("hi"), "logprobs": 3}, "boolean"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "grammar": 'root ::= "a" | foo'}, "Undefined rule identifier 'foo'"),
+    ("/v1/completions", {"prompt": "hi", "grammar": ""}, "empty"),
+    ("/v1/chat/completions", {"messages": chat("hi"), "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x"}}}, "schema: missing"),
+    ("/v1/chat/completions", {"messages": chat("hi"), "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "minItems": 10 ** 9}}}}, "limit is"),
+    ("/v1/chat/completions", {"messages": chat("hi"), "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#/definitions/nowhere"}}}}, "invalid JSON schema"),
+    ("/v1/chat/completions", {"messages": chat("hi"), "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "grammar": 'root ::= "a"', "json_schema": {"type": "string"}}, "one constraint"),
+])
+def test_bad_logprobs_and_constraints_are_400(server, client, path, body, words):
+    status, _, data = raw(server, "POST", path, body)
+    err = json.loads(data)["error"]
+    assert status == 400 and words in err["message"] and "\n" not in err["message"], err
+    assert client.completions.create(model="any", prompt="hi", max_tokens=2).usage.completion_tokens == 2
