@@ -135,3 +135,29 @@ def test_forbidden_lookup_draft_is_rejected_by_verification():
     assert FORBIDDEN not in out                               # never committed
     _, ar = run(make_engine(proposer(wrong=(1,))), prompt, mode="ar", max_new=12, grammar=g)
     assert out == ar
+
+
+def test_sampled_lossless_under_a_grammar_is_distributed_as_ar():
+    """Sampled lossless with unmasked MARS slots that propose FORBIDDEN: the first two tokens follow
+    the closed form of ar sampling under the grammar (the masked, renormalised target), chi-square."""
+    from tests.test_sampling import gof
+
+    rule = no_forbidden_no_sevens
+    allowed = sorted(rule(()))
+
+    def masked(prefix):
+        p = onehot(V, successor(prefix), 0.9)
+        keep = np.zeros(V, dtype=bool)
+        keep[allowed] = True
+        p[~keep] = 0.0
+        return p / p.sum()
+
+    p1 = masked(PROMPT)
+    want = {(a, b): p1[a] * masked(PROMPT + [a])[b] for a in allowed for b in allowed}
+    g = FakeGrammar(rule)
+    samples = []
+    for seed in range(3000):
+        _, out = run(make_engine(proposer(wrong=(2,))), PROMPT, mode="lossless", block=4, lookup=0, max_new=2,
+                     temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed, grammar=g)
+        samples.append(tuple(out))
+    assert gof(samples, want) > 1e-3

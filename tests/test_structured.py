@@ -208,3 +208,101 @@ def test_bad_logprobs_and_constraints_are_400(server, client, path, body, words)
     err = json.loads(data)["error"]
     assert status == 400 and words in err["message"] and "\n" not in err["message"], err
     assert client.completions.create(model="any", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+# ------------------------------------------------------------------------------ structured output
+SCHEMA = {"type": "object", "properties": {
+    "answer": {"type": "integer"},
+    "unit": {"enum": ["apples", "dollars", "hours"]},
+    "sure": {"type": "boolean"},
+    "note": {"type": "string", "maxLength": 12}},
+    "required": ["answer", "unit", "sure", "note"]}
+QUESTION = "Tom has 3 apples and buys 5 more. How many apples does he have? Answer in JSON."
+
+
+def schema_format(schema=SCHEMA):
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+def test_json_schema_gives_valid_json_and_lossless_equals_ar(client, model):
+    """The embedded model knows no JSON (without the schema it answers in prose): only the grammar
+    makes the answer valid. lossless == ar == greedy decoding by hand under llama.cpp's grammar."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from prove_local.grammar import Grammar
+
+    free = client.chat.completions.create(model="any", messages=chat(QUESTION), max_tokens=60)
+    with pytest.raises(ValueError):
+        json.loads(free.choices[0].message.content)
+    answers = {}
+    for mode in ("ar", "lossless", "mars"):
+        r = client.chat.completions.create(model="any", messages=chat(QUESTION), max_tokens=200,
+                                           response_format=schema_format(), extra_body={"mode": mode, "tau": 0.5})
+        assert r.choices[0].finish_reason == "stop", (mode, r.choices[0].message.content)
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+        answers[mode] = r
+    assert answers["lossless"].choices[0].message.content == answers["ar"].choices[0].message.content
+    p = answers["lossless"].model_extra["prove"]
+    assert p["draft_n_accepted"] > 0 and p["tokens_per_cycle"] > 1
+    want, _ = reference(model, Conversation(model).prompt_tokens(QUESTION), 200,
+                        grammar=Grammar.from_schema(model, SCHEMA))
+    assert answers["ar"].choices[0].message.content == model.detokenize(visible(model, want))
+    assert answers["ar"].usage.completion_tokens == len(want)
+    # streamed, with logprobs: the same text; every token's logprob is under the masked distribution
+    chunks = list(client.chat.completions.create(model="any", messages=chat(QUESTION), max_tokens=200, stream=True,
+                                                 response_format=schema_format(), logprobs=True, top_logprobs=3))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        answers["lossless"].choices[0].message.content
+    items = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    _, rows = reference(model, Conversation(model).prompt_tokens(QUESTION), 200,
+                        grammar=Grammar.from_schema(model, SCHEMA))
+    assert [x.logprob for x in items] == pytest.approx([row[t] for t, row in zip(want, rows)][:len(items)], abs=2e-4)
+
+
+def test_json_object_and_gbnf_grammar(client):
+    r = client.chat.completions.create(model="any", messages=chat(QUESTION), max_tokens=300,
+                                       response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:                                        # cut by max_tokens: still the start of a JSON object
+        assert r.choices[0].message.content.lstrip().startswith("{")
+    grammar = 'root ::= ("yes" | "no") " because " [a-z ]{1,20} "."'
+    a = client.completions.create(model="any", prompt="Is 7 a prime number?", max_tokens=40,
+                                  extra_body={"grammar": grammar})
+    text = a.choices[0].text
+    assert a.choices[0].finish_reason == "stop"
+    import re
+    assert re.fullmatch(r"(yes|no) because [a-z ]{1,20}\.", text), text
+    streamed = list(client.completions.create(model="any", prompt="Is 7 a prime number?", max_tokens=40, stream=True,
+                                              extra_body={"grammar": grammar, "mode": "ar"}))
+    assert "".join(c.choices[0].text for c in streamed) == text
+    # llama-server's json_schema field
+    js = client.completions.create(model="any", prompt="Is 7 a prime number?", max_tokens=40,
+                                   extra_body={"json_schema": {"type": "boolean"}})
+    assert json.loads(js.choices[0].text) in (True, False)
+
+
+def test_grammar_dead_end_stops_with_finish_reason(client):
+    """After "ok" the grammar requires a NUL byte, which no token may spell (llama.cpp rejects
+    such pieces): a dead end, answered with what came before it."""
+    r = client.completions.create(model="any", prompt="Say ok.", max_tokens=30,
+                                  extra_body={"grammar": 'root ::= "ok" "\\x00"'})
+    assert r.choices[0].text == "ok" and r.choices[0].finish_reason == "grammar"
+    assert r.model_extra["prove"]["stop"] == "grammar"
+    chunks = list(client.completions.create(model="any", prompt="Say ok.", max_tokens=30, stream=True,
+                                            extra_body={"grammar": 'root ::= "ok" "\\x00"', "mode": "ar"}))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["grammar"]
+
+
+def test_run_takes_a_json_schema_and_a_grammar(tmp_path):
+    from tests.test_server import cli
+
+    (tmp_path / "s.json").write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                 "required": ["ok"]}))
+    r = cli("run", "-p", "Is it ok?", "--json-schema", str(tmp_path / "s.json"), "-n", "40", "--json",
+            "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    assert isinstance(json.loads(json.loads(r.stdout)["text"])["ok"], bool)
+    (tmp_path / "bad.gbnf").write_text('root ::= "a" | foo\n')
+    r = cli("run", "-p", "x", "--grammar", str(tmp_path / "bad.gbnf"))
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0
+    assert "bad.gbnf: invalid grammar: Undefined rule identifier 'foo'" in r.stderr
