@@ -161,3 +161,18 @@ def test_sampled_lossless_under_a_grammar_is_distributed_as_ar():
                      temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed, grammar=g)
         samples.append(tuple(out))
     assert gof(samples, want) > 1e-3
+
+
+def test_spec_drafts_follow_the_grammar_and_spec_equals_ar():
+    """A draft model's rows are masked by the state its earlier drafts reach: a draft that prefers
+    FORBIDDEN (or the target's 7) drafts allowed tokens; spec under the grammar equals ar under it."""
+    from tests.fakes import ar_model
+
+    g = FakeGrammar(no_forbidden_no_sevens)
+    want = masked_greedy(PROMPT, 20, no_forbidden_no_sevens)
+    for draft in (lambda prefix: onehot(V, FORBIDDEN, 0.9), ar_model()):
+        cycles, out = run(make_engine(draft=FakeContext(draft, V)), PROMPT, mode="spec", draft_k=3, lookup=0,
+                          max_new=20, grammar=g)
+        assert out == want
+        assert all(FORBIDDEN not in c.proposed and 7 not in c.proposed for c in cycles)
+    assert sum(c.n_accepted for c in cycles) > 0          # the successor-following draft is accepted
