@@ -18,6 +18,7 @@ from .chat import Conversation, clean_text
 from .convert.cli import add_parser as add_convert
 from .engine import Settings, TextStream, seed_note, summarize
 from .errors import ContextFull, ProveError, UsageError
+from .grammar import Grammar, GrammarError
 from .llama import Model, gpu_offload_supported
 from .loading import (EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, KV_TYPES, MAX_NEW, TAU, THETA, add_model_args,
                       add_width_args, load_engine)
@@ -58,8 +59,6 @@ def add_run_parser(sub) -> None:
 def read_grammar(args, model):
     """--grammar FILE / --json-schema FILE as a grammar.Grammar (None without either); a bad file is
     one line naming it and the parser's complaint."""
-    from .grammar import Grammar, GrammarError
-
     path = args.grammar or args.json_schema
     if path is None:
         return None

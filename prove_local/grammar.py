@@ -50,7 +50,9 @@ _parse_lock = threading.Lock()
 def _parse(vocab, text: str):
     """llama_sampler_init_grammar, with the parser's complaint as a GrammarError. llama.cpp prints
     the parser's message ("parse: error parsing grammar: ...") to stderr itself, and logs only
-    "failed to parse grammar": stderr is read from a temporary file for the duration of the call."""
+    "failed to parse grammar": stderr is read from a temporary file for the duration of the call (a
+    parse takes milliseconds; what other threads print meanwhile is passed on when the parse succeeds,
+    and dropped with the parser's dump of the grammar when it fails)."""
     with _parse_lock, tempfile.TemporaryFile(mode="w+b") as tmp:
         saved = os.dup(2)
         try:
@@ -63,6 +65,8 @@ def _parse(vocab, text: str):
         tmp.seek(0)
         printed = tmp.read().decode("utf-8", "replace")
     if smpl:
+        if printed:                   # another thread's output during the call: passed on
+            os.write(2, printed.encode("utf-8", "replace"))
         return smpl
     lines = [ln.strip() for ln in printed.splitlines() if ln.strip()]
     said = [ln.split("error parsing grammar:", 1)[1].strip() for ln in lines if "error parsing grammar:" in ln]
