@@ -19,9 +19,11 @@ same parser and the same sampler. `json_object` uses llama-cpp-python's JSON_GBN
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
+import re
 import tempfile
 import threading
 
@@ -107,7 +109,8 @@ class Grammar:
 
     def __del__(self):
         if getattr(self, "_root", None):
-            ll.llama_sampler_free(self._root)
+            with contextlib.suppress(Exception):
+                ll.llama_sampler_free(self._root)
             self._root = None
 
 
@@ -160,7 +163,8 @@ class GrammarState:
 
     def __del__(self):
         if self._smpl:
-            ll.llama_sampler_free(self._smpl)
+            with contextlib.suppress(Exception):       # (at interpreter exit the bindings may be gone)
+                ll.llama_sampler_free(self._smpl)
             self._smpl = None
 
 
@@ -203,6 +207,11 @@ def _check_bounds(node, where: str, depth: int = 0) -> None:
         for k, v in node.items():
             if k in _COUNTS and isinstance(v, (int, float)) and not isinstance(v, bool) and v > MAX_REPEAT:
                 raise GrammarError(f"JSON schema {where}.{k} = {v}: the limit is {MAX_REPEAT}")
+            if k == "pattern" and isinstance(v, str):       # a{n} / a{n,m} in a pattern expands likewise
+                for m in re.finditer(r"\{(\d+)(?:,(\d*))?\}", v):
+                    if max(int(x) for x in m.groups() if x) > MAX_REPEAT:
+                        raise GrammarError(f"JSON schema {where}.pattern: the repetition {m.group(0)} is over "
+                                           f"the limit of {MAX_REPEAT}")
             _check_bounds(v, f"{where}.{k}", depth + 1)
     elif isinstance(node, list):
         for i, v in enumerate(node):

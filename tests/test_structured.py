@@ -198,6 +198,8 @@ def test_completion_logprobs_shape_and_modes(client, model):
         "name": "x"}}}, "schema: missing"),
     ("/v1/chat/completions", {"messages": chat("hi"), "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "array", "minItems": 10 ** 9}}}}, "limit is"),
+    ("/v1/completions", {"prompt": "hi", "json_schema": {"type": "string", "pattern": "^a{100000000}$"}},
+     "over the limit"),
     ("/v1/chat/completions", {"messages": chat("hi"), "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"$ref": "#/definitions/nowhere"}}}}, "invalid JSON schema"),
     ("/v1/chat/completions", {"messages": chat("hi"), "response_format": {"type": "xml"}}, "response_format"),
