@@ -243,6 +243,10 @@ def test_json_schema_gives_valid_json_and_lossless_equals_ar(client, model):
         jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
         answers[mode] = r
     assert answers["lossless"].choices[0].message.content == answers["ar"].choices[0].message.content
+    # the planner's widths and lookup drafts (filled proposals, lookup verify cycles) under the schema
+    auto = client.chat.completions.create(model="any", messages=chat(QUESTION), max_tokens=200,
+                                          response_format=schema_format(), extra_body={"block": "auto", "lookup": "auto"})
+    assert auto.choices[0].message.content == answers["ar"].choices[0].message.content
     p = answers["lossless"].model_extra["prove"]
     assert p["draft_n_accepted"] > 0 and p["tokens_per_cycle"] > 1
     want, _ = reference(model, Conversation(model).prompt_tokens(QUESTION), 200,
