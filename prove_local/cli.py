@@ -18,6 +18,7 @@ from .chat import Conversation, clean_text
 from .convert.cli import add_parser as add_convert
 from .engine import Settings, TextStream, seed_note, summarize
 from .errors import ContextFull, ProveError, UsageError
+from .grammar import Grammar, GrammarError
 from .llama import Model, gpu_offload_supported
 from .loading import (EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, KV_TYPES, MAX_NEW, TAU, THETA, add_model_args,
                       add_width_args, load_engine)
@@ -49,7 +50,27 @@ def add_run_parser(sub) -> None:
     p.add_argument("--system", help="system message for the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per answer instead of streamed text")
     p.add_argument("--no-color", action="store_true", help="no colors even on a terminal")
+    c = p.add_mutually_exclusive_group()
+    c.add_argument("--grammar", metavar="FILE", help="constrain the answer to a GBNF grammar (llama.cpp's format)")
+    c.add_argument("--json-schema", metavar="FILE", help="constrain the answer to JSON following this JSON schema")
     p.set_defaults(func=cmd_run)
+
+
+def read_grammar(args, model):
+    """--grammar FILE / --json-schema FILE as a grammar.Grammar (None without either); a bad file is
+    one line naming it and the parser's complaint."""
+    path = args.grammar or args.json_schema
+    if path is None:
+        return None
+    flag = "--grammar" if args.grammar else "--json-schema"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{flag} {path}: cannot read it ({e})") from None
+    try:
+        return Grammar(model, text) if args.grammar else Grammar.from_schema(model, text)
+    except GrammarError as e:
+        raise UsageError(f"{flag} {path}: {e}") from None
 
 
 def add_sampling_args(p) -> None:
@@ -159,7 +180,8 @@ def cmd_run(args) -> int:
               "the prompt and the answer, verified exactly); --lookup 0 with --mode ar for plain decoding",
               file=sys.stderr)
     settings = Settings(mode=mode, max_new=args.max_new, block=args.block, theta=args.theta, tau=args.tau,
-                        draft_k=args.draft_k, lookup=args.lookup, **sampling_settings(args))
+                        draft_k=args.draft_k, lookup=args.lookup, grammar=read_grammar(args, model),
+                        **sampling_settings(args))
     engine.check(settings)
     engine.prepare(settings)            # --block auto: pass costs calibrated (or read from the cache) now
     note = seed_note(settings)

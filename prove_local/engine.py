@@ -13,13 +13,16 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 
-from . import modes, rules, sampling
+from . import constrain, modes, rules, sampling
 from .calibrate import calibrate, recheck_threads
 from .errors import ContextFull, EngineBusy, ModeError
 from .llama import Context, Model
 from .lookup import NgramIndex
 from .modes import AR_PLAN, DEFAULT_BLOCK, DEFAULT_DRAFT_K, LOOKUP, MODES, Plan
 from .planner import Costs, Planner
+
+
+MAX_LOGPROBS = 20                 # alternatives per token (OpenAI's top_logprobs limit)
 
 
 @dataclass
@@ -42,6 +45,10 @@ class Settings:
     repeat_penalty: float = sampling.REPEAT_PENALTY
     repeat_last_n: int = sampling.REPEAT_LAST_N
     seed: int | None = None
+    # constrained output and logprobs (constrain.py): a grammar.Grammar (or a fake with start() and
+    # sentinel), and the number of top alternatives to report per token (None: no logprobs)
+    grammar: object | None = None
+    logprobs: int | None = None
 
 
 def planned(s: Settings, has_mask: bool = True) -> bool:
@@ -175,6 +182,9 @@ class Engine:
         bad = sampling.check(s.temperature, s.top_k, s.top_p, s.min_p, s.repeat_penalty, s.repeat_last_n, s.seed)
         if bad:
             raise ModeError(bad)
+        if s.logprobs is not None and (not isinstance(s.logprobs, int) or isinstance(s.logprobs, bool)
+                                       or not 0 <= s.logprobs <= MAX_LOGPROBS):
+            raise ModeError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token), not {s.logprobs!r}")
 
     def plan(self, req: "Request") -> Plan:
         """The widths of the next cycle: the planner's (planner.py) for an auto request, else the
@@ -236,9 +246,13 @@ class Engine:
         # the widest block: the fixed one, else the GGUF's; none without a mask token (lookup drafts only)
         block = (s.block if isinstance(s.block, int) else self.block_size) if self.mask_token is not None or \
             not mode.needs_mask else 0
-        self.active = Request(list(prompt), s, block, auto=auto, seed=seed,
-                              sampler=sampling.Sampler.for_settings(s, seed), key=mode.key(s),
-                              lookup=(s.lookup if lookup_on(s, self.mask_token is not None) else 0))
+        sampler = sampling.Sampler.for_settings(s, seed)
+        watch = None
+        if s.grammar is not None or s.logprobs is not None:
+            watch = constrain.Watch(self.contexts, grammar=s.grammar, mask_token=self.mask_token,
+                                    logprobs=s.logprobs, sampled=sampler is not None)
+        self.active = Request(list(prompt), s, block, auto=auto, seed=seed, sampler=sampler, key=mode.key(s),
+                              lookup=(s.lookup if lookup_on(s, self.mask_token is not None) else 0), watch=watch)
         return Generation(self, self.active)
 
     def prepare(self, s: Settings) -> bool:
@@ -250,6 +264,22 @@ class Engine:
         if (auto or threads_open) and self.planner.costs is None:
             self.calibrate()        # (also picks the thread count of small models when --threads is not set)
         return auto
+
+    def _watched(self, req: "Request", cycle: rules.Cycle) -> bool:
+        """A watched request's cycle (constrain.py): its committed run cut to the tokens the grammar
+        allows (the caches cut back with it), their logprobs; whether the grammar is at a dead end."""
+        if req.watch is None:
+            return False
+        ok, dead = req.watch.end(cycle.committed)
+        if ok < len(cycle.committed):
+            cycle.committed = cycle.committed[:ok]
+            cycle.n_accepted = min(cycle.n_accepted, ok)
+            saved, self.tokens = self.tokens, self.tokens + cycle.committed
+            self._sync()                      # no cache may hold the forbidden tokens
+            self.tokens = saved
+        if req.settings.logprobs is not None:
+            cycle.logprobs = req.watch.logprobs(cycle.committed, cycle.plan.kind in ("prove", "mars"), req.sampler)
+        return dead
 
     def _release(self, req: "Request") -> None:
         if self.active is req:
@@ -267,6 +297,8 @@ class Engine:
         s = req.settings
         t0 = time.perf_counter()
         n_pre = 0
+        # prompt tokens the proposer's cache holds already (llama-server's timings.prompt_n leaves them out)
+        req.n_cached = min(self.contexts["proposer"].n_past, len(self.tokens) - 1)
         # prefill: all but the last token, in the contexts the mode uses; under the planner only the
         # proposer's (its partner catches up in its first cycle: a planner that stays with ar never
         # pays for a verifier's or draft's prefill)
@@ -284,7 +316,8 @@ class Engine:
             before = {r: (c.n_decode, c.decode_seconds) for r, c in self.contexts.items()}
             t0 = time.perf_counter()        # the planner's time counts as the cycle's
             plan = self.plan(req)
-            cycle = modes.of(plan).cycle(self.contexts, self.tokens, plan, s, self.mask_token, sampler=req.sampler)
+            contexts = self.contexts if req.watch is None else req.watch.begin(self.tokens)
+            cycle = modes.of(plan).cycle(contexts, self.tokens, plan, s, self.mask_token, sampler=req.sampler)
             cycle.seconds = time.perf_counter() - t0
             # passes are counted, not declared: llama_decode calls made during this cycle
             cycle.passes = {r: c.n_decode - before[r][0] for r, c in self.contexts.items() if c.n_decode > before[r][0]}
@@ -294,6 +327,13 @@ class Engine:
                 raise RuntimeError(f"mode {s.mode}: a cycle committed no token (a decoding rule is broken)")
             if cycle.source is None:
                 cycle.source = modes.sources(cycle)
+            dead = self._watched(req, cycle)
+            if not cycle.committed:                  # a grammar dead end before any token
+                cycle.index, cycle.start, cycle.stop = index, n_gen, "grammar"
+                req.count(cycle)
+                self._sync()
+                yield cycle
+                return
             if mode.width is not None or req.lookup:  # acceptance statistics and costs, every cycle
                 if self.planner.observe(cycle, req.key, planned=req.auto):   # (plain ar: nothing to learn)
                     self._recheck_threads()          # passes far slower than calibrated
@@ -308,6 +348,10 @@ class Engine:
                 cut = run[:self.n_ctx - len(self.tokens)]
                 stop = "eog" if stop == "eog" and len(cut) == len(run) else "context"
                 run = cut
+            if dead and stop is None:
+                stop = "grammar"
+            if cycle.logprobs is not None:
+                cycle.logprobs = cycle.logprobs[:len(run)]
             cycle.n_accepted = min(cycle.n_accepted, len(run))
             cycle.committed, cycle.index, cycle.start, cycle.stop = run, index, n_gen, stop
             self.tokens.extend(run)
@@ -328,6 +372,7 @@ class Request:
     block: int                                  # fixed width, or the widest an auto request may use
     auto: bool = False                          # the planner picks widths (--block auto)
     prefill: tuple[int, float] = (0, 0.0)      # (prompt tokens evaluated, seconds)
+    n_cached: int = 0                          # prompt tokens reused from the proposer's cache
     n_tokens: int = 0
     n_cycles: int = 0
     passes: dict = field(default_factory=dict)
@@ -336,6 +381,7 @@ class Request:
     sampler: sampling.Sampler | None = field(default=None, repr=False)   # None: greedy
     key: str = ""                              # the planner's statistics key (Mode.key)
     lookup: int | str = 0                      # lookup drafts: 0 off, "auto" (the planner), K (forced)
+    watch: constrain.Watch | None = field(default=None, repr=False)   # grammar / logprobs (constrain.py)
     decode_start: float | None = None          # time.perf_counter() when the first cycle started,
     decode_end: float = 0.0                    # and when the last one ended (decode_seconds)
 

@@ -127,6 +127,9 @@ class Cycle:
     # where each proposed slot came from: "mask" (a MARS slot), "lookup" (lookup.py), "draft" (spec's
     # draft model); the engine fills it from the mode table (Mode.source) where a rule leaves it None
     source: list[str] | None = None
+    # per committed token, when the request asks for logprobs: (token, logprob, [(id, logprob), ...]),
+    # filled in by the engine from the rows the rule read (constrain.Watch.logprobs)
+    logprobs: list | None = None
 
 
 def _gate(ok, tested: int, n_slots: int, stop_at_failure: bool) -> list:

@@ -19,9 +19,9 @@ The package, by concern (as llama-cpp-python's server splits app, settings, type
     errors.py     OpenAI-style error answers
 How a request flows through them: README "How a request flows".
 
-What we take from llama.cpp's server: /health and /metrics, --parallel slots, --api-key-file,
-the 127.0.0.1 default, `timings.draft_n` / `draft_n_accepted` (PR #12603; here in the `prove`
-object). Where we differ from llama-cpp-python's server (FastAPI + sse-starlette): no global lock
+What we take from llama.cpp's server: /health and /metrics (with its `llamacpp:spec_decode_*`
+counters), --parallel slots, --api-key-file, the 127.0.0.1 default, the `timings` object (with
+`draft_n` / `draft_n_accepted`, PR #12603), the `grammar` and `json_schema` fields (constrain.py). Where we differ from llama-cpp-python's server (FastAPI + sse-starlette): no global lock
 (N engines decode at once, the rest wait in a bounded queue and get 503 beyond it), API keys
 compared in constant time (hmac.compare_digest) instead of `==`, a body size limit, and every bad
 request answered with a 4xx OpenAI-style `{"error": {...}}` object.

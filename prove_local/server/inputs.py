@@ -10,7 +10,9 @@ from jinja2 import TemplateError
 from .. import modes
 from ..chat import chat_tokens
 from ..engine import Settings, seed_note
+from ..engine import MAX_LOGPROBS
 from ..errors import ModeError
+from ..grammar import Grammar, GrammarError
 from .errors import ApiError
 
 MAX_STOPS = 4                          # as OpenAI's API
@@ -34,7 +36,7 @@ def settings_for(state, body, n_prompt: int):
         min_p=d.min_p if body.min_p is None else body.min_p,
         repeat_penalty=d.repeat_penalty if body.repeat_penalty is None else body.repeat_penalty,
         repeat_last_n=d.repeat_last_n if body.repeat_last_n is None else body.repeat_last_n,
-        seed=body.seed)
+        seed=body.seed, logprobs=logprobs_of(body), grammar=grammar_of(state.pool.loaded.proposer, body))
     try:
         state.pool.first.check(s)
     except ModeError as e:
@@ -50,12 +52,57 @@ def _unsupported(body) -> list[str]:
     notes: list[str] = []
     if body.n not in (None, 1):
         raise ApiError(400, f"n={body.n}: only n=1 is supported", param="n")
-    if body.logprobs:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             notes.append(f"{name} is not supported and was ignored (use repeat_penalty)")
     return notes
+
+
+def logprobs_of(body) -> int | None:
+    """Alternatives per token to report, or None: chat's `logprobs: true` + `top_logprobs: N`,
+    completions' `logprobs: N` (OpenAI's shapes; N <= 20 as chat's top_logprobs, llama-server's n_probs)."""
+    chat = hasattr(body, "messages")
+    if chat:
+        if body.logprobs is not None and not isinstance(body.logprobs, bool):
+            raise ApiError(400, "logprobs: a boolean on chat completions (top_logprobs gives the count)", param="logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    if body.top_logprobs is not None:
+        raise ApiError(400, "top_logprobs: chat completions only (completions take logprobs: N)", param="top_logprobs")
+    if body.logprobs is None or body.logprobs is False:
+        return None
+    if isinstance(body.logprobs, bool) or not 0 <= body.logprobs <= MAX_LOGPROBS:
+        raise ApiError(400, f"logprobs: an integer in [0, {MAX_LOGPROBS}] on completions, not {body.logprobs!r}",
+                       param="logprobs")
+    return body.logprobs
+
+
+def grammar_of(model, body):
+    """The request's grammar (grammar.Grammar) from `grammar` (GBNF), `response_format` (json_object,
+    json_schema) or `json_schema`; None without one. A bad one is a 400 with the parser's message."""
+    rf = body.response_format if body.response_format is not None and body.response_format.type != "text" else None
+    given = [n for n, v in (("grammar", body.grammar), ("response_format", rf), ("json_schema", body.json_schema))
+             if v is not None]
+    if len(given) > 1:
+        raise ApiError(400, f"{' and '.join(given)}: give one constraint per request", param=given[1])
+    if not given:
+        return None
+    where = given[0]
+    try:
+        if body.grammar is not None:
+            return Grammar(model, body.grammar)
+        if body.json_schema is not None:
+            return Grammar.from_schema(model, body.json_schema)
+        if rf.type == "json_object":
+            return Grammar.from_schema(model, rf.schema_) if rf.schema_ is not None else Grammar.json_object(model)
+        schema = (rf.json_schema or {}).get("schema")
+        if schema is None:
+            raise ApiError(400, "response_format.json_schema.schema: missing (the JSON schema to follow)",
+                           param="response_format")
+        return Grammar.from_schema(model, schema)
+    except GrammarError as e:
+        raise ApiError(400, f"{where}: {e}", param=where) from None
 
 
 def _check_mode(state, body) -> None:

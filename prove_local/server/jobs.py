@@ -23,7 +23,7 @@ log = logging.getLogger("prove_local.server")
 
 class Job:
     """One generation: runs in its own thread (the engine is synchronous), hands events to the
-    request's event loop: ("start", slot), ("text", str), ("done", None) or ("error", exc)."""
+    request's event loop: ("start", slot), ("text", (str, logprob entries)), ("done", None) or ("error", exc)."""
 
     def __init__(self, state, prompt: list[int], settings, stops: list[str], notes: list[str]):
         self.state, self.prompt, self.settings, self.stops, self.notes = state, prompt, settings, stops, notes
@@ -33,7 +33,8 @@ class Job:
         self.cycles: list = []
         self.request = None                  # the engine's Request (prefill, block)
         self.slot = -1
-        self.finish: str | None = None       # stop, length, cancelled, error
+        self.finish: str | None = None       # stop, length, grammar, cancelled, error
+        self.logprobs: list = []             # (token, logprob, top) per answer token, when asked for
         self._checked = time.monotonic()     # when we last asked whether the client is still there
         self.thread = threading.Thread(target=self._run, name="generate", daemon=True)
 
@@ -64,7 +65,7 @@ class Job:
                 self.request = gen.request
                 self._emit("start", slot)
                 with contextlib.closing(gen):
-                    self._decode(gen, TextStream(pool.loaded.proposer), StopText(self.stops))
+                    self._decode(gen, TextStream(pool.loaded.proposer), StopText(self.stops), pool.loaded.proposer)
             if self.finish is None:              # the engine stopped without a cycle (max_new 0)
                 self.finish = "length"
             self.state.metrics.generation(self)
@@ -79,20 +80,30 @@ class Job:
         finally:
             self.state.jobs.discard(self)
 
-    def _decode(self, gen, stream: TextStream, stop: StopText) -> None:
-        """The cycles of `gen` as text events, until the engine stops, a stop string, or a cancel."""
+    def _decode(self, gen, stream: TextStream, stop: StopText, model) -> None:
+        """The cycles of `gen` as text events (text, logprob entries of its tokens), until the engine
+        stops, a stop string, or a cancel."""
         for cycle in gen:
             self.cycles.append(cycle)
             text = stop.feed(stream.feed(cycle.committed))
             if cycle.stop:
                 text += stop.feed(stream.flush())
                 text += stop.flush()
-            if text:
-                self._emit("text", text)
+            entries = []
+            if cycle.logprobs:
+                # end-of-generation tokens have no text, and no entry (as llama-server's); a stop
+                # string inside the cycle's text keeps the entries of the whole cycle
+                entries = [(model.piece(t), lp, [(model.piece(i), v) for i, v in top])
+                           for t, lp, top in (cycle.logprobs or []) if not model.is_eog(t)]
+                self.logprobs += entries
+            if text or entries:
+                self._emit("text", (text, entries))
             if stop.stopped:
                 self.finish = "stop_string"
             elif cycle.stop == "eog":
                 self.finish = "stop"
+            elif cycle.stop == "grammar":
+                self.finish = "grammar"
             elif cycle.stop:
                 self.finish = "length"
             if self.finish:
@@ -139,11 +150,40 @@ class Job:
             "tokens_per_second": round(s["tokens_per_second"], 3),
             "prefill": {"tokens": prefill[0], "seconds": round(prefill[1], 6)},
             "slot": self.slot,
-            # eog, length, context (the engine's), stop_string, or cancelled (the client went away)
+            # eog, length, context, grammar (the engine's), stop_string, or cancelled (the client went away)
             "stop": (self.finish if self.finish in ("cancelled", "stop_string") else
                      self.request.stop if self.request is not None else None),
             "notes": self.notes,
         }
+
+    def timings(self) -> dict:
+        """llama-server's `timings` object (tools/server/server.cpp, result_timings; draft_n and
+        draft_n_accepted from PR #12603), with its meanings: prompt_n the prompt tokens evaluated for
+        this request (those reused from the proposer's KV cache left out), prompt_ms their prefill
+        (the last prompt token is evaluated in the first cycle, as llama-server evaluates it with the
+        prompt: a difference of one token's pass); predicted_n the generated tokens, predicted_ms the
+        decode time (engine.tokens_per_second's, so predicted_per_second is the `prove` object's
+        tokens_per_second); draft_n / draft_n_accepted the proposed and accepted tokens, present, as
+        in llama-server, only when something was proposed."""
+        req = self.request
+        prompt_n = len(self.prompt) - (req.n_cached if req is not None else 0)
+        prompt_ms = (req.prefill[1] if req is not None else 0.0) * 1e3
+        predicted_n = sum(len(c.committed) for c in self.cycles)
+        predicted_ms = (req.decode_seconds if req is not None else 0.0) * 1e3
+        out = {
+            "prompt_n": prompt_n,
+            "prompt_ms": round(prompt_ms, 3),
+            "prompt_per_token_ms": round(prompt_ms / prompt_n, 3) if prompt_n else 0.0,
+            "prompt_per_second": round(prompt_n / prompt_ms * 1e3, 3) if prompt_ms > 0 else 0.0,
+            "predicted_n": predicted_n,
+            "predicted_ms": round(predicted_ms, 3),
+            "predicted_per_token_ms": round(predicted_ms / predicted_n, 3) if predicted_n else 0.0,
+            "predicted_per_second": round(predicted_n / predicted_ms * 1e3, 3) if predicted_ms > 0 else 0.0,
+        }
+        d_n, d_acc = draft_counts(self.cycles)
+        if d_n > 0:
+            out["draft_n"], out["draft_n_accepted"] = d_n, d_acc
+        return out
 
     def usage(self) -> dict:
         n = sum(len(c.committed) for c in self.cycles)
@@ -152,5 +192,6 @@ class Job:
 
 def finish_reason(job: Job) -> str:
     """OpenAI's names: "stop" (end of generation or a stop string), "length" (max_tokens or the
-    context full)."""
-    return "length" if job.finish == "length" else "stop"
+    context full); and "grammar": the request's grammar allows no further token and cannot end there
+    (a dead end, e.g. a grammar that requires text no token can spell)."""
+    return job.finish if job.finish in ("length", "grammar") else "stop"

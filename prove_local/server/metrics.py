@@ -1,5 +1,6 @@
-"""GET /metrics: counters over every generation and request, in Prometheus' text format
-(llama-server's /metrics names where they exist: draft_n, draft_n_accepted)."""
+"""GET /metrics: counters over every generation and request, in Prometheus' text format: our own
+`prove_*` names, and llama-server's speculative-decoding counters under its names
+(`llamacpp:spec_decode_*`, llama.cpp PR #26389, after vLLM's `vllm:spec_decode_*`)."""
 from __future__ import annotations
 
 import threading
@@ -20,6 +21,8 @@ class Metrics:
         self.passes: dict[str, int] = {}
         self.decode_seconds: dict[str, float] = {}
         self.drafts: dict[str, list[int]] = {}              # source -> [drafted, accepted]
+        self.n_drafts = 0                                   # cycles that proposed (llama.cpp's drafts)
+        self.accepted_by_pos: dict[int, int] = {}           # proposed slot index -> times accepted
 
     def request(self, endpoint: str, status: int) -> None:
         with self.lock:
@@ -39,6 +42,11 @@ class Metrics:
                     self.passes[r] = self.passes.get(r, 0) + n
                 for r, t in c.decode_seconds.items():
                     self.decode_seconds[r] = self.decode_seconds.get(r, 0.0) + t
+            for c in job.cycles:
+                if c.plan.proposes:              # as modes.draft_counts: the planner's ar cycles propose nothing
+                    self.n_drafts += 1
+                    for i in range(min(c.n_accepted, len(modes.sources(c)))):
+                        self.accepted_by_pos[i] = self.accepted_by_pos.get(i, 0) + 1
             for src, (n, acc) in modes.draft_counts(job.cycles).items():
                 d = self.drafts.setdefault(src, [0, 0])
                 d[0] += n
@@ -49,12 +57,12 @@ class Metrics:
     def render(self, pool_stats: dict | None) -> str:
         out: list[str] = []
 
-        def metric(name, kind, help_, samples):
-            out.append(f"# HELP prove_{name} {help_}")
-            out.append(f"# TYPE prove_{name} {kind}")
+        def metric(name, kind, help_, samples, prefix="prove_"):
+            out.append(f"# HELP {prefix}{name} {help_}")
+            out.append(f"# TYPE {prefix}{name} {kind}")
             for labels, value in samples:
                 lab = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
-                out.append(f"prove_{name}{{{lab}}} {value}" if lab else f"prove_{name} {value}")
+                out.append(f"{prefix}{name}{{{lab}}} {value}" if lab else f"{prefix}{name} {value}")
 
         with self.lock:
             metric("requests_total", "counter", "HTTP requests answered, by endpoint and status",
@@ -83,6 +91,17 @@ class Metrics:
                    [({"model": r}, n) for r, n in sorted(self.passes.items())])
             metric("decode_seconds_total", "counter", "seconds in llama_decode per model",
                    [({"model": r}, round(t, 6)) for r, t in sorted(self.decode_seconds.items())])
+            # llama-server's names (the same counts as draft_n_total / draft_n_accepted_total above)
+            ll = "llamacpp:"
+            metric("spec_decode_num_drafts_total", "counter", "cycles that proposed tokens (drafts)",
+                   [({}, self.n_drafts)], ll)
+            metric("spec_decode_num_draft_tokens_total", "counter", "tokens proposed or drafted",
+                   [({}, self.draft_n)], ll)
+            metric("spec_decode_num_accepted_tokens_total", "counter", "proposed or drafted tokens accepted",
+                   [({}, self.draft_n_accepted)], ll)
+            metric("spec_decode_num_accepted_tokens_per_pos_total", "counter",
+                   "accepted tokens by their position in the draft (0: the first proposed token)",
+                   [({"position": i}, n) for i, n in sorted(self.accepted_by_pos.items())], ll)
         if pool_stats is not None:
             metric("slots", "gauge", "engines (--parallel)", [({}, pool_stats["slots"])])
             metric("slots_busy", "gauge", "engines decoding now", [({}, pool_stats["busy"])])

@@ -29,6 +29,14 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
+class ResponseFormat(Body):
+    """OpenAI's response_format: {"type": "text"}, {"type": "json_object"} (llama-server also takes a
+    "schema" there) or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+    schema_: dict | None = Field(None, alias="schema")
+
+
 class Common(Body):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -43,6 +51,8 @@ class Common(Body):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logprobs: bool | int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
     # extensions: llama.cpp's sampling names, and the ProVe settings
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -54,6 +64,8 @@ class Common(Body):
     block: Union[Literal["auto"], Annotated[int, Field(ge=1, le=512)], None] = None
     draft_k: Union[Literal["auto"], Annotated[int, Field(ge=0, le=512)], None] = None
     lookup: Union[Literal["auto"], Annotated[int, Field(ge=0, le=512)], None] = None
+    grammar: str | None = None                  # llama-server's GBNF field
+    json_schema: dict | None = None             # llama-server's schema field (as response_format json_schema)
 
 
 class Chat(Common):
