@@ -166,6 +166,30 @@ def _score(mean: dict[int, float]) -> float:
     return sum(mean.get(n, float("inf")) for n in (1, 2, 4))
 
 
+def _complete(entry: dict, model, options: dict, ns, budget_s: float, threads: int) -> bool:
+    """Measure some of the widths a cached curve lacks (a large model, or a busy machine, runs out of
+    the time budget after a few widths), next to its narrowest measured width as an anchor: the new
+    times are scaled by anchor (cached) / anchor (now), so that a curve completed over several runs
+    keeps one level (the planner rescales the level online anyway; the shape is what it needs). Each
+    run adds what its budget allows, so a partial curve becomes whole instead of pricing every wider
+    pass from the narrow ones for good. Returns whether anything was measured."""
+    have = {int(n) for n in entry["curve"]}
+    missing = [n for n in ns if n not in have]
+    if not missing:
+        return False
+    anchor = min(have)
+    curve, _, med = measure(model, options, ns=(anchor, *missing), budget_s=budget_s, threads=threads, reps=1)
+    if anchor not in curve or len(curve) < 2:
+        return False
+    k = float(entry["curve"][str(anchor)]) / curve[anchor]
+    for n in missing:
+        if n in curve:
+            entry["curve"][str(n)] = curve[n] * k
+            entry.setdefault("mean", {})[str(n)] = med[n] * k
+    entry["when"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return True
+
+
 def calibrate(model, options: dict, *, refresh: bool = False, budget_s: float = 0.8, ns=DEFAULT_NS,
               verbose: bool = False) -> dict:
     """The cached calibration of `model` with `options`, measuring it when missing (or `refresh`).
@@ -183,10 +207,7 @@ def calibrate(model, options: dict, *, refresh: bool = False, budget_s: float = 
     for th in candidates:
         key = f"{mkey}|{config_key(model, options, th)}|{build}"
         entry = cache["entries"].get(key)
-        # a partial curve (a machine so busy that the time budget ran out after a few widths) serves
-        # this process but is measured again by the next: cached, it would price every wider pass
-        # from the narrow ones for good
-        if entry is None or refresh or len(entry["curve"]) < len(ns):
+        if entry is None or refresh:
             t0 = time.perf_counter()
             curve, _, med = measure(model, options, ns=ns, budget_s=budget_s / len(candidates), threads=th)
             entry = {"curve": {str(n): t for n, t in curve.items()}, "mean": {str(n): t for n, t in med.items()}, "seconds": round(time.perf_counter() - t0, 3),
@@ -195,6 +216,8 @@ def calibrate(model, options: dict, *, refresh: bool = False, budget_s: float = 
             measured = True
             if verbose:
                 print(f"calibrated {Path(model.path).name} with {th} thread(s) in {entry['seconds']} s", file=sys.stderr)
+        elif len(entry["curve"]) < len(ns):
+            measured |= _complete(entry, model, options, ns, budget_s / len(candidates), th)
         curves[th] = {int(n): float(t) for n, t in entry["curve"].items()}
         medians[th] = {int(n): float(t) for n, t in entry.get("mean", entry["curve"]).items()}
     if measured:
