@@ -54,6 +54,7 @@ class Common(Body):
     block: Union[Literal["auto"], Annotated[int, Field(ge=1, le=512)], None] = None
     draft_k: Union[Literal["auto"], Annotated[int, Field(ge=0, le=512)], None] = None
     lookup: Union[Literal["auto"], Annotated[int, Field(ge=0, le=512)], None] = None
+    sampler: Literal["coupled", "rejection"] | None = None
 
 
 class Chat(Common):
