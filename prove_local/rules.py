@@ -449,7 +449,7 @@ def lossless_fill_cycle(ctx, tokens: list[int], draft: list[int], scores: list[f
     rejected x_i ends the cycle there with the model's own token, one pass. After a full match the
     row of x_j is slot 1 of a MARS block that continues the copied run (its own AR token) and the
     mask rows are slots 2..block: the second pass verifies them as lossless_cycle does (`verify`
-    as there). Every committed token is the model's own greedy token (in distribution when sampling)."""
+    as there). Every committed token is the model's own greedy token (sampled: its coupled sample, or in distribution with the rejection sampler)."""
     draft = [int(x) for x in draft]
     j = len(draft)
     pend = _pending(ctx, tokens)
