@@ -10,12 +10,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 from prove_local.chat import Conversation
 from prove_local.engine import Engine, Settings
 from prove_local.llama import Model
 from prove_local.loading import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER
+
+
+def ratio_se(pairs) -> float:
+    """Standard error of sum(t) / sum(c) over independent (t, c) pairs (the ratio estimator's delta
+    method): tokens per cycle over generations."""
+    n = len(pairs)
+    r = sum(t for t, _ in pairs) / sum(c for _, c in pairs)
+    mc = sum(c for _, c in pairs) / n
+    var = sum((t - r * c) ** 2 for t, c in pairs) / (n - 1)
+    return math.sqrt(var / n) / mc
 
 
 def main() -> None:
@@ -42,8 +53,10 @@ def main() -> None:
             res = {}
             for sampler in ("coupled", "rejection"):
                 toks = cycles = accepted = proposed_cycles = 0
+                per_gen = []
                 for p in prompts:
                     for seed in range(a.seeds):
+                        t_before, c_before = toks, cycles
                         s = Settings(mode=mode, max_new=a.max_new, temperature=T, seed=seed, sampler=sampler,
                                      lookup=0, **widths)
                         for c in engine.generate(p, s):
@@ -53,13 +66,17 @@ def main() -> None:
                             cycles += 1
                             accepted += c.n_accepted
                             proposed_cycles += c.plan.proposes
-                res[sampler] = {"tokens_per_cycle": toks / cycles, "cycles": cycles,
+                        if cycles > c_before:
+                            per_gen.append((toks - t_before, cycles - c_before))
+                res[sampler] = {"tokens_per_cycle": toks / cycles, "cycles": cycles, "se": ratio_se(per_gen),
                                 "accepted_per_cycle": accepted / max(proposed_cycles, 1)}
             loss = 1 - res["coupled"]["tokens_per_cycle"] / res["rejection"]["tokens_per_cycle"]
             rows.append({"T": T, "config": cfg, **{k: v["tokens_per_cycle"] for k, v in res.items()},
+                         "se": {k: v["se"] for k, v in res.items()},
                          "cycles": {k: v["cycles"] for k, v in res.items()}, "coupled_loss": loss})
-            print(f"T={T:g} {cfg:12s} coupled {res['coupled']['tokens_per_cycle']:.3f}  rejection "
-                  f"{res['rejection']['tokens_per_cycle']:.3f}  coupled loses {100 * loss:+.1f} %  "
+            print(f"T={T:g} {cfg:12s} coupled {res['coupled']['tokens_per_cycle']:.3f} ± {res['coupled']['se']:.3f}  "
+                  f"rejection {res['rejection']['tokens_per_cycle']:.3f} ± {res['rejection']['se']:.3f}  "
+                  f"coupled loses {100 * loss:+.1f} %  "
                   f"({res['coupled']['cycles']}/{res['rejection']['cycles']} cycles)", flush=True)
     print(f"{time.time() - t0:.0f} s")
     if a.json:
