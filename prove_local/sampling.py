@@ -353,11 +353,18 @@ _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
+_U = {k: np.uint64(k) for k in (1, 11, 27, 30, 31, _GOLDEN, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)}
+
+
 def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser (Steele, Lea and Flood 2014) on uint64 arrays, wrapping arithmetic."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    """splitmix64's finaliser (Steele, Lea and Flood 2014) on a uint64 array, in place (numpy's
+    integer arrays wrap on overflow, silently)."""
+    z ^= z >> _U[30]
+    z *= _U[0xBF58476D1CE4E5B9]
+    z ^= z >> _U[27]
+    z *= _U[0x94D049BB133111EB]
+    z ^= z >> _U[31]
+    return z
 
 
 def _mix_int(z: int) -> int:
@@ -373,17 +380,31 @@ def _key(seed: int, pos: int) -> int:
     return _mix_int(((k ^ int(pos)) + _GOLDEN) & _M64)
 
 
-def uniform(seed: int, pos: int, ids) -> np.ndarray:
+def _keys(seed: int, pos):
+    """`_key` of one position (an int), or of each entry of an array of positions."""
+    if np.ndim(pos) == 0:
+        return np.uint64(_key(seed, pos))
+    uniq, inverse = np.unique(np.asarray(pos, dtype=np.int64), return_inverse=True)
+    return np.array([_key(seed, int(t)) for t in uniq], dtype=np.uint64)[inverse.ravel()]
+
+
+def uniform(seed: int, pos, ids) -> np.ndarray:
     """Uniforms in (0, 1), one per token id: the (id + 1)-th output of a splitmix64 stream keyed by
     (seed, pos), i.e. a pure function of (seed, pos, id). Costs O(len(ids)), whatever the vocabulary,
-    and a token gets the same number whichever other tokens are asked for with it."""
-    ids = np.asarray(ids, dtype=np.int64).astype(np.uint64)
-    with np.errstate(over="ignore"):
-        z = _mix(np.uint64(_key(seed, pos)) + (ids + np.uint64(1)) * np.uint64(_GOLDEN))
-    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+    and a token gets the same number whichever other tokens are asked for with it. `pos`: one
+    position for all ids, or one per id (several rows' ids hashed in one call)."""
+    z = np.array(ids, dtype=np.uint64)                 # a copy: the ops below work in place
+    z += _U[1]
+    z *= _U[_GOLDEN]
+    z += _keys(seed, pos)
+    z = _mix(z) >> _U[11]                              # the top 53 bits
+    u = z.astype(np.float64)
+    u += 0.5
+    u *= 1.0 / (1 << 53)
+    return u
 
 
-def gumbel(seed: int, pos: int, ids) -> np.ndarray:
+def gumbel(seed: int, pos, ids) -> np.ndarray:
     """Standard Gumbel noise g(seed, pos, id) = -log(-log(u)), one per id (`uniform`)."""
     return -np.log(-np.log(uniform(seed, pos, ids)))
 
@@ -400,8 +421,9 @@ class CoupledSampler(Sampler):
         super().__init__(None, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
         self.seed = int(seed)
 
-    def noise(self, pos: int, ids: np.ndarray) -> np.ndarray:
-        """g at position `pos` for these ids (a subclass may key it otherwise: the tests' controls)."""
+    def noise(self, pos, ids: np.ndarray) -> np.ndarray:
+        """g at position `pos` (one, or one per id) for these ids (a subclass may key it otherwise:
+        the tests' controls)."""
         return gumbel(self.seed, pos, ids)
 
     def draw(self, probs, pos: int | None = None) -> int:
@@ -410,17 +432,42 @@ class CoupledSampler(Sampler):
         gives its token: greedy is the zero-noise case."""
         if pos is None:
             raise ValueError("the coupled sampler draws at a position: pass pos (len(prefix) of the token)")
-        if isinstance(probs, Row):
-            ids, pr = probs.ids, probs.probs
+        return self.samples([probs], pos)[0]
+
+    def propose(self, logits: np.ndarray, prefix) -> tuple[list[int], Dists]:
+        """Sampler.propose; without a repetition penalty no row depends on the tokens drawn before
+        it, so the rows are processed first and their noise is hashed in one call."""
+        if self.repeat_penalty != 1.0 and self.repeat_last_n != 0:
+            return super().propose(logits, prefix)
+        rows = [self.row(logits[i], ()) for i in range(len(logits))]
+        return self.samples(rows, len(prefix)), Dists(rows, logits.shape[1])
+
+    def samples(self, rows, start: int) -> list[int]:
+        """The coupled samples of rows at positions start, start + 1, ...: the rows' surviving ids are
+        hashed in one call (numpy's cost per call, not per id, dominates rows of a few dozen tokens)."""
+        ids, logp, lens = [], [], []
+        for r in rows:
+            if isinstance(r, Row):
+                i, pr = r.ids, r.probs
+            else:
+                pr = np.asarray(r, dtype=np.float64)
+                i = np.flatnonzero(pr)
+                pr = pr[i]
+            ids.append(i), logp.append(pr), lens.append(len(i))
+        if all(n == 1 for n in lens):                   # one-hot rows (temperature 0): no noise
+            return [int(i[0]) for i in ids]
+        if len(rows) == 1:
+            flat, logp, pos = ids[0], logp, start
         else:
-            pr = np.asarray(probs, dtype=np.float64)
-            ids = np.flatnonzero(pr)
-            pr = pr[ids]
-        if len(ids) == 1:
-            return int(ids[0])
-        with np.errstate(divide="ignore"):
-            score = np.log(pr) + self.noise(pos, ids)
-        return int(ids[int(np.argmax(score))])
+            flat, pos = np.concatenate(ids), np.repeat(np.arange(start, start + len(rows)), lens)
+        # a zero probability (an underflow without top-k) scores log(5e-324) = -744: it never wins
+        # against the most probable token, whose log p >= -log(len(ids)), as the Gumbel noise lies in (-4, 37)
+        score = np.log(np.maximum(np.concatenate(logp), 5e-324)) + self.noise(pos, flat)
+        out, at = [], 0
+        for n in lens:
+            out.append(int(flat[at + int(np.argmax(score[at:at + n]))]))
+            at += n
+        return out
 
     def verify(self, p, q, drafted, start: int | None = None) -> tuple[int, int, None, bool]:
         """Equality with the target's coupled samples: drafted[i] (at position start + i) is accepted
@@ -431,9 +478,9 @@ class CoupledSampler(Sampler):
         a rejected draft)."""
         if start is None:
             raise ValueError("the coupled sampler verifies at positions: pass start (the position of drafted[0])")
-        for i, x in enumerate(drafted):
-            y = self.draw(p[i], start + i)
-            if y != int(x):
-                return i, y, None, True
         k = len(drafted)
-        return k, self.draw(p[k], start + k), None, False
+        ys = self.samples([p[i] for i in range(k + 1)], start)    # (the rows after a mismatch: cheap)
+        for i, x in enumerate(drafted):
+            if ys[i] != int(x):
+                return i, ys[i], None, True
+        return k, ys[k], None, False

@@ -65,7 +65,10 @@ def test_draws_cost_the_surviving_tokens_not_the_vocabulary():
     logits = (rng.standard_normal((3, 152064)) * 3).astype(np.float32)
     s = CountingNoise(3, temperature=1.0, top_k=40, top_p=1.0, min_p=0.0)
     tokens, q = s.propose(logits, [1, 2, 3])
-    assert s.sizes == [40, 40, 40] and all(q[i, t] > 0 for i, t in enumerate(tokens))
+    assert sum(s.sizes) == 3 * 40 and all(q[i, t] > 0 for i, t in enumerate(tokens))
+    s = CountingNoise(3, temperature=1.0, top_k=40, top_p=1.0, min_p=0.0, repeat_penalty=1.3)
+    s.propose(logits, [1, 2, 3])                    # a penalty: row by row (each sees the tokens before it)
+    assert len(s.sizes) == 3 and all(40 <= n <= 43 for n in s.sizes)
 
 
 def test_uniforms_are_uniform_over_ids_positions_and_seeds():
