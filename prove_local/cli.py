@@ -76,7 +76,7 @@ def read_grammar(args, model):
 def add_sampling_args(p) -> None:
     """The sampler chain's options (llama.cpp's names and defaults, except temperature: 0 = greedy)."""
     g = p.add_argument_group("sampling", "penalties -> temperature -> top-k -> top-p -> min-p; the exact modes "
-                             "(lossless, spec) stay distributed exactly as ar sampling")
+                             "(lossless, spec, lookup) give ar's sampled text for the seed (coupled sampler)")
     d = sampling
     g.add_argument("--temp", "--temperature", dest="temperature", type=float, default=d.TEMPERATURE,
                    help=f"temperature (default {d.TEMPERATURE:g}: greedy, every exact mode equals ar token for token)")
@@ -90,12 +90,17 @@ def add_sampling_args(p) -> None:
                    help=f"penalty on recent tokens (default {d.REPEAT_PENALTY}: off)")
     g.add_argument("--repeat-last-n", type=int, default=d.REPEAT_LAST_N,
                    help=f"tokens the penalty looks back over (default {d.REPEAT_LAST_N}; -1: the whole context)")
-    g.add_argument("--seed", type=int, help="random seed (default: a fresh one, reported in --json)")
+    g.add_argument("--seed", type=int, help="random seed (default: a fresh one, reported in --json); with the "
+                   "coupled sampler it fixes the text of ar, lossless, spec and lookup, at any width")
+    g.add_argument("--sampler", choices=d.SAMPLERS, default=d.SAMPLER,
+                   help="how tokens are drawn and verified at T > 0: 'coupled' (default: noise keyed by position, "
+                        "every exact mode gives ar's text for the seed) or 'rejection' (exact speculative sampling: "
+                        "the same distribution, a seed's text depends on the widths)")
 
 
 def sampling_settings(args) -> dict:
     return {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
-                                          "repeat_last_n", "seed")}
+                                          "repeat_last_n", "seed", "sampler")}
 
 
 def answer(engine, model, prompt_tokens, settings, out, color: bool):
@@ -142,7 +147,7 @@ def report(engine, model, settings, cycles, request, interrupted) -> dict:
                      "temperature": settings.temperature,
                      "top_k": settings.top_k, "top_p": settings.top_p, "min_p": settings.min_p,
                      "repeat_penalty": settings.repeat_penalty, "repeat_last_n": settings.repeat_last_n,
-                     "seed": request.seed},
+                     "seed": request.seed, "sampler": settings.sampler},
     }
 
 

@@ -49,6 +49,7 @@ class Settings:
     # sentinel), and the number of top alternatives to report per token (None: no logprobs)
     grammar: object | None = None
     logprobs: int | None = None
+    sampler: str = sampling.SAMPLER         # "coupled" (a seed means a text in every exact mode) or "rejection"
 
 
 def planned(s: Settings, has_mask: bool = True) -> bool:
@@ -74,11 +75,19 @@ def lookup_on(s: Settings, has_mask: bool = True) -> bool:
 
 def seed_note(s: Settings) -> str | None:
     """Why a seed will not reproduce this sampled request, if it will not: under 'auto' widths the
-    planner's choices follow measured timings, and they decide how the random stream is consumed
-    (the output stays distributed exactly as ar sampling; it is the text that is not repeatable)."""
-    if s.seed is not None and s.temperature > 0 and planned(s):
-        return ("the seed repeats a sampled answer only with fixed widths (--block N / --draft-k N / --lookup K, "
-                "or the request's block / draft_k / lookup): 'auto' widths follow measured timings")
+    planner's choices follow measured timings. The coupled sampler (the default) draws every token
+    from noise keyed by its position, so the exact modes give ar's text for the seed at any width;
+    only the lossy modes' text (their gates commit different tokens at different widths) and any
+    mode under the rejection sampler (whose random stream is consumed per cycle) then vary."""
+    if s.seed is None or not planned(s) or s.temperature == 0:      # (T = 0: no randomness at all)
+        return None
+    if s.sampler == "rejection":
+        return ("with --sampler rejection the seed repeats a sampled answer only with fixed widths (--block N / "
+                "--draft-k N / --lookup K, or the request's block / draft_k / lookup): 'auto' widths follow "
+                "measured timings (the default coupled sampler repeats it at any width)")
+    if not MODES[s.mode].exact:
+        return (f"mode {s.mode!r} is lossy: its text depends on the widths, so the seed repeats it only with a "
+                "fixed --block N (or the request's block): 'auto' widths follow measured timings")
     return None
 
 
@@ -185,6 +194,8 @@ class Engine:
         if s.logprobs is not None and (not isinstance(s.logprobs, int) or isinstance(s.logprobs, bool)
                                        or not 0 <= s.logprobs <= MAX_LOGPROBS):
             raise ModeError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token), not {s.logprobs!r}")
+        if s.sampler not in sampling.SAMPLERS:
+            raise ModeError(f"sampler must be one of {', '.join(sampling.SAMPLERS)}, not {s.sampler!r}")
 
     def plan(self, req: "Request") -> Plan:
         """The widths of the next cycle: the planner's (planner.py) for an auto request, else the
@@ -237,8 +248,9 @@ class Engine:
         if len(self.index) > keep:          # the index must stay a prefix of the committed tokens
             self.index.clear()
         self.tokens = list(prompt)
-        # one seeded generator per request (sampling.py documents the order it is consumed in);
-        # without a seed a fresh one is drawn and recorded in the request, so a run can be repeated
+        # one seed per request (sampling.py: the coupled sampler's noise is keyed by it, the rejection
+        # sampler's generator seeded with it); without a seed a fresh one is drawn and recorded in the
+        # request (reported by run --json, the server's `prove` object, the UI), so a run can be replayed
         seed = s.seed if s.seed is not None else secrets.randbits(63)
         auto = self.prepare(s)
         self.planner.start_request()
@@ -334,6 +346,7 @@ class Engine:
                 self._sync()
                 yield cycle
                 return
+            cycle.coupled = req.sampler is not None and req.sampler.coupled
             if mode.width is not None or req.lookup:  # acceptance statistics and costs, every cycle
                 if self.planner.observe(cycle, req.key, planned=req.auto):   # (plain ar: nothing to learn)
                     self._recheck_threads()          # passes far slower than calibrated
@@ -377,7 +390,7 @@ class Request:
     n_cycles: int = 0
     passes: dict = field(default_factory=dict)
     stop: str | None = None
-    seed: int | None = None                    # the seed of `sampler`'s generator (settings.seed or drawn)
+    seed: int | None = None                    # the seed of `sampler` (settings.seed or drawn)
     sampler: sampling.Sampler | None = field(default=None, repr=False)   # None: greedy
     key: str = ""                              # the planner's statistics key (Mode.key)
     lookup: int | str = 0                      # lookup drafts: 0 off, "auto" (the planner), K (forced)

@@ -27,8 +27,8 @@ class Mode:
     summary: str
     roles: tuple[str, ...]          # contexts the mode decodes with; "proposer" first
     needs_mask: bool
-    exact: bool                     # greedy output equals ar's token for token; sampled output is
-                                    # distributed exactly as ar sampling with the same settings
+    exact: bool                     # greedy output equals ar's token for token; sampled output too, for
+                                    # the seed (coupled sampler), or in distribution (rejection sampler)
     width: str | None               # the width the mode takes: "block", "draft_k" or None (ar)
     gate: str | None                # the setting its gate reads: "theta", "tau", or None (an equality test)
     gate_text: str                  # the gate, for people ({theta}/{tau} filled in)
@@ -109,7 +109,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          widths=lambda pend, plan: {"proposer": [pend["proposer"]]}),
     Mode("lossless", "ProVe-lossless",
          "ProVe-lossless: the proposer verifies its own block (and lookup drafts); output identical to ar "
-         "(in distribution when sampling)",
+         "(sampled: the same text for the seed)",
          ("proposer",), needs_mask=True, exact=True, width="block", gate=None,
          gate_text="gate: proposed token = the proposer's greedy token (verify pass)",
          q_text="q: the proposer's own probability of the token in its verify pass",
@@ -131,7 +131,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
              c["proposer"], t, plan.block, mask, s.tau, sampler=sampler),
          widths=lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1]}, source="mask"),
     Mode("spec", "speculative", "speculative decoding with a draft model (and lookup drafts); output identical to ar "
-         "(in distribution when sampling)",
+         "(sampled: the same text for the seed)",
          ("proposer", "draft"), needs_mask=False, exact=True, width="draft_k", gate=None,
          gate_text="gate: drafted token = the target's greedy token",
          q_text="p̃: the draft's confidence; q: the target's probability of the drafted token",
@@ -141,7 +141,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          widths=lambda pend, plan: {"draft": ([pend["draft"]] + [1] * (plan.draft_k - 1)) if plan.draft_k else [],
                                     "proposer": [pend["proposer"] + plan.draft_k]}, lookup=True, source="draft"),
     Mode(LOOKUP, "lookup", "lookup drafts alone: continuations copied from the prompt and the answer (n-gram "
-         "matches), verified in one pass; any GGUF; output identical to ar (in distribution when sampling)",
+         "matches), verified in one pass; any GGUF; output identical to ar (sampled: the same text for the seed)",
          ("proposer",), needs_mask=False, exact=True, width=None, gate=None,
          gate_text="gate: drafted token = the model's greedy token (one verify pass)",
          q_text="p̃: the lookup's score m/(m+1) (m tokens matched); q: the model's probability of the drafted token",

@@ -9,10 +9,12 @@ KV cache; the tokens after its `n_past` are pending and go at the front of its n
 A cycle never mutates `tokens`; it returns a `Cycle` whose `committed` run the caller appends.
 
 Sampling: every cycle takes an optional `sampler` (sampling.Sampler: the request's sampler chain
-and random generator). None is greedy decoding, today's code, bit for bit. With a sampler, each
-rule has a `_sampled` twin: slot/draft tokens are drawn from their processed distributions q_i,
-and the exact modes verify them by exact speculative sampling against the processed targets p_i
-(sampling.Sampler.verify), so their output is distributed exactly as `ar` sampling.
+and its randomness). None is greedy decoding, today's code, bit for bit. With a sampler, each
+rule has a `_sampled` twin: slot/draft tokens are drawn from their processed distributions q_i at
+their absolute positions (len(prefix)), and the exact modes verify them against the processed
+targets p_i with `sampler.verify(p, q, drafted, start)`: equality with the target's position-keyed
+coupled sample (sampling.CoupledSampler: the output is ar's, token for token, for the seed), or exact
+speculative sampling (sampling.Sampler: distributed exactly as `ar` sampling).
 """
 from __future__ import annotations
 
@@ -114,7 +116,7 @@ class Cycle:
     start: int = 0                # generated tokens before this cycle
     stop: str | None = None       # on the last cycle: "eog", "length" or "context"
     # sampling (exact modes): min(1, p/q) of each verified slot (lossless slot 1: 1.0, an exact
-    # sample of the target); None when greedy (the test is equality). `residual`: the token after
+    # sample of the target); None when greedy or coupled (the test is equality). `residual`: the token after
     # the accepted run replaced a rejected proposal (drawn from norm(max(0, p - q)) when sampling,
     # the target's argmax when greedy) rather than being the bonus token after a full match.
     accept_prob: list[float] | None = None
@@ -130,6 +132,9 @@ class Cycle:
     # per committed token, when the request asks for logprobs: (token, logprob, [(id, logprob), ...]),
     # filled in by the engine from the rows the rule read (constrain.Watch.logprobs)
     logprobs: list | None = None
+    # sampled with the coupled sampler (sampling.CoupledSampler: set by the engine): the tests were
+    # equalities with the target's position-keyed sample, not greedy tokens
+    coupled: bool = False
 
 
 def _gate(ok, tested: int, n_slots: int, stop_at_failure: bool) -> list:
@@ -199,6 +204,12 @@ def leading_run(ok) -> int:
 def _tested(n: int, rejected: bool, n_slots: int) -> list:
     """Gate outcomes of an exact sampled cycle: n accepted, then the rejected slot if there was one."""
     return _gate([True] * n + [False] * rejected, n + rejected, n_slots, True)
+
+
+def _joined(*parts) -> list | None:
+    """Acceptance probabilities of a sampled cycle from its parts; None where the sampler gives none
+    (the coupled sampler's test is equality)."""
+    return None if any(x is None for x in parts) else [v for x in parts for v in x]
 
 
 def _mars_plan(block: int) -> Plan:
@@ -307,7 +318,7 @@ def spec_cycle(ctx_tgt, ctx_draft, tokens: list[int], k: int, sampler=None) -> C
 def _ar_sampled(ctx, tokens, sampler) -> Cycle:
     pending = _pending(ctx, tokens)
     p = sampler.dists(_logits(ctx, pending), tokens)
-    x = sampler.draw(p[0])
+    x = sampler.draw(p[0], len(tokens))
     return Cycle([x], [float(p[0, x])], None, [x], 1, {"proposer": 1}, {"proposer": [len(pending)]},
                  plan=AR_PLAN, gate=[True])
 
@@ -327,12 +338,12 @@ def _lossless_sampled(ctx, tokens, block, mask, verify, sampler) -> Cycle:
     v = block if verify is None else max(1, min(int(verify), block))
     # row i of the verify pass: the target after tokens + d[:i+1]
     p = sampler.dists(_logits(ctx, d[:v], rows=list(range(v))), tokens + d[:1], d[1:v])
-    n, nxt, accept, residual = sampler.verify(p, q[1:v], d[1:v])
+    n, nxt, accept, residual = sampler.verify(p, q[1:v], d[1:v], len(tokens) + 1)
     n += 1                                           # slot 1 (exact)
     ctx.truncate(len(tokens) + n)                    # keep d[:n]; nxt stays pending
     target = [float(conf[0])] + [float(p[i, d[i + 1]]) for i in range(v - 1)]
     return Cycle(d, conf.tolist(), target, d[:n] + [nxt], n, {"proposer": 2},
-                 {"proposer": [pending + block - 1, v]}, accept_prob=[1.0] + accept, residual=residual,
+                 {"proposer": [pending + block - 1, v]}, accept_prob=_joined([1.0], accept), residual=residual,
                  plan=Plan("lossless", block, verify=v), gate=_tested(n, residual, block))
 
 
@@ -350,7 +361,7 @@ def _spec_sampled(ctx_tgt, ctx_draft, tokens, k, sampler) -> Cycle:
     logits = _logits(ctx_tgt, pending + x, rows=list(range(len(pending) - 1, len(pending) + k)))
     p = sampler.dists(logits, tokens, x)              # row j: the target after tokens + x[:j]
     q = stack(q, p.shape[1])
-    n, nxt, accept, residual = sampler.verify(p, q, x)
+    n, nxt, accept, residual = sampler.verify(p, q, x, len(tokens))
     ctx_tgt.truncate(len(tokens) + n)
     ctx_draft.truncate(min(ctx_draft.n_past, len(tokens) + n))
     return Cycle(x, [float(q[j, x[j]]) for j in range(k)], [float(p[j, x[j]]) for j in range(k)], x[:n] + [nxt], n,
@@ -426,7 +437,7 @@ def _lookup_sampled(ctx, tokens, draft, scores, sampler) -> Cycle:
     pending = _pending(ctx, tokens)
     logits = _logits(ctx, pending + draft, rows=list(range(len(pending) - 1, len(pending) + k)))
     p = sampler.dists(logits, tokens, draft)
-    n, nxt, accept, residual = sampler.verify(p, point_mass(draft, p.shape[1]), draft)
+    n, nxt, accept, residual = sampler.verify(p, point_mass(draft, p.shape[1]), draft, len(tokens))
     ctx.truncate(len(tokens) + n)
     return Cycle(draft, [float(s) for s in scores], [float(p[j, draft[j]]) for j in range(k)], draft[:n] + [nxt], n,
                  {"proposer": 1}, {"proposer": [len(pending) + k]}, accept_prob=accept, residual=residual,
@@ -441,7 +452,7 @@ def lossless_fill_cycle(ctx, tokens: list[int], draft: list[int], scores: list[f
     rejected x_i ends the cycle there with the model's own token, one pass. After a full match the
     row of x_j is slot 1 of a MARS block that continues the copied run (its own AR token) and the
     mask rows are slots 2..block: the second pass verifies them as lossless_cycle does (`verify`
-    as there). Every committed token is the model's own greedy token (in distribution when sampling)."""
+    as there). Every committed token is the model's own greedy token (sampled: its coupled sample, or in distribution with the rejection sampler)."""
     draft = [int(x) for x in draft]
     j = len(draft)
     pend = _pending(ctx, tokens)
@@ -483,7 +494,7 @@ def _fill_sampled(ctx, tokens, draft, scores, block, verify, sampler, logits, P)
     j = len(draft)
     width1 = P + j + block - 1
     p_l = sampler.dists(logits[:j + 1], tokens, draft)           # row i: the target after tokens + x[:i]
-    n, nxt, accept_l, residual = sampler.verify(p_l, point_mass(draft, p_l.shape[1]), draft)
+    n, nxt, accept_l, residual = sampler.verify(p_l, point_mass(draft, p_l.shape[1]), draft, len(tokens))
     target_l = [float(p_l[i, draft[i]]) for i in range(j)]
     if n < j:
         ctx.truncate(len(tokens) + n)
@@ -499,11 +510,11 @@ def _fill_sampled(ctx, tokens, draft, scores, block, verify, sampler, logits, P)
         verify = verify(np.asarray(conf))
     v = block if verify is None else max(1, min(int(verify), block))
     p = sampler.dists(_logits(ctx, d[:v], rows=list(range(v))), prefix + d[:1], d[1:v])
-    n2, nxt2, accept, residual2 = sampler.verify(p, q[:v - 1], d[1:v])
+    n2, nxt2, accept, residual2 = sampler.verify(p, q[:v - 1], d[1:v], len(prefix) + 1)
     n2 += 1                                       # slot 1 (exact)
     ctx.truncate(len(tokens) + j + n2)
     target = target_l + [conf[0]] + [float(p[i, d[i + 1]]) for i in range(v - 1)]
     return Cycle(draft + d, [float(s) for s in scores] + conf, target, draft + d[:n2] + [nxt2], j + n2,
-                 {"proposer": 2}, {"proposer": [width1, v]}, accept_prob=accept_l + [1.0] + accept,
+                 {"proposer": 2}, {"proposer": [width1, v]}, accept_prob=_joined(accept_l, [1.0], accept),
                  residual=residual2, plan=Plan("lossless", block, verify=v, lookup=j),
                  gate=[True] * j + _tested(n2, residual2, block), source=["lookup"] * j + ["mask"] * block)

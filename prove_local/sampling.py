@@ -25,15 +25,28 @@ work on those few. Only top-k off (0) needs the normaliser of the whole vocabula
 pass over the row, in a reused buffer. The rows are read, never written (they may be a view into
 llama.cpp's output buffer).
 
-Random numbers: one `numpy.random.Generator` per request (`Sampler.rng`), consumed only here, one
-uniform per call, in this documented order within a cycle:
+Random numbers, two samplers (`Settings.sampler`, `--sampler`):
+
+* "coupled" (the default, `CoupledSampler`): the token at absolute position t (its index in the
+  sequence, prompt included: len(prefix)) is argmax over the surviving ids x of log p_t(x) + g(seed, t, x),
+  with g a Gumbel variate computed by hashing (seed, t, x) (`gumbel`: splitmix64, counter-based, O(surviving
+  ids), never O(vocabulary)). Gumbel-max makes each draw exactly distributed as p_t; keying the noise
+  by position makes every draw a function of (seed, prefix) only. A proposal (MARS slot, draft token)
+  at t is drawn with the same g(seed, t, .) from its own q_t, and verification is equality, as in
+  greedy decoding: accept while the proposed token equals the target's coupled sample, commit the
+  target's coupled sample at the first mismatch. Every committed token is the token `ar` draws with
+  that seed at that position, so `lossless`, `spec` and lookup drafts give ar's text token for token
+  at any width and planner choice (Daliri, Musco and Suresh 2024, "Coupling without Communication
+  and Drafter-Invariant Speculative Decoding"). Temperature 0 is the zero-noise case (one-hot rows).
+* "rejection" (`Sampler`): one `numpy.random.Generator` per request (`Sampler.rng`), one uniform
+  per call, in this order within a cycle:
     1. proposal: one uniform per drawn slot or draft token, in slot order (ar: its one token);
     2. verification: one uniform per accept test, in slot order, stopping at the first rejection;
     3. one uniform for the residual token (after a rejection) or the bonus token (after a full match).
-So a fixed seed reproduces the output of a mode exactly across runs when its widths are fixed
-(different modes, and different widths, consume the stream differently: under `--block auto` the
-planner's timing-driven widths make the same seed give the same distribution, not the same text;
-engine.seed_note says so to the user).
+  Exact in distribution (Leviathan et al. 2023), and it accepts a little more often than the
+  coupling (min(1, p/q) against P(argmax(log p + g) = argmax(log q + g)) >= (1 - TV)/(1 + TV)), but
+  the stream is consumed per cycle: a seed repeats a mode's text only at fixed widths, and different
+  modes or widths give the same distribution, not the same text (engine.seed_note says so).
 """
 from __future__ import annotations
 
@@ -52,6 +65,8 @@ TOP_P = 0.95
 MIN_P = 0.05
 REPEAT_PENALTY = 1.0              # 1: off
 REPEAT_LAST_N = 64                # -1: the whole context, 0: off
+SAMPLERS = ("coupled", "rejection")   # how a token is drawn and verified (the module's docstring)
+SAMPLER = "coupled"
 
 
 def check(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed) -> str | None:
@@ -172,13 +187,18 @@ class Sampler:
         self.top_k, self.top_p, self.min_p = int(top_k), float(top_p), float(min_p)
         self.repeat_penalty, self.repeat_last_n = float(repeat_penalty), int(repeat_last_n)
 
-    @classmethod
-    def for_settings(cls, s, seed: int) -> "Sampler | None":
-        """The request's sampler, or None for plain greedy decoding (today's code path)."""
+    coupled = False                 # the test is a ratio (min(1, p/q)), not equality
+
+    @staticmethod
+    def for_settings(s, seed: int) -> "Sampler | None":
+        """The request's sampler (`s.sampler`: "coupled" or "rejection"), or None for plain greedy
+        decoding (today's code path)."""
         if s.temperature == 0 and s.repeat_penalty == 1.0:
             return None
-        return cls(np.random.default_rng(seed), s.temperature, s.top_k, s.top_p, s.min_p,
-                   s.repeat_penalty, s.repeat_last_n)
+        chain = (s.temperature, s.top_k, s.top_p, s.min_p, s.repeat_penalty, s.repeat_last_n)
+        if getattr(s, "sampler", SAMPLER) == "rejection":
+            return Sampler(np.random.default_rng(seed), *chain)
+        return CoupledSampler(seed, *chain)
 
     # ------------------------------------------------------------------ the chain
     def _window(self, prefix, drafted, i: int) -> list[int]:
@@ -267,9 +287,10 @@ class Sampler:
         return np.asarray(self.dists(logits, prefix, drafted))
 
     # ------------------------------------------------------------------ drawing
-    def draw(self, probs) -> int:
+    def draw(self, probs, pos: int | None = None) -> int:
         """One token from a distribution (inverse CDF over the tokens in id order, one uniform):
-        a Row, or a dense vector. Both give the same token for the same uniform."""
+        a Row, or a dense vector. Both give the same token for the same uniform. `pos` (the token's
+        absolute position) is for the coupled sampler; this one consumes its stream in order."""
         if isinstance(probs, Row):
             c = np.cumsum(probs.probs)
             i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
@@ -285,7 +306,7 @@ class Sampler:
         rows = []
         for i in range(len(logits)):
             rows.append(self.row(logits[i], self._window(prefix, tokens, i)))
-            tokens.append(self.draw(rows[-1]))
+            tokens.append(self.draw(rows[-1], len(prefix) + i))
         return tokens, Dists(rows, logits.shape[1])
 
     def residual(self, p, q) -> int:
@@ -299,14 +320,15 @@ class Sampler:
         r = np.maximum(p - q, 0.0)
         return self.draw(r if r.sum() > 0 else p)
 
-    def verify(self, p: np.ndarray, q: np.ndarray, drafted) -> tuple[int, int, list[float], bool]:
+    def verify(self, p: np.ndarray, q: np.ndarray, drafted, start: int | None = None) -> tuple[int, int, list[float], bool]:
         """Exact speculative sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023; vLLM
         vllm/v1/sample/rejection_sampler.py). `drafted[i]` was drawn from q[i]; p[i] is the target
         after the drafts before it, p has one more row (the bonus position). Accept drafted[i] with
         probability min(1, p(x)/q(x)); at the first rejection draw from norm(max(0, p - q)); after
         a full match draw the bonus from the last p row. The committed token at each position is
         then distributed exactly as p: P(x) = min(p, q)(x) + (1 - sum min(p, q)) * residual(x) = p(x).
-        Returns (n accepted, the next token, min(1, p/q) per draft, whether it came from the residual)."""
+        Returns (n accepted, the next token, min(1, p/q) per draft, whether it came from the residual).
+        `start`: the absolute position of drafted[0] (the coupled sampler's key; unused here)."""
         accept = []
         for i, x in enumerate(drafted):
             px, qx = p[i, x], q[i, x]
@@ -324,3 +346,141 @@ def point_mass(tokens, n_vocab: int) -> Dists:
     as p (the rejection step's identity with q a point mass)."""
     one = np.ones(1)
     return Dists([Row(np.array([int(x)], dtype=np.int64), one, n_vocab) for x in tokens], n_vocab)
+
+
+# ---------------------------------------------------------------------------------- coupled sampling
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+_U = {k: np.uint64(k) for k in (1, 11, 27, 30, 31, _GOLDEN, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)}
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser (Steele, Lea and Flood 2014) on a uint64 array, in place (numpy's
+    integer arrays wrap on overflow, silently)."""
+    z ^= z >> _U[30]
+    z *= _U[0xBF58476D1CE4E5B9]
+    z ^= z >> _U[27]
+    z *= _U[0x94D049BB133111EB]
+    z ^= z >> _U[31]
+    return z
+
+
+def _mix_int(z: int) -> int:
+    """`_mix` on one Python int (mod 2^64)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _key(seed: int, pos: int) -> int:
+    """The stream of position `pos` under `seed`: two rounds of the finaliser."""
+    k = _mix_int((int(seed) + _GOLDEN) & _M64)
+    return _mix_int(((k ^ int(pos)) + _GOLDEN) & _M64)
+
+
+def _keys(seed: int, pos):
+    """`_key` of one position (an int), or of each entry of an array of positions."""
+    if np.ndim(pos) == 0:
+        return np.uint64(_key(seed, pos))
+    uniq, inverse = np.unique(np.asarray(pos, dtype=np.int64), return_inverse=True)
+    return np.array([_key(seed, int(t)) for t in uniq], dtype=np.uint64)[inverse.ravel()]
+
+
+def uniform(seed: int, pos, ids) -> np.ndarray:
+    """Uniforms in (0, 1), one per token id: the (id + 1)-th output of a splitmix64 stream keyed by
+    (seed, pos), i.e. a pure function of (seed, pos, id). Costs O(len(ids)), whatever the vocabulary,
+    and a token gets the same number whichever other tokens are asked for with it. `pos`: one
+    position for all ids, or one per id (several rows' ids hashed in one call)."""
+    z = np.array(ids, dtype=np.uint64)                 # a copy: the ops below work in place
+    z += _U[1]
+    z *= _U[_GOLDEN]
+    z += _keys(seed, pos)
+    z = _mix(z) >> _U[11]                              # the top 53 bits
+    u = z.astype(np.float64)
+    u += 0.5
+    u *= 1.0 / (1 << 53)
+    return u
+
+
+def gumbel(seed: int, pos, ids) -> np.ndarray:
+    """Standard Gumbel noise g(seed, pos, id) = -log(-log(u)), one per id (`uniform`)."""
+    return -np.log(-np.log(uniform(seed, pos, ids)))
+
+
+class CoupledSampler(Sampler):
+    """Position-keyed coupled sampling (the module's docstring): the token at absolute position t is
+    argmax_x log p_t(x) + g(seed, t, x); verification is equality with the target's coupled sample.
+    The chain (`process`, `dists`, `propose`) is Sampler's; only drawing and verifying differ."""
+
+    coupled = True
+
+    def __init__(self, seed: int, temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P,
+                 min_p: float = MIN_P, repeat_penalty: float = REPEAT_PENALTY, repeat_last_n: int = REPEAT_LAST_N):
+        super().__init__(None, temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
+        self.seed = int(seed)
+
+    def noise(self, pos, ids: np.ndarray) -> np.ndarray:
+        """g at position `pos` (one, or one per id) for these ids (a subclass may key it otherwise:
+        the tests' controls)."""
+        return gumbel(self.seed, pos, ids)
+
+    def draw(self, probs, pos: int | None = None) -> int:
+        """The coupled sample at absolute position `pos`: argmax of log p + g over the tokens with
+        p > 0 (a Row's surviving ids; a dense vector's nonzero entries). A one-hot row (temperature 0)
+        gives its token: greedy is the zero-noise case."""
+        if pos is None:
+            raise ValueError("the coupled sampler draws at a position: pass pos (len(prefix) of the token)")
+        return self.samples([probs], pos)[0]
+
+    def propose(self, logits: np.ndarray, prefix) -> tuple[list[int], Dists]:
+        """Sampler.propose; without a repetition penalty no row depends on the tokens drawn before
+        it, so the rows are processed first and their noise is hashed in one call."""
+        if self.repeat_penalty != 1.0 and self.repeat_last_n != 0:
+            return super().propose(logits, prefix)
+        rows = [self.row(logits[i], ()) for i in range(len(logits))]
+        return self.samples(rows, len(prefix)), Dists(rows, logits.shape[1])
+
+    def samples(self, rows, start: int) -> list[int]:
+        """The coupled samples of rows at positions start, start + 1, ...: the rows' surviving ids are
+        hashed in one call (numpy's cost per call, not per id, dominates rows of a few dozen tokens)."""
+        ids, logp, lens = [], [], []
+        for r in rows:
+            if isinstance(r, Row):
+                i, pr = r.ids, r.probs
+            else:
+                pr = np.asarray(r, dtype=np.float64)
+                i = np.flatnonzero(pr)
+                pr = pr[i]
+            ids.append(i), logp.append(pr), lens.append(len(i))
+        if all(n == 1 for n in lens):                   # one-hot rows (temperature 0): no noise
+            return [int(i[0]) for i in ids]
+        if len(rows) == 1:
+            flat, logp, pos = ids[0], logp, start
+        else:
+            flat, pos = np.concatenate(ids), np.repeat(np.arange(start, start + len(rows)), lens)
+        # a zero probability (an underflow without top-k) scores log(5e-324) = -744: it never wins
+        # against the most probable token, whose log p >= -log(len(ids)), as the Gumbel noise lies in (-4, 37)
+        score = np.log(np.maximum(np.concatenate(logp), 5e-324)) + self.noise(pos, flat)
+        out, at = [], 0
+        for n in lens:
+            out.append(int(flat[at + int(np.argmax(score[at:at + n]))]))
+            at += n
+        return out
+
+    def verify(self, p, q, drafted, start: int | None = None) -> tuple[int, int, None, bool]:
+        """Equality with the target's coupled samples: drafted[i] (at position start + i) is accepted
+        while it equals draw(p[i], start + i); the first mismatch commits the target's sample, a full
+        match the bonus draw(p[k], start + k). Every committed token is the one `ar` draws with this
+        seed after this prefix. q is not read (any proposal, a point mass too, is verified alike).
+        Returns (n accepted, the next token, None: no acceptance probabilities, whether it replaced
+        a rejected draft)."""
+        if start is None:
+            raise ValueError("the coupled sampler verifies at positions: pass start (the position of drafted[0])")
+        k = len(drafted)
+        ys = self.samples([p[i] for i in range(k + 1)], start)    # (the rows after a mismatch: cheap)
+        for i, x in enumerate(drafted):
+            if ys[i] != int(x):
+                return i, ys[i], None, True
+        return k, ys[k], None, False

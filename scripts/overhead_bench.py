@@ -10,7 +10,7 @@ time per cycle at a real vocabulary size.
 --vocab-table: random-weight Qwen2-architecture Q8_0 GGUFs with a 151,936-token vocabulary (Qwen2.5's;
 scripts/gpu_check.py's write_random_gguf, made on the fly in a temporary directory: a proposer and a
 second one as verifier and draft), and per run (ar, lossless B=2/4/8/16, prove B=16, spec k=4,
-sampled lossless B=16 at T=0.8 with llama.cpp's default top-k/top-p/min-p) the host milliseconds per
+sampled lossless B=16 at T=0.8 with llama.cpp's default top-k/top-p/min-p, coupled and rejection sampler) the host milliseconds per
 cycle (cycle time minus time inside llama_decode; `ar`: per token) next to the decode milliseconds,
 over --cycles cycles after a warm-up. Random weights make the logits and acceptance meaningless,
 not the cost: what a cycle does with its rows is the same.
@@ -100,7 +100,9 @@ VOCAB_RUNS = [("ar (per token)", dict(mode="ar")),
               ("lossless B=2", dict(mode="lossless", block=2)), ("lossless B=4", dict(mode="lossless", block=4)),
               ("lossless B=8", dict(mode="lossless", block=8)), ("lossless B=16", dict(mode="lossless", block=16)),
               ("prove B=16", dict(mode="prove", block=16, theta=0.05)), ("spec k=4", dict(mode="spec", draft_k=4)),
-              ("lossless B=16, T=0.8", dict(mode="lossless", block=16, temperature=0.8, seed=1))]
+              ("lossless B=16, T=0.8", dict(mode="lossless", block=16, temperature=0.8, seed=1)),
+              ("lossless B=16, T=0.8, rejection", dict(mode="lossless", block=16, temperature=0.8, seed=1,
+                                                       sampler="rejection"))]
 VOCAB_SHAPE = dict(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, tied=False)
 
 

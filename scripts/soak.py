@@ -8,9 +8,10 @@ spec) on GSM8K questions from the package's training data, with fixed widths or 
 (`auto`), and one request in four sampled at temperature 0.7. Conversations go on for a few turns
 (the engine reuses the KV cache of the earlier turns) and are reset at random or when the context is
 full; some generations are closed early after a random number of cycles (what a Stop button or
-Ctrl-C does). Every `--check-every`-th greedy request of an exact mode (ar, lossless, spec, lookup) is compared with
-a fresh greedy decode of the same prompt on a separate, emptied llama.cpp context, by hand, one token
-per llama_decode call (no engine): a full answer must be equal, an early-closed one a prefix. Resident
+Ctrl-C does). Every `--check-every`-th request of an exact mode (ar, lossless, spec, lookup) is compared
+with a fresh decode of the same prompt on a separate, emptied llama.cpp context, by hand, one token
+per llama_decode call (no engine): greedy, or for a sampled request the coupled sample of each
+position with the request's seed: a full answer must be equal, an early-closed one a prefix. Resident
 memory (VmRSS from /proc/self/status) is sampled every `--rss-every` cycles, after a warm-up that
 runs every mode once on a 512-token-wide prompt. Any exception or
 mismatch counts as an error. The summary is written atomically to --out as JSON.
@@ -28,6 +29,7 @@ import numpy as np
 
 from prove_local.chat import Conversation
 from prove_local.engine import Engine, Settings
+from prove_local.sampling import Sampler
 from prove_local.errors import ContextFull
 from prove_local.files import write_atomic
 from prove_local.llama import Context, Model
@@ -46,16 +48,22 @@ def rss_kib() -> int:
     return 0
 
 
-def fresh_greedy(ctx: Context, prompt: list[int], max_new: int) -> list[int]:
+def fresh_greedy(ctx: Context, prompt: list[int], max_new: int, sampler=None) -> list[int]:
     """Greedy decoding by hand on the reference context, emptied first: the independent reference of
     the exact modes (no engine, no decoding rule). One reference context serves every check, so the
-    RSS series is not the allocator's churn of a new context per check."""
+    RSS series is not the allocator's churn of a new context per check. With a coupled sampler
+    (sampling.CoupledSampler), each token is its coupled sample at its position instead: what the
+    exact modes must commit for that seed."""
     model = ctx.model
     ctx.truncate(0)
     logits = ctx.eval(prompt)[0]
     out: list[int] = []
     while len(out) < max_new and len(prompt) + len(out) < ctx.n_ctx:
-        tok = int(np.argmax(logits))
+        if sampler is None:
+            tok = int(np.argmax(logits))
+        else:
+            prefix = prompt + out
+            tok = sampler.draw(sampler.dists(logits[None], prefix)[0], len(prefix))
         out.append(tok)
         if model.is_eog(tok) or len(prompt) + len(out) >= ctx.n_ctx:
             break
@@ -115,8 +123,8 @@ def soak(cycles: int, *, seed: int = 0, max_new: int = 64, check_every: int = 10
         else:
             conv = Conversation(prop)
             user = rng.choice(questions)
-        # widths fixed or the planner's ("auto"); one request in four sampled at T = 0.7 (checked
-        # against greedy decoding only when greedy: a sampled answer is exact in distribution)
+        # widths fixed or the planner's ("auto"); one request in four sampled at T = 0.7 (the coupled
+        # sampler: checked against ar sampling by hand with the same seed, token for token)
         temperature = 0.7 if rng.random() < 0.25 else 0.0
         settings = Settings(mode=mode, max_new=max_new, block=rng.choice([4, 8, 16, "auto"]), theta=0.05, tau=0.9,
                             draft_k=rng.choice([2, 4, "auto"]), temperature=temperature,
@@ -153,14 +161,15 @@ def soak(cycles: int, *, seed: int = 0, max_new: int = 64, check_every: int = 10
             stats[mode]["cycles"] += n
             stats[mode]["tokens"] += len(out)
             bar.update(n)
-        if MODES[mode].exact and temperature == 0 and stats[mode]["requests"] % check_every == 1 % check_every:
+        if MODES[mode].exact and stats[mode]["requests"] % check_every == 1 % check_every:
             counts["checks"] += 1
-            want = fresh_greedy(reference, prompt, max_new)
+            want = fresh_greedy(reference, prompt, max_new, Sampler.for_settings(settings, settings.seed))
             ok = out == want[:len(out)] if stop_after is not None else out == want
             if not ok:
                 counts["mismatches"] += 1
                 counts["errors"] += 1
-                errors.append(f"request {counts['requests']} ({mode}): differs from a fresh greedy decode")
+                errors.append(f"request {counts['requests']} ({mode}, T {temperature:g}): differs from a fresh "
+                              "decode by hand")
         conv.add_reply(prop.detokenize([t for t in out if not prop.is_eog(t)]))
         if len(conv.messages) > 6:
             conv = Conversation(prop)
@@ -191,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new", type=int, default=64, help="max new tokens per request (default 64)")
     p.add_argument("--check-every", type=int, default=10,
-                   help="compare with a fresh greedy decode every N requests of each exact mode (default 10)")
+                   help="compare with a fresh decode by hand (greedy, or coupled samples of the seed) every N requests of each exact mode (default 10)")
     p.add_argument("--rss-every", type=int, default=200, help="VmRSS sample every N cycles (default 200)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -201,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     write_atomic(Path(args.out), json.dumps(res, indent=1) + "\n")
     r = res["rss"]
     print(f"soak: {res['cycles']} cycles, {res['requests']} requests ({res['early_closes']} closed early, "
-          f"{res['follow_up_turns']} follow-up turns), {res['checks']} checks against a fresh greedy decode, "
+          f"{res['follow_up_turns']} follow-up turns), {res['checks']} checks against a fresh decode by hand, "
           f"{res['errors']} errors; VmRSS {r['loaded_mib']} MiB loaded, {r['after_warmup_mib']} after warm-up, "
           f"max {r['max_mib']}, last {r['last_mib']} ({res['seconds']} s) -> {args.out}", file=sys.stderr)
     return 1 if res["errors"] else 0

@@ -351,7 +351,7 @@ def test_the_planner_fills_mars_proposals_where_passes_are_flat():
 class AlwaysAccept(Sampler):
     """A broken lookup verification (control): every drafted token is accepted."""
 
-    def verify(self, p, q, drafted):
+    def verify(self, p, q, drafted, start=None):
         return len(drafted), self.draw(p[len(drafted)]), [1.0] * len(drafted), False
 
 

@@ -560,7 +560,7 @@ def test_cli_sampling_flags_and_errors(capsys):
 
 def test_ui_sampling_controls_reproduce_the_engine(browser, ui_server, ui_models):
     """The side panel's sampling controls reach the engine: temperature 0.7 and seed 3 in the page
-    give the engine's own seeded output, and the inspector shows the acceptance probabilities."""
+    give the engine's own seeded output, and the inspector shows the coupled sampler's gate."""
     from prove_local.chat import Conversation
     from tests.ui_page import F32, MAX_NEW, answer_spans, open_page, reference, send
     prompt = "Natalia sold clips to 48 of her friends in April. How many clips did she sell?"
@@ -583,5 +583,8 @@ def test_ui_sampling_controls_reproduce_the_engine(browser, ui_server, ui_models
     assert "".join(s["text"] for s in spans) == want
     page.click(f'#chat .answer[data-turn="0"] span.cyc[data-pick="{spans[0]["pick"]}"] >> nth=0')
     page.wait_for_selector("#inspector .insp-table")
-    assert "min(1, p/q)" in page.inner_text("#inspector .insp-table")
+    assert "coupled sample" in page.inner_text("#inspector")      # the coupled sampler's equality gate
+    page.click("#compare")                    # ar rerun with the answer's seed: the same text, token for token
+    page.wait_for_selector("#comparison .compare")
+    assert "texts identical ✓" in page.inner_text("#comparison .cmp-head")
     page.close()

@@ -261,17 +261,27 @@ def test_stop_strings_plain_and_streamed(client, local):
 
 
 def test_sampling_fields(client, local):
-    """temperature > 0: sampled (a seed repeats the answer when the widths are fixed: under --block auto
-    the planner's timing-driven widths change how the random stream is consumed), or answered
-    greedily with a note if sampling were unavailable (never silently)."""
+    """temperature > 0: sampled; the seed repeats the answer under the server's --block auto (the
+    coupled sampler: noise keyed by position, so the planner's widths do not matter) and gives ar's
+    text in lossless; without a seed one is drawn and reported in `prove.seed`, and sending it back
+    replays the answer. Or answered greedily with a note if sampling were unavailable (never silently)."""
     kw = dict(model="any", prompt="Hello world", max_tokens=24, temperature=0.8, top_p=0.9, seed=7,
-              extra_body={"top_k": 20, "min_p": 0.05, "block": 4})
+              extra_body={"top_k": 20, "min_p": 0.05})
     a, b = client.completions.create(**kw), client.completions.create(**kw)
     notes = a.model_extra["prove"]["notes"]
     if any("greedy" in n for n in notes):
         assert a.choices[0].text == local.complete("Hello world", 24)[1]
-    else:
-        assert a.choices[0].text == b.choices[0].text
+        return
+    assert a.choices[0].text == b.choices[0].text and not notes
+    assert a.model_extra["prove"]["seed"] == 7 and a.model_extra["prove"]["sampler"] == "coupled"
+    ar = client.completions.create(**{**kw, "extra_body": {"top_k": 20, "min_p": 0.05, "mode": "ar"}})
+    assert ar.choices[0].text == a.choices[0].text
+    fresh = client.completions.create(**{**kw, "seed": None})
+    seed = fresh.model_extra["prove"]["seed"]
+    assert isinstance(seed, int)
+    assert client.completions.create(**{**kw, "seed": seed}).choices[0].text == fresh.choices[0].text
+    rej = client.completions.create(**{**kw, "extra_body": {"top_k": 20, "min_p": 0.05, "sampler": "rejection", "block": 4}})
+    assert rej.model_extra["prove"]["sampler"] == "rejection"
 
 
 def test_raw_sse_format(server):

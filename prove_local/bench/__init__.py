@@ -75,7 +75,7 @@ def canonical_command(args) -> str:
     """The command line that reproduces this run, every option spelled out."""
     parts = ["prove-local", "bench"]
     for opt in ("proposer", "verifier", "draft", "modes", "limit", "max_new", "theta", "tau", "block", "draft_k", "lookup",
-                "temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed", "samples",
+                "temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed", "sampler", "samples",
                 "mask_token", "threads", "ctx", "n_gpu_layers", "kv_type", "warmup", "pass_cost_reps", "pass_cost_max",
                 "llama_spec",
                 "bins", "system", "out"):
@@ -135,6 +135,8 @@ def add_parser(sub) -> None:
                    help=f"sampling: penalty window (default {d.REPEAT_LAST_N})")
     p.add_argument("--seed", type=int, default=0,
                    help="base seed; generation j of prompt i in the r-th run uses seed + 1e8 r + 1000 i + j (default 0)")
+    p.add_argument("--sampler", choices=sampling_defaults.SAMPLERS, default=sampling_defaults.SAMPLER,
+                   help="sampling: 'coupled' (default: noise keyed by position) or 'rejection' (exact speculative sampling)")
     p.add_argument("--samples", type=int, default=4,
                    help="generations per prompt at T > 0 (repeated seeds), for the distribution check (default 4)")
     p.add_argument("--mask-token", type=TOKEN_ID, help="placeholder token id (overrides the GGUF's mask token)")
@@ -206,7 +208,7 @@ def cmd_bench(args) -> int:
     engine = Engine.load(models["proposer"], models.get("verifier"), models.get("draft"), mask_token=args.mask_token,
                          **context_options)
     sampling = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                    repeat_last_n=args.repeat_last_n, seed=args.seed)
+                    repeat_last_n=args.repeat_last_n, seed=args.seed, sampler=args.sampler)
     blocks, draft_ks = _widths(args.block, "--block"), _widths(args.draft_k, "--draft-k")
     lookups = _widths(args.lookup, "--lookup")
     runs = runner.make_runs(modes, max_new=args.max_new, block=blocks, thetas=thetas, tau=args.tau, draft_k=draft_ks,

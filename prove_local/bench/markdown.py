@@ -109,8 +109,8 @@ def summary_markdown(res: dict) -> str:
         rows = [[f"`{k}`", f"`{d['reference']}`", str(d["samples"]), str(d["positions"]), f"{d['p_value']:.3g}" if d["p_value"] is not None else "– (too few samples)",
                  ", ".join(stats.fmt(x, 3) for x in d["tv_by_position"])] for k, d in dist.items()]
         L += ["## Exactness at temperature > 0: distributions, not tokens", "",
-              "Sampled outputs of an exact mode are not equal to `ar`'s token for token (the random streams are "
-              "consumed differently); they must be equal in distribution. " + next(iter(dist.values()))["method"]
+              "Each run samples with seeds of its own (so that the runs are independent samples; with one seed the "
+              "coupled sampler gives `ar`'s text token for token), so the outputs must be equal in distribution. " + next(iter(dist.values()))["method"]
               + ". A small p-value would show a difference. TV: mean total variation distance between the two "
               "frequency tables per prompt, by position (sampling noise alone keeps it well above 0 with few seeds).", "",
               _table(["run", "reference", "samples", "positions", "p-value", "TV by position"], rows), ""]

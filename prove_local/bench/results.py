@@ -141,7 +141,7 @@ def mode_entry(ix: Index, name: str, run) -> dict:
         "mode": s.mode,
         "temperature": s.temperature,
         "sampling": {"top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p, "repeat_penalty": s.repeat_penalty,
-                     "repeat_last_n": s.repeat_last_n, "seed": s.seed, "samples": run.samples}
+                     "repeat_last_n": s.repeat_last_n, "seed": s.seed, "sampler": s.sampler, "samples": run.samples}
         if s.temperature > 0 or s.repeat_penalty != 1.0 else None,
         "theta": s.theta if MODES[s.mode].gate == "theta" else None,
         "tau": s.tau if MODES[s.mode].gate == "tau" else None,
@@ -411,7 +411,8 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
     default = Settings()
     def sampling(m):
         sm = m.get("sampling") or {}
-        return {k: sm[k] for k in ("top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed") if k in sm}
+        return {k: sm[k] for k in ("top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed", "sampler")
+                if k in sm}
     runs = [Run(name, Settings(mode=m["mode"], max_new=res["settings"]["max_new"], block=m["block"],
                                theta=default.theta if m["theta"] is None else m["theta"],
                                tau=default.tau if m["tau"] is None else m["tau"],

@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=sampling.TEMPERATURE,
                    help=f"temperature when a request gives none (default {sampling.TEMPERATURE:g}: greedy, so that the exact modes "
                         "answer exactly as greedy decoding; OpenAI's default would be 1.0, llama-server's 0.8)")
+    p.add_argument("--sampler", choices=sampling.SAMPLERS, default=sampling.SAMPLER,
+                   help="how tokens are drawn at T > 0 when a request names none: 'coupled' (default: a seed gives "
+                        "ar's text in every exact mode, at any width) or 'rejection' (exact speculative sampling)")
     p.set_defaults(func=cmd_serve)
 
 

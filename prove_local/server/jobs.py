@@ -149,6 +149,9 @@ class Job:
             "seconds": round(seconds, 6),
             "tokens_per_second": round(s["tokens_per_second"], 3),
             "prefill": {"tokens": prefill[0], "seconds": round(prefill[1], 6)},
+            # the request's seed (its own, or the one drawn for it: send it back to replay a sampled answer)
+            "seed": self.request.seed if self.request is not None else self.settings.seed,
+            "sampler": self.settings.sampler,
             "slot": self.slot,
             # eog, length, context, grammar (the engine's), stop_string, or cancelled (the client went away)
             "stop": (self.finish if self.finish in ("cancelled", "stop_string") else

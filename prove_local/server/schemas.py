@@ -66,6 +66,7 @@ class Common(Body):
     lookup: Union[Literal["auto"], Annotated[int, Field(ge=0, le=512)], None] = None
     grammar: str | None = None                  # llama-server's GBNF field
     json_schema: dict | None = None             # llama-server's schema field (as response_format json_schema)
+    sampler: Literal["coupled", "rejection"] | None = None
 
 
 class Chat(Common):

@@ -92,7 +92,8 @@ class Page:
             return ""
         t = sess.turns[-1]
         passes = ", ".join(f"{r} {n}" for r, n in st["n_passes"].items())
-        # a sampled answer: its temperature and seed (with a fixed block, that seed gives this answer again)
+        # a sampled answer: its temperature and seed (that seed gives this answer again; with the coupled
+        # sampler at any width, and in ar, lossless, spec and lookup alike)
         sampled = f"T {t.settings.temperature:g}, seed {t.seed} · " if t.settings.temperature > 0 else ""
         ppt = ", ".join(f"{r} {v:.2f}" for r, v in st["passes_per_token"].items())
         lk = draft_counts(list(t.view.cycles)).get("lookup")
@@ -109,7 +110,7 @@ class Page:
         cmp = t.compare
         return view.compare_html(t.settings.mode, cmp["mode_text"], t.view.spans, t.stats, cmp["ar_text"],
                                  cmp["ar_stats"], cmp["speedup"], turn=len(sess.turns) - 1,
-                                 temperature=t.settings.temperature)
+                                 temperature=t.settings.temperature, coupled=t.settings.sampler == "coupled")
 
     def answer_outputs(self, sess, banner, box):
         """What a send updates: chat, stats, inspector, cycle number, banner, comparison, message box, session."""
@@ -276,7 +277,7 @@ def settings_column(ui: SimpleNamespace, runtime, *, max_new: int, block, draft_
     ui.max_new = gr.Slider(1, 2048, value=max_new, step=1, label="max new tokens", elem_id="max_new")
     with gr.Accordion("sampling", open=False, elem_id="sampling"):
         ui.temp = gr.Slider(0.0, 2.0, value=0.0, step=0.05, elem_id="temp",
-                            label="temperature (0: greedy; lossless/spec stay exact in distribution)")
+                            label="temperature (0: greedy; sampled lossless/spec give ar's text for the seed)")
         ui.top_k = gr.Slider(0, 200, value=40, step=1, label="top-k (0: off)", elem_id="top_k")
         ui.top_p = gr.Slider(0.0, 1.0, value=0.95, step=0.01, label="top-p (1: off)", elem_id="top_p")
         ui.min_p = gr.Slider(0.0, 1.0, value=0.05, step=0.01, label="min-p (0: off)", elem_id="min_p")

@@ -209,8 +209,9 @@ def run_turn(runtime: Runtime, sess: Session, user: str, settings: Settings):
 
 
 def compare_with_ar(runtime: Runtime, sess: Session, turn_index: int = -1) -> dict:
-    """Run the prompt of a finished turn again in `ar` (same max new tokens) and measure both
-    answers by their tokens/s (engine.tokens_per_second: decode time, prefill excluded)."""
+    """Run the prompt of a finished turn again in `ar` (same max new tokens, same sampling settings and
+    seed: with the coupled sampler an exact mode's sampled text is then ar's, token for token) and
+    measure both answers by their tokens/s (engine.tokens_per_second: decode time, prefill excluded)."""
     if runtime.error:
         raise UIError(runtime.error)
     if not sess.turns:
@@ -218,7 +219,10 @@ def compare_with_ar(runtime: Runtime, sess: Session, turn_index: int = -1) -> di
     turn = sess.turns[turn_index]
     if turn.running:
         raise UIError("wait for the answer to finish")
-    settings = Settings(mode="ar", max_new=turn.settings.max_new)
+    s = turn.settings
+    settings = Settings(mode="ar", max_new=s.max_new, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                        min_p=s.min_p, repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n,
+                        seed=turn.seed, sampler=s.sampler)
     try:
         with runtime.engine(sess.engine_hint) as (idx, engine):
             sess.engine_hint = idx

@@ -132,6 +132,9 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
     extra = cycle.committed[na:]
     sampled = cycle.accept_prob is not None
     who = "proposer's" if m.partner is None else "target's"
+    # the equality test's reference token: the greedy token, or (coupled sampling) the target's sample
+    # with the noise of the seed at that position
+    greedy = "coupled sample" if getattr(cycle, "coupled", False) else "greedy token"
     cut = f"cut: the answer stopped here ({cycle.stop})"
     if m.gate:
         name, sym = GATE_SYMBOLS[m.gate]
@@ -163,17 +166,17 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
             if committed:
                 if lookup_slot:
                     verdict = (f"copied by lookup, accepted (probability p(x) = {_fmt(a)}: the draft is a point mass)"
-                               if sampled else f"copied by lookup, = the {who} greedy token")
+                               if sampled else f"copied by lookup, = the {who} {greedy}")
                 elif m.free_first and i == 0 or (cycle.plan.filled and i == cycle.plan.lookup):
                     verdict = ("slot 1 is an exact sample of the target: always accepted" if sampled
                                else "slot 1 is the AR token: always matches")
                 else:
-                    verdict = f"accepted (probability min(1, p/q) = {_fmt(a)})" if sampled else f"= the {who} greedy token"
+                    verdict = f"accepted (probability min(1, p/q) = {_fmt(a)})" if sampled else f"= the {who} {greedy}"
             elif i >= n_checked:
                 verdict = f"not verified: the planner verified the first {n_checked} of {k} slots"
             elif gate[i] is False and extra:
                 verdict = (f"rejected (acceptance probability {_fmt(a)}): replaced by a draw from the residual"
-                           if sampled else f"≠ the {who} greedy token {token_text(extra[0])}: replaced")
+                           if sampled else f"≠ the {who} {greedy} {token_text(extra[0])}: replaced")
                 if lookup_slot:
                     verdict = "copied by lookup, " + verdict
             elif not extra and cycle.stop:
@@ -190,7 +193,7 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
                    else "drawn from norm(max(0, p − q)) at the first rejection")
         else:
             why = (f"the {who} own next token after a full match" if bonus
-                   else f"the {who} greedy token at the first mismatch")
+                   else f"the {who} {greedy} at the first mismatch")
         rows.append(SlotRow(None, t, token_text(t), None, None, None, None, why, "bonus" if bonus else "correction"))
     return rows
 
@@ -304,13 +307,18 @@ def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: 
         summary += f" + the {extra[0].status} token {esc(extra[0].text)}"
     m = MODES[cycle.plan.kind]
     gate = m.gate_text.format(theta=theta, tau=tau)
+    if getattr(cycle, "coupled", False) and m.exact and m.width is not None:
+        gate = ("gate: proposed token = the target's coupled sample, argmax of log p + g with noise g keyed by the "
+                "seed and the token's position: the text is ar's for this seed, at any width")
     if sampled and m.exact and m.width is not None:
         gate = ("gate: exact speculative sampling, accept the sampled token x with probability min(1, p(x)/q(x)); "
                 "p̃ and q are the processed (sampled-from) probabilities of the proposal and the target")
     if cycle.plan.lookup:
         gate = ("lookup draft: the tokens that followed the longest recent match of the text's end, copied; "
                 "p̃ is the lookup's score m/(m+1) (m tokens matched), the verify pass accepts a copied token "
-                + ("with probability p(x) (the draft is a point mass)" if sampled else "when it is the model's greedy token")
+                + ("with probability p(x) (the draft is a point mass)" if sampled else
+                   "when it is the model's coupled sample" if getattr(cycle, "coupled", False)
+                   else "when it is the model's greedy token")
                 + (". After the copied run: the MARS slots, verified as usual" if cycle.plan.filled else ""))
     if not cycle.plan.proposes and (MODES[mode].width is not None or MODES[mode].lookup):
         gate = ("no proposal in this cycle: the planner (--block auto) ran a plain ar cycle, because on this "
@@ -335,9 +343,16 @@ def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: 
 
 
 def compare_html(mode: str, mode_text: str, mode_spans: list[Span], mode_stats: dict, ar_text: str,
-                 ar_stats: dict, speedup: float | None, turn: int = 0, temperature: float = 0.0) -> str:
+                 ar_stats: dict, speedup: float | None, turn: int = 0, temperature: float = 0.0,
+                 coupled: bool = False) -> str:
+    """`coupled`: sampled with the coupled sampler (ar rerun with the same seed), where an exact mode's
+    text must be ar's token for token, as when greedy."""
     same = mode_text == ar_text
-    if temperature > 0:
+    if temperature > 0 and MODES[mode].exact and coupled:
+        verdict = ('<span class="pass">texts identical ✓ (the same seed: coupled sampling gives ar\'s text)</span>'
+                   if same else '<span class="fail">texts differ ✗ (exact mode with coupled sampling and the same '
+                   'seed: a near-tie flipped by llama.cpp batch rounding can do this)</span>')
+    elif temperature > 0:
         verdict = (f'texts {"identical" if same else "differ"} (sampled at temperature {temperature:g}: exact modes match '
                    'ar sampling in distribution, not token for token)')
     elif MODES[mode].exact:
