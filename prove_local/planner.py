@@ -47,6 +47,7 @@ LOOKUP_DECAY = 0.995                            # lookup statistics follow the t
 LOOKUP_REFRESH = 8                              # lookup cycles between recomputations of the lookup table
 LOOKUP_LOCAL_WEIGHT = 4.0                       # the engine-wide lookup record counts as this many of the request's own slots
 LOOKUP_LOCAL_EAGER = 16                         # the request's first lookup cycles each recompute the table
+LOOKUP_START = 2                                # a request's first lookup drafts are at most this long (slow start)
 
 
 AR_SAMPLE = 8                                   # ar cycles per one whose cost the planner records
@@ -187,6 +188,7 @@ class _LookupTable:
     pend: int
     any: bool = False            # some match length gets a plan
     local: int = 0               # the request's lookup cycles when it was made
+    rates: object = None         # [match length, k - 1]: expected tokens per second of a k-token draft
 
 
 @dataclass
@@ -249,11 +251,16 @@ class Planner:
         # copies badly where a repeated listing copies well), next to the engine-wide one
         self._lookup_local = SlotStats(decay=1.0)
         self.lookup_margin = 0.02                     # a lookup plan must beat the current choice by this share
+        # the longest lookup draft the request's own record allows (slow start, see observe): none
+        # outside a request; start_request sets LOOKUP_START
+        self._lookup_cap = LOOKUP_K_MAX
 
     # ---------------------------------------------------------------------- statistics
     def start_request(self) -> None:
-        """A new request: its own lookup track record starts empty (the engine-wide one is its prior)."""
+        """A new request: its own lookup track record starts empty (the engine-wide one is its prior),
+        and its lookup drafts start short."""
         self._lookup_local = SlotStats(decay=1.0)
+        self._lookup_cap = LOOKUP_START
 
     def stats_for(self, mode: str) -> SlotStats:
         if mode not in self.stats:
@@ -286,6 +293,14 @@ class Planner:
             n_l = plan.lookup
             self.stats_for(LOOKUP).record(cycle.p, 0, n_l, min(cycle.n_accepted, n_l))
             self._lookup_local.record(cycle.p, 0, n_l, min(cycle.n_accepted, n_l))
+            # slow start: the request's drafts may double in length after a draft accepted whole, and
+            # fall back to what was accepted (+1) after a rejection. The engine-wide record can say a
+            # 9-token draft pays where this request's text has not copied yet; on a short answer that
+            # does not copy, two such misses cost more than lookup ever wins back (Ollama's DFlash
+            # runner grows and shrinks its depth from acceptance the same way)
+            ok = min(cycle.n_accepted, n_l)
+            self._lookup_cap = min(LOOKUP_K_MAX, 2 * max(self._lookup_cap, n_l)) if ok == n_l \
+                else max(LOOKUP_START, ok + 1)
             if plan.filled and plan.verify:
                 self.stats_for(key or kind).record(cycle.p[n_l:], 1, plan.verify, cycle.n_accepted - n_l)
         else:
@@ -479,6 +494,7 @@ class Planner:
             return None
         m = min(max(1, match.length), MAX_MATCH)
         plan = None if explore else tab.rows[m]
+        exploring = plan is None
         if plan is None:
             if not explore and (self.explore <= 0.0 or self.rng.random() >= self.explore):
                 return None
@@ -487,6 +503,11 @@ class Planner:
                 return None
             self._displaced, self._after = tab.rate, 0
             plan = Plan(LOOKUP, lookup=k)
+        if plan.lookup > self._lookup_cap:       # slow start: no longer than the request has earned
+            k = self._lookup_cap
+            if not exploring and not plan.filled and tab.rates[m, k - 1] <= tab.rate * (1.0 + self.lookup_margin):
+                return None                      # the shorter draft does not pay: the current choice runs
+            plan = Plan(plan.kind, plan.block, verify=plan.verify, lookup=k)
         if plan.lookup + plan.block > room:      # near the end of the context: what still fits
             k = room - plan.block
             if k < 1:
@@ -561,7 +582,7 @@ class Planner:
         rows = [r if good and m else None for m, (r, good) in enumerate(zip(rows, ok))]
         bests = [(int(ks[i]), float(rate[m, i])) for m, i in enumerate(best_i)]
         return _LookupTable(rows, bests, base, st.n_cycles, cur, pend["proposer"], any(r is not None for r in rows),
-                            self._lookup_local.n_cycles)
+                            self._lookup_local.n_cycles, rate)
 
     def _lookup_rates(self, scores: np.ndarray) -> np.ndarray:
         """Acceptance of lookup slots with these scores: this request's record per score bin, with the

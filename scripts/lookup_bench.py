@@ -1,7 +1,8 @@
 """Lookup drafts on copy-heavy text: `lossless` (lookup drafts, the planner's choice) and fixed lookup
 lengths against `ar`, and llama.cpp's `llama-lookup` at several draft lengths, on the same prompts and
-threads, interleaved per prompt (the run order rotates from one prompt to the next, so that drift hits
-every run alike). Decode time only (prefill excluded) everywhere: the engine's Request.decode_seconds,
+threads, interleaved per prompt (the run order rotates from one prompt and round to the next, so that
+drift hits every run alike; each run's median round of --rounds is reported: single runs on a shared
+2-core machine vary by tens of percent). Decode time only (prefill excluded) everywhere: the engine's Request.decode_seconds,
 llama-lookup's "decoded N tokens in S seconds".
 
     python scripts/lookup_bench.py --llama-lookup /path/to/llama-lookup --out bench-out/lookup-copy
@@ -77,6 +78,20 @@ def llama_lookup(binary: str, model: str, prompt_text: str, n: int, draft: int, 
     return out
 
 
+def one_run(engine, runs: dict, name: str, p: dict, args, model_path: str) -> dict:
+    """One timed generation of prompt p by run `name`: ours through the engine, llama-lookup's as a process."""
+    if name not in runs:
+        return llama_lookup(args.llama_lookup, model_path, p["rendered"], args.max_new, int(name.split("@")[1]),
+                            args.threads, args.ctx)
+    gen = engine.generate(p["tokens"], runs[name])
+    cycles = list(gen)
+    toks = [t for c in cycles for t in c.committed]
+    return {"tokens": len(toks), "seconds": gen.request.decode_seconds,
+            "tokens_per_second": tokens_per_second(len(toks), gen.request.decode_seconds),
+            "ids": toks, "widths": dict(Counter(widths_histogram(cycles)).most_common(6)),
+            "drafts": {src: list(v) for src, v in draft_counts(cycles).items()}}
+
+
 def first_difference(model: Model, prompt: list[int], a: list[int], b: list[int], threads: int) -> dict | None:
     """Where two greedy outputs part, and the logit gap of the two candidates there (a near-tie on
     quantized weights is llama.cpp's batch rounding, README "Exactness on quantized weights")."""
@@ -127,6 +142,8 @@ def main() -> int:
     ap.add_argument("--llama-lookup", default=None, help="llama.cpp's llama-lookup binary")
     ap.add_argument("--llama-drafts", default="3,8", help="its --spec-draft-n-max values (3 is its default)")
     ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="timed rounds of every run per prompt (the order rotates; the median round is reported)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -153,22 +170,21 @@ def main() -> int:
     rows = []
     t_start = time.time()
     for i, p in enumerate(prompts):
-        order = names[i % len(names):] + names[:i % len(names)]
         row = {"id": p["id"], "prompt_tokens": len(p["tokens"]), "runs": {}}
-        for name in order:
-            if name in runs:
-                gen = engine.generate(p["tokens"], runs[name])
-                cycles = list(gen)
-                toks = [t for c in cycles for t in c.committed]
-                row["runs"][name] = {
-                    "tokens": len(toks), "seconds": gen.request.decode_seconds,
-                    "tokens_per_second": tokens_per_second(len(toks), gen.request.decode_seconds),
-                    "ids": toks, "widths": dict(Counter(widths_histogram(cycles)).most_common(6)),
-                    "drafts": {src: list(v) for src, v in draft_counts(cycles).items()}}
-            else:
-                k = int(name.split("@")[1])
-                row["runs"][name] = llama_lookup(args.llama_lookup, model_path, p["rendered"], args.max_new, k,
-                                                 args.threads, args.ctx)
+        samples: dict[str, list[dict]] = {n: [] for n in names}
+        for rnd in range(args.rounds):          # each round in another order; the median round is kept
+            j = (i + rnd) % len(names)
+            for name in names[j:] + names[:j]:
+                samples[name].append(one_run(engine, runs, name, p, args, model_path))
+        for name, got in samples.items():
+            ok = [g for g in got if g.get("tokens_per_second")]
+            if not ok:
+                row["runs"][name] = got[0]
+                continue
+            ok.sort(key=lambda g: g["tokens_per_second"])
+            med = dict(ok[len(ok) // 2])
+            med["rounds_tokens_per_second"] = [round(g["tokens_per_second"], 2) for g in got if g.get("tokens_per_second")]
+            row["runs"][name] = med
         ar = row["runs"]["ar"]
         for name, r in row["runs"].items():
             if name != "ar" and r.get("tokens_per_second"):

@@ -330,6 +330,39 @@ def test_the_planner_drafts_where_the_lookup_has_earned_it():
     assert all(bad.plan("lookup", {"proposer": 1}, 0, 4000, lookup=lambda: Match(5, m)) == modes.AR_PLAN for m in (1, 4, 16))
 
 
+def test_a_requests_lookup_drafts_start_short_and_grow_with_its_own_record():
+    """Slow start: the engine-wide record says 8-token drafts pay, but a new request's first draft is at
+    most planner.LOOKUP_START long; a draft accepted whole doubles what the next may be, a rejection
+    brings it back to what was accepted + 1. (A short answer that does not copy lost 10 % to two
+    9-token misses on SmolLM2 before.)"""
+    from prove_local.planner import LOOKUP_START
+    from prove_local.rules import Cycle
+    curve = {1: 1e-3, 2: 1.2e-3, 4: 1.5e-3, 8: 2.2e-3, 16: 3.5e-3}       # cheap enough that short drafts pay too
+    pl = Planner(Costs({"proposer": curve}), explore=0.0)
+    for _ in range(300):
+        pl.stats_for(modes.LOOKUP).record([lookup.score(8 + j) for j in range(8)], 0, 8, 8)
+    long = lambda: Match(10, 12)
+    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=long).lookup >= 6     # outside a request: no cap
+
+    def outcome(plan, accepted):
+        k = plan.lookup
+        c = Cycle(list(range(k)), [lookup.score(12 + j) for j in range(k)], None, list(range(accepted + 1)),
+                  accepted, {"proposer": 1}, {"proposer": [1 + k]}, plan=plan)
+        c.seconds, c.decode_seconds = 1e-3, {"proposer": 1e-3}
+        pl.observe(c, "lookup", planned=False)
+
+    pl.start_request()
+    first = pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=long)
+    assert first.kind == "lookup" and first.lookup == LOOKUP_START, first
+    outcome(first, LOOKUP_START)                                  # accepted whole: may double
+    second = pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=long)
+    assert second.lookup == 2 * LOOKUP_START, second
+    outcome(second, 1)                                            # one of four accepted: back to 2
+    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=long).lookup == 2
+    pl.start_request()                                            # the next request starts short again
+    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=long).lookup == LOOKUP_START
+
+
 def test_the_planner_fills_mars_proposals_where_passes_are_flat():
     """On a flat curve (a GPU) with a good MARS proposer, short matches whose first two copied tokens
     hold (and the third does not): a bare lookup draft commits ~3 tokens a pass, a MARS block ~17 in
