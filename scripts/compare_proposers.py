@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from prove_local.bench.results import read_results  # noqa: E402
 from prove_local.files import write_atomic  # noqa: E402
 
 WIDTHS = (4, 8, 16)
@@ -24,10 +25,7 @@ WIDTHS = (4, 8, 16)
 
 def load(folder: str) -> dict:
     path = Path(folder) / "results.json"
-    try:
-        res = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"{path}: cannot read bench results ({type(e).__name__}: {e})")
+    res = read_results(folder)
     missing = [r for r in ("ar", *(f"lossless@B{b}" for b in WIDTHS)) if r not in res.get("modes", {})]
     if missing or not res.get("oracle"):
         raise SystemExit(f"{path}: needs a bench run with --modes ar,lossless --block 4,8,16 --oracle "

@@ -18,15 +18,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prove_local.bench import stats  # noqa: E402
+from prove_local.bench.results import read_results  # noqa: E402
 from prove_local.files import write_atomic  # noqa: E402
 
 
 def load(folder: str) -> dict:
     path = Path(folder) / "results.json"
-    try:
-        res = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"{path}: cannot read bench results ({type(e).__name__}: {e})")
+    res = read_results(folder)
     if not res.get("theta_sweep") or "ar" not in res.get("modes", {}):
         raise SystemExit(f"{path}: needs a bench run with modes ar and prove (a θ sweep)")
     return res

@@ -279,8 +279,9 @@ def test_partial_calibration_is_completed(models, cache_dir):
     again = calibrate.calibrate(prop, opts, budget_s=10.0)
     curve = again["curves"][1]
     assert again["measured"] and set(curve) == set(calibrate.DEFAULT_NS) and curve[1] == 5.9
-    # the shape of a fresh curve (t(32) is many times t(1) on a CPU), at the cached level
-    assert curve[32] / curve[1] > 0.5 * fresh[32] / fresh[1] > 2
+    # a wide pass costs many times a one-token pass on a CPU (fresh: ~17x here), at the cached level;
+    # loose bounds: the anchor is timed again in a busy CI, and one stalled pass must not fail this
+    assert fresh[32] / fresh[1] > 2 and curve[32] / curve[1] > 2
     assert not calibrate.calibrate(prop, opts, budget_s=10.0)["measured"]
     one = Costs({"proposer": {1: 2.0}})
     assert [one.t("proposer", n) for n in (1, 2, 16)] == pytest.approx([2.0, 4.0, 32.0])

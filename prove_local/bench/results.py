@@ -392,6 +392,16 @@ def _plan_of_old_report(mode: str, c: dict) -> Plan:
     return Plan(mode, n) if n > 1 else Plan()
 
 
+def read_results(folder) -> dict:
+    """A bench folder's results.json; a one-line SystemExit naming the file when it cannot be read
+    (for the scripts that tabulate several runs)."""
+    path = Path(folder) / "results.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path}: cannot read bench results ({type(e).__name__}: {e})") from None
+
+
 def load_outputs(out: Path) -> tuple[BenchData, dict]:
     """Read a finished bench folder back (results.json + generations.jsonl) as the data and meta it
     was written from, so that `write_outputs` can rebuild the report with this version's

@@ -486,8 +486,10 @@ def convert(a, block: int) -> dict:
                                a.models_dir, not a.no_progress)
 
 
-def main(argv=None):
-    a = parse_args(argv)
+def run_stages(a, train_stage, convert_stage) -> dict:
+    """The stages of a distillation run (this module's, and self_distill's): generate (this module's
+    `generate`, or a share of it with --part), then `train_stage(a)` and `convert_stage(a, summary)`;
+    OUT/summary.json rewritten after each stage (one per part for a parallel generation)."""
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(a.threads)
@@ -504,15 +506,21 @@ def main(argv=None):
         summary["generate"] = generate(a)
         _dump(summary_path, summary)
     if a.stage in ("all", "train"):
-        summary["train"] = train(a)
+        summary["train"] = train_stage(a)
         _dump(summary_path, summary)
-        _, meta = read_gguf_model(a.verifier)
-        summary["convert"] = convert(a, int(meta.get("prove.block_size", 16)))
+        summary["convert"] = convert_stage(a, summary)
         _dump(summary_path, summary)
     summary["wall_seconds_this_call"] = round(time.time() - t0, 1)
     _dump(summary_path, summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "args"}, indent=1, default=str), flush=True)
     return summary
+
+
+def main(argv=None):
+    def convert_stage(a, summary):
+        _, meta = read_gguf_model(a.verifier)
+        return convert(a, int(meta.get("prove.block_size", 16)))
+    return run_stages(parse_args(argv), train, convert_stage)
 
 
 def cli(argv=None):

@@ -293,33 +293,10 @@ def train(a) -> dict:
 
 
 def main(argv=None):
-    a = parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(a.threads)
-    t0 = time.time()
-    summary_path = out / "summary.json"
-    if a.part != "0/1":          # parallel generation: one summary per part, no training
-        if a.stage != "generate":
-            raise ValueError(f"--part {a.part} generates a share of the shards: use it with --stage generate, "
-                             "then run --stage train once")
-        summary_path = out / f"summary.generate-{a.part.replace('/', 'of')}.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    summary["args"] = vars(a)
-    if a.stage in ("all", "generate"):
-        summary["generate"] = distill.generate(a)
-        distill._dump(summary_path, summary)
-    if a.stage in ("all", "train"):
-        summary["train"] = train(a)
-        distill._dump(summary_path, summary)
-        summary["convert"] = distill.convert_and_install(out / "hf" / "proposer", out, PROPOSER_GGUF, "proposer",
-                                                         summary["train"]["block"], a.install, a.models_dir,
-                                                         not a.no_progress)
-        distill._dump(summary_path, summary)
-    summary["wall_seconds_this_call"] = round(time.time() - t0, 1)
-    distill._dump(summary_path, summary)
-    print(json.dumps({k: v for k, v in summary.items() if k != "args"}, indent=1, default=str), flush=True)
-    return summary
+    def convert_stage(a, summary):
+        return distill.convert_and_install(Path(a.out) / "hf" / "proposer", Path(a.out), PROPOSER_GGUF, "proposer",
+                                           summary["train"]["block"], a.install, a.models_dir, not a.no_progress)
+    return distill.run_stages(parse_args(argv), train, convert_stage)
 
 
 def cli(argv=None):
