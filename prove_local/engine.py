@@ -207,11 +207,11 @@ class Engine:
             if req.lookup != "auto":           # --lookup K: a K-token draft wherever there is a match
                 if self.index.match() is not None:
                     return Plan(LOOKUP, lookup=min(req.lookup, room - 1), propose_lookup=self.index.propose)
-            else:
-                offer = self.index.match       # looked up only if the planner may use it
+            else:                              # the planner's: only what the n-gram statistics back
+                offer = self.index.offer       # looked up only if the planner may use it
         if req.auto:
             plan = self.planner.plan(req.settings.mode, self._pending(), req.block, room, key=req.key, lookup=offer)
-            return replace(plan, propose_lookup=self.index.propose) if plan.lookup else plan
+            return replace(plan, propose_lookup=self.index.propose_supported) if plan.lookup else plan
         if req.block < 1:                      # no mask token: no MARS proposal
             return AR_PLAN
         k = req.settings.draft_k if req.settings.draft_k != "auto" else DEFAULT_DRAFT_K

@@ -8,10 +8,14 @@ from the match and the lookup's track record, whether a draft and of what length
 
 What this absorbs, and from where:
   * llama.cpp `common/ngram-cache.{h,cpp}` (`llama-lookup`): maps of n-grams, n = 1..4 (its
-    LLAMA_NGRAM_MIN/MAX), to the tokens that followed them, updated once per committed token; the
-    longest n with a match decides, and a continuation is only trusted when it dominates the key's
-    followers (its draft_min_percent). Here: n = 1..4 too, with the latest `candidates` positions of
-    each n-gram instead of full counts, and a vote among them for the most frequent follower.
+    LLAMA_NGRAM_MIN/MAX), to the tokens that followed them, updated once per committed token; a
+    draft grows one token at a time, each the dominant follower of the longest n-gram (ending in the
+    tokens drafted so far) whose followers pass two thresholds, a sample size and a share
+    (draft_min_sample_size_lax = 2, 2, 1, 1 and draft_min_percent_lax = 66, 50, 50, 50 for n = 1..4),
+    and it stops at the first token without one. Here: n = 1..4 too, with the latest `candidates`
+    positions of each n-gram instead of full counts, a vote among them for the most frequent
+    follower, and the same thresholds as a check on the copy (`supported`, below), except that a
+    tie backs nothing here (llama.cpp lets a 50 % tie through: 1 of 2 passes for n >= 2).
   * llama.cpp `common/ngram-map.{h,cpp}` (`--spec-type ngram-simple`, `ngram-map-k`): search the token
     history backwards for the most recent occurrence of the key and copy the m tokens after it; keep
     a few values per key (COMMON_NGRAM_MAX_VALUES = 4). Here: the copy, and 4 positions per key.
@@ -24,6 +28,15 @@ What this absorbs, and from where:
     then by the vote, then by recency (vLLM takes the earliest position, ngram-simple the latest).
   * LZ77's overlapping copy: when the copy reaches the end of the sequence it continues with its own
     drafted tokens, so a period-p loop ("1, 1, 1," or a repeated line) drafts any length.
+
+What the planner drafts (`offer`, `propose_supported`) is the copy cut at its first slot that the
+n-gram statistics do not back: a slot is *supported* when its token is the dominant follower, by
+llama.cpp's thresholds, of the longest n-gram that ends just before it. On the copy-heavy prompts
+(scripts/data/copy_*.jsonl, SmolLM2's greedy answers replayed one token at a time,
+scripts/lookup_replay.py) slots the statistics back were accepted 97 % of the time and the rest
+41 % (the varying field of a record, a word the model changes): on a CPU, where a drafted token
+costs most of a pass, that cut is the difference between a draft that pays and one that does not.
+`propose(k)` is the plain copy (forced `--lookup K`).
 
 Each drafted slot carries a score (m + j - 1) / (m + j) for slot j of a match of m tokens: Laplace's
 rule of succession on "the text has agreed for m tokens in a row". It is a ranking, not a
@@ -38,6 +51,11 @@ N_MIN = 1                 # shortest n-gram that counts as a match (llama.cpp's 
 N_MAX = 4                 # longest n-gram key (LLAMA_NGRAM_MAX); matches are measured further back
 CANDIDATES = 4            # latest positions kept per key (ngram-map's COMMON_NGRAM_MAX_VALUES)
 MAX_MATCH = 16            # how far back a candidate's match is measured
+# a follower backs a drafted token when the n-gram's latest positions are at least MIN_SAMPLES[n-1] and
+# it holds at least MIN_PERCENT[n-1] % of them (llama.cpp common/ngram-cache.cpp's *_lax thresholds;
+# longer keys than 4 use n = 4's)
+MIN_SAMPLES = (2, 2, 1, 1)
+MIN_PERCENT = (66, 50, 50, 50)
 
 
 def score(m: int) -> float:
@@ -168,11 +186,56 @@ class NgramIndex:
         return [score(match.length + j) for j in range(k)]
 
     def propose(self, k: int) -> tuple[list[int], list[float]]:
-        """Up to k drafted tokens after the end of the sequence and their scores ([] without a match)."""
+        """k drafted tokens after the end of the sequence (the plain copy) and their scores ([] without a match)."""
         m = self.match()
         if m is None or k <= 0:
             return [], []
         return self.draft(m, k), self.scores(m, k)
+
+    def follower(self, tail, ties: bool = False) -> int | None:
+        """The token the n-gram statistics expect after `tail` (the sequence's last tokens, drafted ones
+        included): the most frequent follower, the latest on a tie, among the latest positions of the
+        longest n-gram ending `tail` that has at least MIN_SAMPLES[n-1] of them and in which that
+        follower holds more than MIN_PERCENT[n-1] % (`ties`: at least, as llama.cpp's try_draft);
+        None if no n-gram passes."""
+        seq, maps = self.tokens, self._maps
+        for n in range(min(self.n_max, len(tail)), self.n_min - 1, -1):
+            pos = maps[n].get(tail[-1] if n == 1 else tuple(tail[-n:]))
+            i = min(n, len(MIN_SAMPLES)) - 1
+            if not pos or len(pos) < MIN_SAMPLES[i]:
+                continue
+            votes: dict[int, int] = {}
+            for p in pos:
+                votes[seq[p]] = votes.get(seq[p], 0) + 1
+            best = max(reversed(pos), key=lambda p: votes[seq[p]])    # the latest among the most frequent
+            share, bar = 100 * votes[seq[best]], MIN_PERCENT[i] * len(pos)
+            if share > bar or (ties and share == bar):
+                return seq[best]
+        return None
+
+    def supported(self, match: Match, k: int) -> int:
+        """How many of the first k slots of the copy at `match` the statistics back: the leading run
+        of drafted tokens each equal to `follower` of the tokens before it."""
+        draft = self.draft(match, k)
+        tail = self.tokens[-self.n_max:]
+        for j, t in enumerate(draft):
+            if self.follower(tail) != t:
+                return j
+            tail.append(t)
+        return len(draft)
+
+    def offer(self) -> Match | None:
+        """The match, if the statistics back at least its first slot (what the planner is offered)."""
+        m = self.match()
+        return m if m is not None and self.supported(m, 1) else None
+
+    def propose_supported(self, k: int) -> tuple[list[int], list[float]]:
+        """Up to k drafted tokens: the copy cut at its first slot the statistics do not back."""
+        m = self.match()
+        if m is None or k <= 0:
+            return [], []
+        n = self.supported(m, k)
+        return self.draft(m, n), self.scores(m, n)
 
     def size(self) -> int:
         """Positions stored over all keys (the memory bound's count)."""

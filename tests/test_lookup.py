@@ -17,6 +17,7 @@ from prove_local.llama import Context, Model
 from prove_local.lookup import Match, NgramIndex
 from prove_local.planner import Costs, Planner
 from prove_local.sampling import Sampler, point_mass
+from tests import fakes
 from tests.fakes import FakeContext
 from tests.reference import greedy_ar
 from tests.test_sampling import (ALPHA, FAKE_SETTINGS, MASK, PROMPT, TRUNC, V, ar_dist, exact_ar, exact_pairs,
@@ -150,6 +151,59 @@ def test_a_match_being_copied_continues_and_stays_valid():
     assert ix.match() is None
 
 
+def test_a_record_s_varying_field_is_not_supported():
+    # records 10 11 X 12 with X = 1, 2, 3: the copy of the latest record drafts 3, but (12, 10, 11) was
+    # followed by 2 and by 3 (a tie backs nothing) and (10, 11) / 11 by 1, 2, 3 (a third each)
+    ix = index_of([10, 11, 1, 12, 10, 11, 2, 12, 10, 11, 3, 12, 10, 11])
+    assert ix.match() is not None and ix.draft(ix.match(), 1) == [3]
+    assert ix.follower([12, 10, 11]) is None
+    assert ix.supported(ix.match(), 4) == 0
+    assert ix.offer() is None and ix.propose_supported(4) == ([], [])
+    assert ix.propose(1)[0] == [3]                             # the plain copy (forced --lookup K) still drafts
+
+
+def test_the_field_after_a_record_s_key_is_supported_up_to_the_varying_token():
+    # "10 11 X 12 13": after 12 the statistics agree on 13 and then on 10 11; X varies again
+    seq = [10, 11, 1, 12, 13, 10, 11, 2, 12, 13, 10, 11, 3, 12]
+    ix = index_of(seq)
+    assert ix.draft(ix.match(), 5) == [13, 10, 11, 3, 12]
+    assert ix.supported(ix.match(), 5) == 3
+    toks, scores = ix.propose_supported(5)
+    assert toks == [13, 10, 11] and scores == ix.scores(ix.match(), 3)
+
+
+def test_a_repeated_line_is_supported_past_the_end_of_the_text():
+    ix = index_of([5, 6, 7, 8, 5, 6, 7, 8, 5, 6])
+    assert ix.propose_supported(7)[0] == [7, 8, 5, 6, 7, 8, 5]
+    assert ix.offer() == ix.match()
+
+
+def test_short_keys_need_two_samples_and_a_majority():
+    # unigram 9 followed once by 2: one sample is not enough for n = 1 (llama.cpp: 2)
+    assert index_of([1, 9, 2, 7, 9]).match() is not None
+    assert index_of([1, 9, 2, 7, 9]).offer() is None
+    # twice by 2: 2 of 2 > 66 %
+    ix = index_of([1, 9, 2, 5, 9, 2, 7, 9])
+    assert ix.follower([7, 9]) == 2 and ix.supported(ix.match(), 1) == 1
+    # 2, 2, 3: 2 of 3 = 66.7 % > 66 %; 2, 3, 3, 2 (a tie): nothing
+    assert index_of([9, 2, 9, 2, 9, 3, 8, 9]).follower([8, 9]) == 2
+    assert index_of([9, 2, 9, 3, 9, 3, 9, 2, 8, 9]).follower([8, 9]) is None
+    # a 3-gram seen once backs its follower (llama.cpp: 1 sample for n >= 3)
+    assert index_of([4, 5, 6, 1, 4, 5, 6]).follower([4, 5, 6]) == 1
+
+
+def test_the_longest_key_that_passes_decides():
+    # (3, 4, 5) was followed by 8 once; the unigram 5 by 9 twice: the 3-gram (1 sample suffices) wins
+    ix = index_of([5, 9, 5, 9, 3, 4, 5, 8, 3, 4, 5])
+    assert ix.follower([3, 4, 5]) == 8
+    # a 4-gram seen with followers 1 and 2 (a tie) gives way to its shorter keys
+    ix = index_of([7, 3, 4, 5, 1, 7, 3, 4, 5, 2, 0, 4, 5, 2])
+    assert ix.follower([7, 3, 4, 5]) == 2                        # (4, 5) -> 1, 2, 2
+    # llama.cpp's rule lets the tie through (the latest of the two): ties=True
+    ix = index_of([4, 5, 6, 1, 4, 5, 6, 2, 4, 5, 6])
+    assert ix.follower([4, 5, 6]) is None and ix.follower([4, 5, 6], ties=True) == 2
+
+
 def test_the_index_equals_a_brute_force_search():
     rng = random.Random(7)
     for trial in range(300):
@@ -207,12 +261,25 @@ def test_forced_lookups_of_every_length_equal_ar(models, references, k):
 def test_auto_lookup_without_a_mask_token_is_the_default_and_exact(models, references):
     prop, plain = models
     e = Engine.load(plain, **F32)
+    e.planner.explore = 0.5                       # (tiny random models: make the planner try lookup drafts)
     assert e.default_mode() == "lossless"
+    n_drafts = 0
     for p in PROMPTS:
         gen = e.generate(plain.tokenize(p), Settings(mode=e.default_mode(), block="auto", max_new=48))
-        out = [t for c in gen for t in c.committed]
+        cycles = list(gen)
+        out = [t for c in cycles for t in c.committed]
         assert gen.request.auto and gen.request.lookup == "auto"
         assert out == references[(id(plain), p)], p
+        # the planner's drafts are copies cut where the n-gram statistics stop backing them
+        text = plain.tokenize(p)
+        for c in cycles:
+            if c.plan.lookup:
+                ix = index_of(text)
+                n_drafts += 1
+                assert c.proposed == ix.draft(ix.match(), len(c.proposed))
+                assert ix.supported(ix.match(), len(c.proposed)) == len(c.proposed)
+            text = text + c.committed
+    assert n_drafts >= 1                          # (the scripted test below drafts many)
     with pytest.raises(ModeError, match="--lookup 0"):
         e.generate(plain.tokenize("hi"), Settings(mode="lossless", lookup=0))
     with pytest.raises(ModeError, match="drafts nothing"):
@@ -536,3 +603,34 @@ def test_bench_runs_per_lookup_value_and_drafts_by_source(models, tmp_path):
     assert any(c["source"] and "lookup" in c["source"] for x in lines for c in x["cycles"])
     assert main(["bench", "--out", str(out), "--report-only", "--no-plots"]) == 0
     assert json.loads((out / "results.json").read_text())["modes"]["lossless@L4"]["drafts"] == m["lossless@L4"]["drafts"]
+
+
+# ------------------------------------------------------------------ what the planner is offered (scripted world)
+def records(prefix):
+    """Records "10 11 X 12": X = 13 + the record's index, a field that never repeats; 10, 11 and 12 do."""
+    t = prefix[-1]
+    nxt = {10: 11, 12: 10}.get(t, 12 if t >= 13 else 13 + prefix.count(11) - 1)
+    return fakes.onehot(fakes.V, nxt)
+
+
+def test_the_planner_is_offered_only_what_the_statistics_back():
+    """On records whose one field never repeats, the planner's lookup drafts (auto) hold only the
+    record's fixed tokens; the plain copy (--lookup 4) drafts the previous record's field and loses it."""
+    prompt = [10, 11, 13, 12, 10, 11, 14, 12, 10, 11, 15, 12]      # (12, 10, 11) seen twice, two fields
+    want = list(prompt)
+    for _ in range(40):
+        want.append(int(np.argmax(records(want))))
+    e = Engine({"proposer": FakeContext(records, fakes.V)}, is_eog=lambda t: t == fakes.EOS, mask_token=None,
+               n_ctx=256, block_size=4)
+    s = Settings(mode="lossless", block="auto", lookup="auto", max_new=40)
+    e.prepare(s)
+    e.planner.costs = Costs({"proposer": {1: 1e-3, 64: 1.1e-3}})        # flat passes: drafts pay
+    e.planner.explore = 0.0
+    cycles = list(e.generate(prompt, s))
+    assert [t for c in cycles for t in c.committed] == want[len(prompt):]
+    drafted = [t for c in cycles if c.plan.lookup for t in c.proposed]
+    assert len([c for c in cycles if c.plan.lookup]) >= 5
+    assert drafted and set(drafted) <= {10, 11, 12}, drafted
+    forced = list(e.generate(prompt, Settings(mode="lossless", lookup=4, max_new=40)))
+    assert any(t >= 13 for c in forced if c.plan.lookup for t in c.proposed)
+    assert [t for c in forced for t in c.committed] == want[len(prompt):]
