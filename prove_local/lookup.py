@@ -52,8 +52,8 @@ N_MAX = 4                 # longest n-gram key (LLAMA_NGRAM_MAX); matches are me
 CANDIDATES = 4            # latest positions kept per key (ngram-map's COMMON_NGRAM_MAX_VALUES)
 MAX_MATCH = 16            # how far back a candidate's match is measured
 # a follower backs a drafted token when the n-gram's latest positions are at least MIN_SAMPLES[n-1] and
-# it holds at least MIN_PERCENT[n-1] % of them (llama.cpp common/ngram-cache.cpp's *_lax thresholds;
-# longer keys than 4 use n = 4's)
+# it holds more than MIN_PERCENT[n-1] % of them (llama.cpp common/ngram-cache.cpp's *_lax thresholds,
+# where "at least" lets a tie through; longer keys than 4 use n = 4's)
 MIN_SAMPLES = (2, 2, 1, 1)
 MIN_PERCENT = (66, 50, 50, 50)
 
