@@ -634,3 +634,35 @@ def test_the_planner_is_offered_only_what_the_statistics_back():
     forced = list(e.generate(prompt, Settings(mode="lossless", lookup=4, max_new=40)))
     assert any(t >= 13 for c in forced if c.plan.lookup for t in c.proposed)
     assert [t for c in forced for t in c.committed] == want[len(prompt):]
+
+
+def test_a_request_that_does_not_copy_stops_drafting_at_match_lengths_it_has_not_tried():
+    """The engine-wide record says lookup slots are accepted ~90 % of the time at every match length;
+    this request's drafts at short matches (1..3, three score bins) are rejected. Its record, pooled
+    over the bins, scales the engine-wide prior down, so a long match (a bin it never tried) gets no
+    draft either; a request whose drafts are accepted keeps drafting there."""
+    from prove_local.rules import Cycle
+    curve = {1: 1e-3, 2: 1.58e-3, 4: 2.7e-3, 8: 4.6e-3, 16: 9e-3}       # SmolLM2 Q4_1, 2 threads (calibrated)
+    pl = Planner(Costs({"proposer": curve}), explore=0.0)
+    for _ in range(300):
+        for m in range(1, 17):
+            pl.stats_for(modes.LOOKUP).record([lookup.score(m + j) for j in range(2)], 0, 2,
+                                              2 if m % 10 else 1)       # ~90 %+ of slots accepted
+    at = lambda m: (lambda: Match(5, m))
+
+    def outcome(m, k, accepted):
+        plan = modes.Plan("lookup", lookup=k)
+        c = Cycle(list(range(k)), [lookup.score(m + j) for j in range(k)], None, list(range(accepted + 1)),
+                  accepted, {"proposer": 1}, {"proposer": [1 + k]}, plan=plan)
+        c.seconds, c.decode_seconds = 1e-3, {"proposer": 1e-3}
+        pl.observe(c, "lookup", planned=False)
+
+    pl.start_request()
+    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=at(6)).kind == "lookup"
+    for m in (1, 2, 3, 1, 2, 3):                  # six one-token drafts rejected, in three bins
+        outcome(m, 1, 0)
+    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=at(6)) == modes.AR_PLAN
+    pl.start_request()                            # a request whose drafts hold
+    for m in (1, 2, 3, 1, 2, 3):
+        outcome(m, 1, 1)
+    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=at(6)).kind == "lookup"
