@@ -1,8 +1,10 @@
-"""Lookup drafts: the n-gram index against hand-written sequences and a brute-force search, and the
-lookup cycles on real llama.cpp contexts (tiny F32 models): output == ar token for token with forced
-lookups of every length, with and without a mask token, filled MARS proposals, the KV cache, the
-passes each cycle declares, the planner's choices, and sampling (distribution against closed forms
-and against the enumerated ar distribution of a real context)."""
+"""Lookup drafts: the n-gram index against hand-written sequences and a brute-force search (matches,
+and which copied slots the n-gram statistics back), and the lookup cycles on real llama.cpp contexts
+(tiny F32 models): output == ar token for token with forced lookups of every length, with and without
+a mask token, filled MARS proposals, the KV cache, the passes each cycle declares, the planner's
+choices (slow start, the pooled request record), what it is offered (backed slots only, in a scripted
+world of records), and sampling (distribution against closed forms and against the enumerated ar
+distribution of a real context)."""
 from __future__ import annotations
 
 import random
