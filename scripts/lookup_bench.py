@@ -106,28 +106,32 @@ def first_difference(model: Model, prompt: list[int], a: list[int], b: list[int]
     return {"at": i, "gap": round(float(logits[a[i]] - logits[b[i]]), 4)}
 
 
-def plot(rows: list[dict], names: list[str], path: Path) -> None:
-    """Per prompt: each run's tokens/s ÷ our ar's (one bar group per prompt)."""
+def bar_plot(ids: list[str], series: dict[str, list[float]], ylabel: str, path: Path) -> None:
+    """One bar group per prompt (`ids`), one bar per series, a line at 1.0 (no matplotlib: no plot)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    names = list(dict.fromkeys(names))
     fig, ax = plt.subplots(figsize=(11, 4))
-    w = 0.8 / len(names)
-    for j, n in enumerate(names):
-        ys = [r["runs"][n].get("vs_ar", 0.0) for r in rows]
-        ax.bar([i + j * w for i in range(len(rows))], ys, w, label=n)
+    w = 0.8 / max(1, len(series))
+    for j, (name, ys) in enumerate(series.items()):
+        ax.bar([i + j * w for i in range(len(ids))], ys, w, label=name)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([i + w * (len(names) - 1) / 2 for i in range(len(rows))])
-    ax.set_xticklabels([r["id"] for r in rows], rotation=60, ha="right", fontsize=8)
-    ax.set_ylabel("tokens/s ÷ prove-local ar")
+    ax.set_xticks([i + w * (len(series) - 1) / 2 for i in range(len(ids))])
+    ax.set_xticklabels(ids, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def prompt_tokens(model: Model, p: dict) -> list[int]:
+    """A prompt of load_prompts as the model reads it: raw text, or through the GGUF's chat template."""
+    return (model.tokenize(p["text"], add_special=True) if p["kind"] == "raw"
+            else Conversation(model).prompt_tokens(p["text"]))
 
 
 def main() -> int:
@@ -153,8 +157,7 @@ def main() -> int:
     prompts = load_prompts(args.data or [str(HERE / "data/copy_raw.jsonl") + ":raw",
                                          str(HERE / "data/copy_chat.jsonl") + ":chat"])
     for p in prompts:
-        p["tokens"] = (model.tokenize(p["text"], add_special=True) if p["kind"] == "raw"
-                       else Conversation(model).prompt_tokens(p["text"]))
+        p["tokens"] = prompt_tokens(model, p)
         p["rendered"] = model.detokenize(p["tokens"], special=True)
     fixed = [int(x) for x in args.fixed.split(",") if x.strip()]
     runs = {"ar": Settings(mode="ar", max_new=args.max_new),
@@ -239,7 +242,9 @@ def main() -> int:
         + (f" (**{summary[n]['median_vs_ar']:.2f}×**, min {summary[n]['min_vs_ar']:.2f}×)" if "median_vs_ar" in summary[n] else "")
         for n in names) + " |")
     (out / "summary.md").write_text("\n".join(lines) + "\n\n```\n" + json.dumps(summary, indent=1) + "\n```\n")
-    plot(rows, [n for n in ("lossless", "llama-lookup@3", summary.get("llama_lookup_best")) if n], out / "speedup.png")
+    shown = list(dict.fromkeys(n for n in ("lossless", "llama-lookup@3", summary.get("llama_lookup_best")) if n in names))
+    bar_plot([r["id"] for r in rows], {n: [r["runs"][n].get("vs_ar", 0.0) for r in rows] for n in shown},
+             "tokens/s ÷ prove-local ar", out / "speedup.png")
     print("\n".join(lines))
     print(json.dumps(summary, indent=1))
     return 0

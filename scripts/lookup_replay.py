@@ -31,13 +31,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from prove_local.chat import Conversation
 from prove_local.engine import Engine, Settings
 from prove_local.llama import Model
 from prove_local.lookup import NgramIndex
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lookup_bench import HERE, load_prompts, smollm2  # noqa: E402
+from lookup_bench import HERE, bar_plot, load_prompts, prompt_tokens, smollm2  # noqa: E402
 
 
 def rule(name: str, k: int):
@@ -95,27 +94,6 @@ def slot_split(prompt: list[int], answer: list[int], k: int = 8) -> dict:
     return out
 
 
-def plot(rows: list[dict], names: list[str], path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(11, 4))
-    w = 0.8 / len(names)
-    for j, n in enumerate(names):
-        ax.bar([i + j * w for i in range(len(rows))], [r["rules"][n]["vs_ar"] for r in rows], w, label=n)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([i + w * (len(names) - 1) / 2 for i in range(len(rows))])
-    ax.set_xticklabels([r["id"] for r in rows], rotation=60, ha="right", fontsize=8)
-    ax.set_ylabel("modelled tokens/s ÷ ar (pass costs)")
-    ax.legend(fontsize=8, ncol=len(names))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
@@ -143,8 +121,7 @@ def main() -> int:
         answers = []
         for p in load_prompts(args.data or [str(HERE / "data/copy_raw.jsonl") + ":raw",
                                             str(HERE / "data/copy_chat.jsonl") + ":chat"]):
-            toks = (model.tokenize(p["text"], add_special=True) if p["kind"] == "raw"
-                    else Conversation(model).prompt_tokens(p["text"]))
+            toks = prompt_tokens(model, p)
             ids = [x for c in engine.generate(toks, Settings(mode="ar", max_new=args.max_new)) for x in c.committed]
             answers.append({"id": p["id"], "prompt": toks, "answer": ids})
             print(f"decoded {p['id']}: {len(ids)} tokens", file=sys.stderr, flush=True)
@@ -180,7 +157,9 @@ def main() -> int:
     text = "\n".join(lines) + "\n\nslots of the 8-token copy at every position: " + ", ".join(
         f"{k} {v['accepted']}/{v['slots']} accepted ({100 * (v['share'] or 0):.0f} %)" for k, v in slots.items()) + "\n"
     (out / "summary.md").write_text(text)
-    plot(rows, [n for n in ("copy@3", "backed@16", "vote@3") if n in names] or names, out / "replay.png")
+    shown = [n for n in ("copy@3", "backed@16", "vote@3") if n in names] or names
+    bar_plot([r["id"] for r in rows], {n: [r["rules"][n]["vs_ar"] for r in rows] for n in shown},
+             "modelled tokens/s ÷ ar (pass costs)", out / "replay.png")
     print(text)
     return 0
 
