@@ -294,13 +294,16 @@ class Planner:
             n_l = plan.lookup
             self.stats_for(LOOKUP).record(cycle.p, 0, n_l, min(cycle.n_accepted, n_l))
             self._lookup_local.record(cycle.p, 0, n_l, min(cycle.n_accepted, n_l))
-            # slow start: the request's drafts may double in length after a draft accepted whole, and
-            # fall back to what was accepted (+1) after a rejection. The engine-wide record can say a
-            # 9-token draft pays where this request's text has not copied yet; on a short answer that
-            # does not copy, two such misses cost more than lookup ever wins back (Ollama's DFlash
-            # runner grows and shrinks its depth from acceptance the same way)
+            # slow start: the request's drafts may be twice as long as the longest draft it has had
+            # accepted whole, and fall back to what was accepted (+1) after a rejection. The engine-wide
+            # record can say a 9-token draft pays where this request's text has not copied yet; on a
+            # short answer that does not copy, two such misses cost more than lookup ever wins back
+            # (Ollama's DFlash runner grows and shrinks its depth from acceptance the same way). A
+            # one-token draft accepted says nothing about eight: the cap grows from the draft's length,
+            # not from the cap (which let a run of accepted one-token drafts reach 16, then a 9-token
+            # draft miss at its first token on a text the model rewrites)
             ok = min(cycle.n_accepted, n_l)
-            self._lookup_cap = min(LOOKUP_K_MAX, 2 * max(self._lookup_cap, n_l)) if ok == n_l \
+            self._lookup_cap = min(LOOKUP_K_MAX, max(self._lookup_cap, 2 * n_l)) if ok == n_l \
                 else max(LOOKUP_START, ok + 1)
             if plan.filled and plan.verify:
                 self.stats_for(key or kind).record(cycle.p[n_l:], 1, plan.verify, cycle.n_accepted - n_l)

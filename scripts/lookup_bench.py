@@ -2,7 +2,8 @@
 lengths against `ar`, and llama.cpp's `llama-lookup` at several draft lengths, on the same prompts and
 threads, interleaved per prompt (the run order rotates from one prompt and round to the next, so that
 drift hits every run alike; each run's median round of --rounds is reported: single runs on a shared
-2-core machine vary by tens of percent). Decode time only (prefill excluded) everywhere: the engine's Request.decode_seconds,
+2-core machine vary by tens of percent), and the paired ratio: the median over rounds of a run's tokens/s
+over `ar`'s (or llama-lookup's) in the same round, seconds apart. Decode time only (prefill excluded) everywhere: the engine's Request.decode_seconds,
 llama-lookup's "decoded N tokens in S seconds".
 
     python scripts/lookup_bench.py --llama-lookup /path/to/llama-lookup --out bench-out/lookup-copy
@@ -106,6 +107,15 @@ def first_difference(model: Model, prompt: list[int], a: list[int], b: list[int]
     return {"at": i, "gap": round(float(logits[a[i]] - logits[b[i]]), 4)}
 
 
+def paired_ratio(runs: list[dict], refs: list[dict]) -> float | None:
+    """The median over rounds of a run's tokens/s over the reference's in the same round (the two ran
+    seconds apart, so the machine's drift over a prompt's rounds cancels; a round where either failed
+    is left out)."""
+    r = [a["tokens_per_second"] / b["tokens_per_second"] for a, b in zip(runs, refs)
+         if a.get("tokens_per_second") and b.get("tokens_per_second")]
+    return statistics.median(r) if r else None
+
+
 def bar_plot(ids: list[str], series: dict[str, list[float]], ylabel: str, path: Path) -> None:
     """One bar group per prompt (`ids`), one bar per series, a line at 1.0 (no matplotlib: no plot)."""
     try:
@@ -192,6 +202,10 @@ def main() -> int:
         for name, r in row["runs"].items():
             if name != "ar" and r.get("tokens_per_second"):
                 r["vs_ar"] = r["tokens_per_second"] / ar["tokens_per_second"]
+                r["vs_ar_paired"] = paired_ratio(samples[name], samples["ar"])
+            if name in runs and name != "ar":
+                for ref in (n for n in names if n.startswith("llama-lookup")):
+                    r[f"vs_{ref}_paired"] = paired_ratio(samples[name], samples[ref])
             if name in runs and name != "ar":
                 r["diverged"] = first_difference(model, p["tokens"], ar["ids"], r["ids"], args.threads)
         rows.append(row)
@@ -205,6 +219,10 @@ def main() -> int:
         if name != "ar" and ratios:
             summary[name].update({"median_vs_ar": statistics.median(ratios), "min_vs_ar": min(ratios),
                                   "max_vs_ar": max(ratios), "n": len(ratios)})
+            paired = [r["runs"][name]["vs_ar_paired"] for r in rows if r["runs"][name].get("vs_ar_paired")]
+            if paired:
+                summary[name].update({"paired_median_vs_ar": statistics.median(paired),
+                                      "paired_min_vs_ar": min(paired)})
         if name in runs and name != "ar":
             div = [r["runs"][name]["diverged"] for r in rows if r["runs"][name]["diverged"] is not None]
             summary[name]["equal_to_ar"] = len(rows) - len(div)
@@ -221,6 +239,8 @@ def main() -> int:
                     ratios = [r["runs"][name]["tokens_per_second"] / r["runs"][ref]["tokens_per_second"]
                               for r in rows if r["runs"][ref].get("tokens_per_second")]
                     summary[name][f"median_vs_{ref}"] = statistics.median(ratios) if ratios else None
+                    paired = [r["runs"][name][f"vs_{ref}_paired"] for r in rows if r["runs"][name].get(f"vs_{ref}_paired")]
+                    summary[name][f"paired_median_vs_{ref}"] = statistics.median(paired) if paired else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"command": " ".join(sys.argv), "model": model_path, "threads": args.threads, "max_new": args.max_new,
@@ -235,11 +255,14 @@ def main() -> int:
         for n in names:
             x = r["runs"][n]
             tps = x.get("tokens_per_second")
-            cells.append("err" if tps is None else f"{tps:.1f}" + (f" ({x['vs_ar']:.2f}×)" if "vs_ar" in x else ""))
+            pair = f", paired {x['vs_ar_paired']:.2f}×" if x.get("vs_ar_paired") else ""
+            cells.append("err" if tps is None else f"{tps:.1f}" + (f" ({x['vs_ar']:.2f}×{pair})" if "vs_ar" in x else ""))
         lines.append(f"| {r['id']} | " + " | ".join(cells) + " |")
     lines.append("| **median** | " + " | ".join(
         (f"{summary[n]['median_tokens_per_second']:.1f}" if summary[n]["median_tokens_per_second"] else "–")
-        + (f" (**{summary[n]['median_vs_ar']:.2f}×**, min {summary[n]['min_vs_ar']:.2f}×)" if "median_vs_ar" in summary[n] else "")
+        + (f" (**{summary[n]['median_vs_ar']:.2f}×**, min {summary[n]['min_vs_ar']:.2f}×; paired "
+           f"**{summary[n]['paired_median_vs_ar']:.2f}×**, min {summary[n]['paired_min_vs_ar']:.2f}×)"
+           if "paired_median_vs_ar" in summary[n] else "")
         for n in names) + " |")
     (out / "summary.md").write_text("\n".join(lines) + "\n\n```\n" + json.dumps(summary, indent=1) + "\n```\n")
     shown = list(dict.fromkeys(n for n in ("lossless", "llama-lookup@3", summary.get("llama_lookup_best")) if n in names))

@@ -403,8 +403,8 @@ def test_the_planner_drafts_where_the_lookup_has_earned_it():
 
 def test_a_requests_lookup_drafts_start_short_and_grow_with_its_own_record():
     """Slow start: the engine-wide record says 8-token drafts pay, but a new request's first draft is at
-    most planner.LOOKUP_START long; a draft accepted whole doubles what the next may be, a rejection
-    brings it back to what was accepted + 1. (A short answer that does not copy lost 10 % to two
+    most planner.LOOKUP_START long; a draft accepted whole lets the next be twice as long as it was (short
+    drafts accepted do not raise the cap), a rejection brings it back to what was accepted + 1. (A short answer that does not copy lost 10 % to two
     9-token misses on SmolLM2 before.)"""
     from prove_local.planner import LOOKUP_START
     from prove_local.rules import Cycle
@@ -430,6 +430,9 @@ def test_a_requests_lookup_drafts_start_short_and_grow_with_its_own_record():
     assert second.lookup == 2 * LOOKUP_START, second
     outcome(second, 1)                                            # one of four accepted: back to 2
     assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=long).lookup == 2
+    for _ in range(4):                                            # one-token drafts accepted whole...
+        outcome(rules.Plan("lookup", lookup=1), 1)
+    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=long).lookup == 2   # ...earn two tokens, not 16
     pl.start_request()                                            # the next request starts short again
     assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=long).lookup == LOOKUP_START
 
