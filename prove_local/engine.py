@@ -206,16 +206,34 @@ class Engine:
             self.index.sync(self.tokens)
             if req.lookup != "auto":           # --lookup K: a K-token draft wherever there is a match
                 if self.index.match() is not None:
-                    return Plan(LOOKUP, lookup=min(req.lookup, room - 1), propose_lookup=self.index.propose)
+                    return Plan(LOOKUP, lookup=min(req.lookup, room - 1),
+                                propose_lookup=self._committable(self.index.propose, req))
             else:                              # the planner's: only what the n-gram statistics back
                 offer = self.index.offer       # looked up only if the planner may use it
         if req.auto:
             plan = self.planner.plan(req.settings.mode, self._pending(), req.block, room, key=req.key, lookup=offer)
-            return replace(plan, propose_lookup=self.index.propose_supported) if plan.lookup else plan
+            return replace(plan, propose_lookup=self._committable(self.index.propose_supported, req)) \
+                if plan.lookup else plan
         if req.block < 1:                      # no mask token: no MARS proposal
             return AR_PLAN
         k = req.settings.draft_k if req.settings.draft_k != "auto" else DEFAULT_DRAFT_K
         return MODES[req.settings.mode].plan(max(1, min(req.block, room)), max(0, min(k, room)))
+
+    def _committable(self, propose, req: "Request"):
+        """A lookup drafting function cut to what the request can still commit: at most the tokens
+        left to generate less one (the cycle commits the model's own token after the drafts), and
+        no further than the first end-of-generation token (generation stops there). A draft that
+        copies the prompt's end of turn and what follows it pays for a wider pass whose tail can
+        never be kept."""
+        left = req.settings.max_new - (len(self.tokens) - req.n_prompt) - 1
+
+        def draft(k: int):
+            tokens, scores = propose(min(k, max(0, left)))
+            for i, tok in enumerate(tokens):
+                if self.is_eog(tok):
+                    return tokens[:i + 1], scores[:i + 1]
+            return tokens, scores
+        return draft
 
     def _pending(self) -> dict[str, int]:
         """Tokens each context will be fed before its new ones (at least the last: rules._pending)."""

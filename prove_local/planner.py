@@ -57,12 +57,27 @@ CATCH_UP = 2                                    # a partner's pending tokens cou
 
 class Costs:
     """t(n) in seconds per role: the calibrated curve (linear between measured widths, extended past
-    the last one along its last segment), times an online scale per role."""
+    the last one along its last segment), times an online scale per role, times an online *shape*
+    per role: how much more (or less) a pass of width n costs, relative to a one-token pass, than
+    the calibration said. The calibration runs on an empty context; at the depths a request reaches,
+    wide passes cost more per one-token pass than there (SmolLM2 Q4_1, 2 threads, ~200-token
+    contexts: a 14-token pass 8.0 one-token passes, calibrated 6.1; a 3-token pass 2.3, calibrated
+    2.4), and a planner that prices a 13-token lookup draft at 6 passes drafts it where 8 does not
+    pay. The shape is learned from the passes the cycles run (`observe`): per width, an average of
+    log(measured / (calibration x scale)) over single-width cycles, minus that of width 1, once
+    both have SHAPE_MIN observations; between observed widths it is interpolated in log space,
+    past the widest one it stays flat. Width 1 anchors it (its shape is 1), so the scale still
+    follows the machine's speed and t(1) is what a one-token pass costs."""
+
+    SHAPE_MIN = 3               # observations of a width (and of width 1) before its shape counts
+    SHAPE_ALPHA = 0.2           # weight of a new observation in a width's average
 
     def __init__(self, curves: dict[str, dict[int, float]], n_max: int = 160):
         self.n_max = n_max
         self.base: dict[str, np.ndarray] = {}
         self.scale: dict[str, float] = {}
+        self.dev: dict[str, dict[int, list]] = {}           # per role, width: [mean log deviation, count]
+        self.shape: dict[str, np.ndarray | None] = {}       # per role: the learned shape over 0..n_max
         for role, curve in curves.items():
             self.set_curve(role, curve)
 
@@ -83,31 +98,62 @@ class Costs:
         t[0] = 0.0
         self.base[role] = t
         self.scale[role] = 1.0
+        self.dev[role] = {}
+        self.shape[role] = None
 
     def t(self, role: str, n: int) -> float:
         b = self.base[role]
+        sh = self.shape.get(role)
         n = int(n)
         if n >= len(b):
             slope = max(0.0, (b[-1] - b[1]) / (len(b) - 2))
-            return float(b[-1] + slope * (n - len(b) + 1)) * self.scale[role]
-        return float(b[n]) * self.scale[role]
+            return float(b[-1] + slope * (n - len(b) + 1)) * self.scale[role] * (1.0 if sh is None else float(sh[-1]))
+        return float(b[n]) * self.scale[role] * (1.0 if sh is None else float(sh[n]))
 
     def table(self, role: str) -> np.ndarray:
-        return self.base[role] * self.scale[role]
+        sh = self.shape.get(role)
+        return self.base[role] * self.scale[role] * (1.0 if sh is None else sh)
 
     def observe(self, role: str, widths: list[int], seconds: float, alpha: float = 0.1) -> float | None:
-        """Fold one cycle's measured decode seconds of `role` into its scale; returns measured /
-        predicted (before the update), or None when nothing was predicted."""
+        """Fold one cycle's measured decode seconds of `role` into its scale (every cycle) and, when
+        its passes all had one width, into the shape at that width; returns measured / predicted
+        (before the update), or None when nothing was predicted."""
         if role not in self.base or seconds <= 0:
             return None
         predicted = sum(self.t(role, w) for w in widths)
         if predicted <= 0:
             return None
         ratio = seconds / predicted
+        w = widths[0]
+        if all(x == w for x in widths) and 0 < w < len(self.base[role]) and self.base[role][w] > 0:
+            self._observe_shape(role, w, math.log(seconds / len(widths) / (self.base[role][w] * self.scale[role])))
         # log space, clipped: one stalled pass must not swing the scale by orders of magnitude
         step = max(-1.0, min(1.0, math.log(ratio)))
         self.scale[role] *= math.exp(alpha * step)
         return ratio
+
+    def _observe_shape(self, role: str, w: int, dev: float) -> None:
+        """One pass of width w cost exp(dev) times the calibration at the current scale."""
+        d = self.dev[role].setdefault(w, [dev, 0])
+        # clipped around the width's mean: one stalled pass moves it by at most SHAPE_ALPHA
+        d[0] += self.SHAPE_ALPHA * (max(d[0] - 1.0, min(d[0] + 1.0, dev)) - d[0])
+        d[1] += 1
+        one = self.dev[role].get(1)
+        seen = sorted(x for x, (_, c) in self.dev[role].items() if c >= self.SHAPE_MIN and x > 1)
+        if one is None or one[1] < self.SHAPE_MIN or not seen:
+            self.shape[role] = None
+            return
+        xs = [1] + seen
+        logs = [0.0] + [self.dev[role][x][0] - one[0] for x in seen]
+        grid = np.arange(len(self.base[role]), dtype=float)
+        self.shape[role] = np.exp(np.interp(grid, xs, logs))
+
+    def shape_summary(self, role: str) -> dict[int, float]:
+        """The learned shape at the widths observed often enough (for people: planner summary)."""
+        sh = self.shape.get(role)
+        if sh is None:
+            return {}
+        return {w: round(float(sh[w]), 3) for w, (_, c) in sorted(self.dev[role].items()) if c >= self.SHAPE_MIN}
 
 
 class SlotStats:
@@ -726,6 +772,7 @@ class Planner:
         return {"current": {m: {"kind": c.kind, "width": c.width, "tokens_per_second": round(c.rate, 1)}
                             for m, c in self.current.items()},
                 "scale": dict(self.costs.scale) if self.costs else {},
+                "shape": {r: self.costs.shape_summary(r) for r in self.costs.base} if self.costs else {},
                 "exploration_regret_share": round(self.regret / self.elapsed, 4) if self.elapsed else 0.0,
                 "overhead_us": {k if isinstance(k, str) else f"{k[0]}@{k[1]}": round(v * 1e6, 1)
                                 for k, v in sorted(self.overhead.items(), key=str)},

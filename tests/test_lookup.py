@@ -254,7 +254,11 @@ def test_forced_lookups_of_every_length_equal_ar(models, references, k):
             for c in cycles:
                 if c.plan.lookup:
                     n_lookup += 1
-                    assert c.plan.label() == f"L={k}" and len(c.proposed) == k
+                    # k tokens, or what the request can still commit (engine._committable), or up to an
+                    # end-of-generation token
+                    n = len(c.proposed)
+                    assert n == min(k, 48 - c.start - 1) or (n < k and model.is_eog(c.proposed[-1])), (k, c.start, n)
+                    assert c.plan.label() == f"L={n}"
                     assert c.source == ["lookup"] * len(c.proposed) and c.passes == {"proposer": 1}
                     assert c.committed[:c.n_accepted] == c.proposed[:c.n_accepted]
         assert n_lookup >= 5, (mode, block, k)
@@ -673,3 +677,32 @@ def test_a_request_that_does_not_copy_stops_drafting_at_match_lengths_it_has_not
     for m in (1, 2, 3, 1, 2, 3):
         outcome(m, 1, 1)
     assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=at(6)).kind == "lookup"
+
+
+def loop_world(eos_after: int | None):
+    """A text that loops 1..8 (after `eos_after`, the end of generation, then the loop goes on)."""
+    def world(prefix):
+        t = prefix[-1]
+        if t == eos_after:
+            return fakes.onehot(fakes.V, fakes.EOS)
+        return fakes.onehot(fakes.V, 1 if t in (8, fakes.EOS) or t > 8 else t + 1)
+    return world
+
+
+def test_lookup_drafts_stop_at_the_end_of_generation_and_at_max_new():
+    """Nothing after an end-of-generation token, nor past max_new, can be committed: a forced 8-token
+    lookup draft that copies the prompt's "4 5 <eos> 6 7 8 1 2" is cut after <eos>, and near the end of
+    a request no draft is longer than the tokens left less one (the cycle adds the model's own token).
+    Output = the world's greedy text in both."""
+    prompt = [1, 2, 3, 4, 5, fakes.EOS, 6, 7, 8, 1, 2, 3]
+    e = Engine({"proposer": FakeContext(loop_world(5), fakes.V)}, is_eog=lambda t: t == fakes.EOS, mask_token=None,
+               n_ctx=256, block_size=4)
+    cycles = list(e.generate(prompt, Settings(mode="lossless", lookup=8, max_new=20)))
+    assert [c.proposed for c in cycles] == [[4, 5, fakes.EOS]]
+    assert [t for c in cycles for t in c.committed] == [4, 5, fakes.EOS] and cycles[-1].stop == "eog"
+    e = Engine({"proposer": FakeContext(loop_world(None), fakes.V)}, is_eog=lambda t: t == fakes.EOS, mask_token=None,
+               n_ctx=256, block_size=4)
+    for max_new in (5, 10, 13):
+        cycles = list(e.generate([1, 2, 3, 4, 5, 6, 7, 8] * 2, Settings(mode="lossless", lookup=16, max_new=max_new)))
+        assert [t for c in cycles for t in c.committed] == ([1, 2, 3, 4, 5, 6, 7, 8] * 3)[:max_new]
+        assert [len(c.proposed) for c in cycles] == [max_new - 1], [c.plan.label() for c in cycles]

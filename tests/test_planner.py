@@ -243,6 +243,47 @@ def test_costs_rescale_online():
     assert c.scale["proposer"] == pytest.approx(2.0, rel=0.05)
 
 
+def test_costs_learn_the_shape_of_the_curve_at_the_widths_run():
+    """Wide passes that cost more per one-token pass than the calibration said (a deeper context than
+    the calibration's) move the shape at their width, not the one-token pass: t(1) stays what width-1
+    passes cost, t(14) becomes what 14-token passes cost, widths between are interpolated in log space,
+    wider ones stay at the widest observed ratio. A machine that slows down at every width moves the
+    scale and leaves the shape flat."""
+    curve = {1: 1.0, 4: 2.0, 16: 5.0}
+    c = Costs({"proposer": curve})
+    calib = Costs({"proposer": curve})
+    for _ in range(60):
+        c.observe("proposer", [1], 1.0)
+        c.observe("proposer", [14], 1.5 * calib.t("proposer", 14))
+    assert c.t("proposer", 1) == pytest.approx(1.0, rel=0.05)
+    assert c.t("proposer", 14) == pytest.approx(1.5 * calib.t("proposer", 14), rel=0.05)
+    mid = c.t("proposer", 7) / calib.t("proposer", 7)          # between: 1 < ratio < 1.5, in log space
+    assert 1.0 < mid < 1.5 and mid == pytest.approx(1.5 ** (6 / 13), rel=0.05)
+    assert c.t("proposer", 40) / calib.t("proposer", 40) == pytest.approx(1.5, rel=0.05)
+    assert c.table("proposer")[14] == pytest.approx(c.t("proposer", 14))
+    assert set(c.shape_summary("proposer")) == {1, 14}
+    # a pass of several widths (lossless's two passes) teaches the scale only
+    d = Costs({"proposer": curve})
+    for _ in range(60):
+        d.observe("proposer", [1], 1.0)
+        d.observe("proposer", [14, 2], 3 * calib.t("proposer", 14))
+    assert d.shape["proposer"] is None
+    # everything twice as slow: the scale doubles, the shape stays flat
+    e = Costs({"proposer": curve})
+    for _ in range(80):
+        for w in (1, 3, 9):
+            e.observe("proposer", [w], 2.0 * calib.t("proposer", w))
+    assert e.scale["proposer"] == pytest.approx(2.0, rel=0.05)
+    assert all(v == pytest.approx(1.0, abs=0.05) for v in e.shape_summary("proposer").values())
+    # no shape before width 1 and the width itself have been seen SHAPE_MIN times
+    f = Costs({"proposer": curve})
+    for _ in range(Costs.SHAPE_MIN - 1):
+        f.observe("proposer", [1], 1.0)
+        f.observe("proposer", [14], 3 * calib.t("proposer", 14))
+    assert f.shape["proposer"] is None and f.t("proposer", 14) / f.t("proposer", 1) == pytest.approx(
+        calib.t("proposer", 14), rel=1e-6)
+
+
 # --------------------------------------------------------------------------------- calibration
 def test_calibration_is_cached_per_configuration(models, cache_dir):
     prop, _ = models
@@ -450,18 +491,23 @@ def test_explorations_stay_within_the_regret_budget():
     (here a catch-up pass that costs 40 ar passes), auto loses at most ~that share to ar."""
     from prove_local.rules import Cycle
 
+    curve = {1: 1.0, 2: 3.0, 64: 200.0}
+    t = Costs({"proposer": curve}).t
+
     def simulate(budget):
-        pl = planner_with({1: 1.0, 2: 3.0, 64: 200.0}, [1.0] + [0.5] * 15, seed=7, explore_budget=budget)
+        pl = planner_with(curve, [1.0] + [0.5] * 15, seed=7, explore_budget=budget)
         pl.explore, pl.explore_by_rate = 0.2, False
         lost = total = 0.0
         for _ in range(20000):
             plan = pl.plan("spec", {"proposer": 1, "draft": 1}, 16, 100)
             if plan.kind == "ar":
                 c = Cycle([5], [0.9], None, [5], 1, {"proposer": 1}, {"proposer": [1]}, {"proposer": 1.0}, 1.0, plan=plan)
-            else:       # a spec exploration: dear, and commits 2 tokens
+            else:       # a spec exploration: dear (its verify pass as calibrated), and commits 2 tokens
                 k = plan.draft_k
                 c = Cycle([5] * k, [0.9] * k, [0.9] * k, [5, 5], 1, {"draft": k, "proposer": 1},
-                          {"draft": [40] + [1] * (k - 1), "proposer": [1 + k]}, {"draft": 39.0, "proposer": 1.0}, 40.0,
+                          {"draft": [40] + [1] * (k - 1), "proposer": [1 + k]},
+                          {"draft": 40.0 - min(20.0, t("proposer", 1 + k)), "proposer": min(20.0, t("proposer", 1 + k))},
+                          40.0,
                           plan=plan)
                 lost += 40.0 - 2 * 1.0
             pl.observe(c, "spec")
