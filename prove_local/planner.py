@@ -64,13 +64,14 @@ class Costs:
     contexts: a 14-token pass 8.0 one-token passes, calibrated 6.1; a 3-token pass 2.3, calibrated
     2.4), and a planner that prices a 13-token lookup draft at 6 passes drafts it where 8 does not
     pay. The shape is learned from the passes the cycles run (`observe`): per width, an average of
-    log(measured / (calibration x scale)) over single-width cycles, minus that of width 1, once
-    both have SHAPE_MIN observations; between observed widths it is interpolated in log space,
-    past the widest one it stays flat. Width 1 anchors it (its shape is 1), so the scale still
-    follows the machine's speed and t(1) is what a one-token pass costs."""
+    log(measured / calibrated) over single-width cycles, minus that of width 1, once both have
+    SHAPE_MIN observations, within [SHAPE_LO, SHAPE_HI]; between observed widths it is interpolated
+    in log space, past the widest one it stays flat. Width 1 anchors it (its shape is 1), so the
+    scale still follows the machine's speed and t(1) is what a one-token pass costs."""
 
     SHAPE_MIN = 3               # observations of a width (and of width 1) before its shape counts
     SHAPE_ALPHA = 0.2           # weight of a new observation in a width's average
+    SHAPE_LO, SHAPE_HI = 0.5, 2.0   # the shape's bounds
 
     def __init__(self, curves: dict[str, dict[int, float]], n_max: int = 160):
         self.n_max = n_max
@@ -126,14 +127,20 @@ class Costs:
         ratio = seconds / predicted
         w = widths[0]
         if all(x == w for x in widths) and 0 < w < len(self.base[role]) and self.base[role][w] > 0:
-            self._observe_shape(role, w, math.log(seconds / len(widths) / (self.base[role][w] * self.scale[role])))
+            self._observe_shape(role, w, math.log(seconds / len(widths) / self.base[role][w]))
         # log space, clipped: one stalled pass must not swing the scale by orders of magnitude
         step = max(-1.0, min(1.0, math.log(ratio)))
         self.scale[role] *= math.exp(alpha * step)
         return ratio
 
     def _observe_shape(self, role: str, w: int, dev: float) -> None:
-        """One pass of width w cost exp(dev) times the calibration at the current scale."""
+        """One pass of width w cost exp(dev) times its calibrated t(w). The deviations are kept against
+        the calibration alone, never against the scale: the shape is then a difference of two measured
+        averages, and the scale (which prices every cycle through the shape) cannot feed back into it.
+        (Measured against the scale, a shape below 1 at a width the cycles ran often made those cycles
+        look cheap, the scale grew to match them, the rarely observed width 1 stayed behind and the
+        shape fell further: on the embedded proposer the scale reached 1,600 and the shape at widths
+        2-3 0.001.) Clipped to [SHAPE_LO, SHAPE_HI]: a calibration further off than that is noise."""
         d = self.dev[role].setdefault(w, [dev, 0])
         # clipped around the width's mean: one stalled pass moves it by at most SHAPE_ALPHA
         d[0] += self.SHAPE_ALPHA * (max(d[0] - 1.0, min(d[0] + 1.0, dev)) - d[0])
@@ -144,7 +151,9 @@ class Costs:
             self.shape[role] = None
             return
         xs = [1] + seen
-        logs = [0.0] + [self.dev[role][x][0] - one[0] for x in seen]
+        logs = [min(math.log(self.SHAPE_HI), max(math.log(self.SHAPE_LO), self.dev[role][x][0] - one[0]))
+                for x in seen]
+        logs = [0.0] + logs
         grid = np.arange(len(self.base[role]), dtype=float)
         self.shape[role] = np.exp(np.interp(grid, xs, logs))
 

@@ -245,7 +245,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     res = {"command": " ".join(sys.argv), "model": model_path, "threads": args.threads, "max_new": args.max_new,
            "minutes": round((time.time() - t_start) / 60, 1), "planner": engine.planner.summary().get("stats", {}).get("lookup"),
-           "lookup_table": engine.planner.lookup_summary("lossless"), "summary": summary,
+           "lookup_table": engine.planner.lookup_summary("lossless"),
+           "costs": {k: engine.planner.summary()[k] for k in ("scale", "shape")}, "summary": summary,
            "prompts": [{**r, "runs": {n: {k: v for k, v in x.items() if k != "ids"} for n, x in r["runs"].items()}}
                        for r in rows]}
     (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")

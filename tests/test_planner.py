@@ -284,6 +284,41 @@ def test_costs_learn_the_shape_of_the_curve_at_the_widths_run():
         calib.t("proposer", 14), rel=1e-6)
 
 
+def test_a_shape_learned_at_a_width_run_often_does_not_run_away():
+    """Most cycles run one width (lossless B=3 verified whole: two 3-token passes) and width 1 is seen
+    rarely (a sampled ar cycle): three times at the start, then the machine slows down by half and
+    only width 3 runs. The prices must follow what passes cost, t(3) the measured seconds, the scale
+    bounded. (Measured against the scale, the shape fed back into it: the price of a width-3 cycle no
+    longer depended on the scale, which grew by e^0.1 a cycle; on the embedded proposer it reached
+    1,600, the shape at widths 2-3 0.001.) While width 1 is seen often, its price follows it too."""
+    curve = {1: 1.0, 2: 1.6, 4: 2.6, 16: 8.0}
+    c = Costs({"proposer": curve})
+    true3 = 0.8 * c.t("proposer", 3)              # width 3 costs 0.8x its calibration, width 1 as calibrated
+    for _ in range(Costs.SHAPE_MIN):
+        c.observe("proposer", [1], 1.0)
+        c.observe("proposer", [3, 3], 2 * true3)
+    for _ in range(2000):
+        c.observe("proposer", [3, 3], 2 * true3 * 1.5)
+    assert c.t("proposer", 3) == pytest.approx(true3 * 1.5, rel=0.05)
+    assert c.scale["proposer"] < 2.0
+    d = Costs({"proposer": curve})                # width 1 seen every 40th cycle, the machine drifting
+    for i in range(3000):
+        drift = 1.0 + 0.5 * i / 3000
+        if i % 40 == 0:
+            d.observe("proposer", [1], drift)
+        else:
+            d.observe("proposer", [3, 3], 2 * true3 * drift)
+    assert d.t("proposer", 3) == pytest.approx(true3 * drift, rel=0.1)
+    assert d.t("proposer", 1) == pytest.approx(drift, rel=0.15)
+    assert d.shape_summary("proposer")[3] == pytest.approx(0.8, rel=0.1)
+    # a shape further off than SHAPE_LO / SHAPE_HI is held there
+    e = Costs({"proposer": curve})
+    for _ in range(50):
+        e.observe("proposer", [1], 1.0)
+        e.observe("proposer", [8], 0.01)
+    assert e.shape_summary("proposer")[8] == pytest.approx(Costs.SHAPE_LO)
+
+
 # --------------------------------------------------------------------------------- calibration
 def test_calibration_is_cached_per_configuration(models, cache_dir):
     prop, _ = models
