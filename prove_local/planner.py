@@ -64,14 +64,23 @@ class Costs:
     contexts: a 14-token pass 8.0 one-token passes, calibrated 6.1; a 3-token pass 2.3, calibrated
     2.4), and a planner that prices a 13-token lookup draft at 6 passes drafts it where 8 does not
     pay. The shape is learned from the passes the cycles run (`observe`): per width, an average of
-    log(measured / calibrated) over single-width cycles, minus that of width 1, once both have
-    SHAPE_MIN observations, within [SHAPE_LO, SHAPE_HI]; between observed widths it is interpolated
+    log(measured / calibrated) over one-pass cycles (ar, lookup verifies), minus that of width 1, once both have
+    SHAPE_MIN observations, less the calibration's noise (SHAPE_NOISE), within [SHAPE_LO, SHAPE_HI]
+    (a width is never priced below its calibration); between observed widths it is interpolated
     in log space, past the widest one it stays flat. Width 1 anchors it (its shape is 1), so the
     scale still follows the machine's speed and t(1) is what a one-token pass costs."""
 
-    SHAPE_MIN = 3               # observations of a width (and of width 1) before its shape counts
+    SHAPE_MIN = 8               # observations of a width (and of width 1) before its shape counts
     SHAPE_ALPHA = 0.2           # weight of a new observation in a width's average
-    SHAPE_LO, SHAPE_HI = 0.5, 2.0   # the shape's bounds
+    # the shape's bounds: never below the calibration. A planner that underprices a width drafts
+    # where it loses to ar; one that overprices it forgoes a gain. On the embedded proposer (0.3 ms
+    # passes, 1 thread) a shape learned down to 0.66 at widths 6-8 from a few dozen noisy lossless
+    # cycles sent the planner to B=6 at 40 % acceptance: 0.94x ar, against 0.99x without a shape
+    SHAPE_LO, SHAPE_HI = 1.0, 2.0
+    # a deviation is believed only past the calibration's own noise, and only the part past it:
+    # shape = measured ratio / SHAPE_NOISE where that exceeds 1 (SmolLM2's 1.4-1.8 at widths 9-14
+    # are kept at 1.2-1.5; a 1.09 at width 2 is not kept)
+    SHAPE_NOISE = 1.2
 
     def __init__(self, curves: dict[str, dict[int, float]], n_max: int = 160):
         self.n_max = n_max
@@ -117,8 +126,11 @@ class Costs:
 
     def observe(self, role: str, widths: list[int], seconds: float, alpha: float = 0.1) -> float | None:
         """Fold one cycle's measured decode seconds of `role` into its scale (every cycle) and, when
-        its passes all had one width, into the shape at that width; returns measured / predicted
-        (before the update), or None when nothing was predicted."""
+        the cycle ran one pass (ar, a lookup verify), into the shape at its width; returns measured /
+        predicted (before the update), or None when nothing was predicted. A cycle of several passes
+        (lossless: proposal and verify back to back; spec's draft passes) teaches the scale only: on
+        the embedded proposer two 3-token lossless passes in a row cost 1.5x a calibrated 3-token
+        pass each, which priced B=3 out and sent the planner to B=6 (0.94-1.00x ar, 1.04x without)."""
         if role not in self.base or seconds <= 0:
             return None
         predicted = sum(self.t(role, w) for w in widths)
@@ -126,8 +138,8 @@ class Costs:
             return None
         ratio = seconds / predicted
         w = widths[0]
-        if all(x == w for x in widths) and 0 < w < len(self.base[role]) and self.base[role][w] > 0:
-            self._observe_shape(role, w, math.log(seconds / len(widths) / self.base[role][w]))
+        if len(widths) == 1 and 0 < w < len(self.base[role]) and self.base[role][w] > 0:
+            self._observe_shape(role, w, math.log(seconds / self.base[role][w]))
         # log space, clipped: one stalled pass must not swing the scale by orders of magnitude
         step = max(-1.0, min(1.0, math.log(ratio)))
         self.scale[role] *= math.exp(alpha * step)
@@ -140,7 +152,7 @@ class Costs:
         (Measured against the scale, a shape below 1 at a width the cycles ran often made those cycles
         look cheap, the scale grew to match them, the rarely observed width 1 stayed behind and the
         shape fell further: on the embedded proposer the scale reached 1,600 and the shape at widths
-        2-3 0.001.) Clipped to [SHAPE_LO, SHAPE_HI]: a calibration further off than that is noise."""
+        2-3 0.001.) Clipped to [SHAPE_LO, SHAPE_HI]."""
         d = self.dev[role].setdefault(w, [dev, 0])
         # clipped around the width's mean: one stalled pass moves it by at most SHAPE_ALPHA
         d[0] += self.SHAPE_ALPHA * (max(d[0] - 1.0, min(d[0] + 1.0, dev)) - d[0])
@@ -151,7 +163,8 @@ class Costs:
             self.shape[role] = None
             return
         xs = [1] + seen
-        logs = [min(math.log(self.SHAPE_HI), max(math.log(self.SHAPE_LO), self.dev[role][x][0] - one[0]))
+        noise = math.log(self.SHAPE_NOISE)
+        logs = [min(math.log(self.SHAPE_HI), max(math.log(self.SHAPE_LO), self.dev[role][x][0] - one[0] - noise))
                 for x in seen]
         logs = [0.0] + logs
         grid = np.arange(len(self.base[role]), dtype=float)
