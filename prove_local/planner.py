@@ -58,8 +58,8 @@ CATCH_UP = 2                                    # a partner's pending tokens cou
 class Costs:
     """t(n) in seconds per role: the calibrated curve (linear between measured widths, extended past
     the last one along its last segment), times an online scale per role, times an online *shape*
-    per role: how much more (or less) a pass of width n costs, relative to a one-token pass, than
-    the calibration said. The calibration runs on an empty context; at the depths a request reaches,
+    per role: how much more a pass of width n costs, relative to a one-token pass, than the
+    calibration said. The calibration runs on an empty context; at the depths a request reaches,
     wide passes cost more per one-token pass than there (SmolLM2 Q4_1, 2 threads, ~200-token
     contexts: a 14-token pass 8.0 one-token passes, calibrated 6.1; a 3-token pass 2.3, calibrated
     2.4), and a planner that prices a 13-token lookup draft at 6 passes drafts it where 8 does not

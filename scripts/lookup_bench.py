@@ -206,7 +206,6 @@ def main() -> int:
             if name in runs and name != "ar":
                 for ref in (n for n in names if n.startswith("llama-lookup")):
                     r[f"vs_{ref}_paired"] = paired_ratio(samples[name], samples[ref])
-            if name in runs and name != "ar":
                 r["diverged"] = first_difference(model, p["tokens"], ar["ids"], r["ids"], args.threads)
         rows.append(row)
         print(f"{p['id']:28s} " + "  ".join(f"{n} {row['runs'][n].get('tokens_per_second', float('nan')):6.1f}"
