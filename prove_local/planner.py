@@ -130,7 +130,7 @@ class Costs:
         predicted (before the update), or None when nothing was predicted. A cycle of several passes
         (lossless: proposal and verify back to back; spec's draft passes) teaches the scale only: on
         the embedded proposer two 3-token lossless passes in a row cost 1.5x a calibrated 3-token
-        pass each, which priced B=3 out and sent the planner to B=6 (0.94-1.00x ar, 1.04x without)."""
+        pass each, which priced B=3 out and sent the planner to B=6 (0.92-1.00x ar, 1.04-1.05x without)."""
         if role not in self.base or seconds <= 0:
             return None
         predicted = sum(self.t(role, w) for w in widths)
