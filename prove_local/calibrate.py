@@ -13,7 +13,7 @@ file (path, size, mtime), the context configuration (threads, GPU layers, flash 
 and the llama.cpp build (llama_cpp.__version__ + llama_print_system_info), in
 $PROVE_LOCAL_CACHE/calibration.json (default ~/.cache/prove-local/; XDG_CACHE_HOME is honoured).
 
-Threads by measurement (issue 11): for a small model whose thread count the user did not fix, both
+Threads by measurement: for a small model whose thread count the user did not fix, both
 1 thread and all cores are measured and the faster t(1)+t(4) wins; `recheck_threads` repeats that
 choice on a live context when passes suddenly cost many times their t(n) (a loaded machine).
 

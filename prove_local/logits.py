@@ -1,5 +1,5 @@
 """What the decoding rules read from rows of logits, computed without copying the rows and touching
-each one as few times as its question needs (issue 20: a 151,936-token row is 600 kB).
+each one as few times as its question needs (a 151,936-token row is 600 kB).
 
 - `row_stats(logits, exp_rows)`: the argmax and maximum of every row (one pass each), and the
   softmax normaliser sum(exp(row - max)) of the rows in `exp_rows` only (one exp pass and one sum

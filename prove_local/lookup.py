@@ -31,11 +31,10 @@ What this absorbs, and from where:
 
 What the planner drafts (`offer`, `propose_supported`) is the copy cut at its first slot that the
 n-gram statistics do not back: a slot is *supported* when its token is the dominant follower, by
-llama.cpp's thresholds, of the longest n-gram that ends just before it. On the copy-heavy prompts
-(scripts/data/copy_*.jsonl, SmolLM2's greedy answers replayed one token at a time,
-scripts/lookup_replay.py) slots the statistics back were accepted 97 % of the time and the rest
-41 % (the varying field of a record, a word the model changes): on a CPU, where a drafted token
-costs most of a pass, that cut is the difference between a draft that pays and one that does not.
+llama.cpp's thresholds, of the longest n-gram that ends just before it. Slots the statistics back
+are accepted far more often than the rest (the varying field of a record, a word the model changes;
+measured with scripts/lookup_replay.py, docs/lookup.md): on a CPU, where a drafted token costs most
+of a pass, that cut is the difference between a draft that pays and one that does not.
 `propose(k)` is the plain copy (forced `--lookup K`).
 
 Each drafted slot carries a score (m + j - 1) / (m + j) for slot j of a match of m tokens: Laplace's

@@ -5,9 +5,8 @@ Objective: expected committed tokens per second. Per cycle the planner
     lossless/prove/mars, or the draft length k of spec, or a plain `ar` cycle when no width is
     expected to beat one token per one-token pass;
   * after a lossless proposal pass, seeing p̃ of every slot, picks how many proposed tokens to verify
-    (the p-min idea of llama.cpp's --spec-draft-p-min, driven by cost instead of a fixed threshold:
-    ggerganov in llama.cpp #22673 notes varying the batch is cheap on a CPU; see
-    ../shared/notes/anchors-sampling-server-planner.md).
+    (the p-min idea of llama.cpp's --spec-draft-p-min, driven by cost instead of a fixed threshold;
+    llama.cpp's common/speculative.cpp stops drafting below p_min).
 
 What it knows:
   * pass costs t(n) per role from calibrate.py, rescaled online by what the passes really cost
@@ -19,9 +18,9 @@ What it knows:
 Like vLLM PR #44336's goodput(K) = E[accepted](K) / cost(K), but with the measured curve of this
 machine, per-slot rates, an ε-greedy exploration that keeps the statistics of unused widths fresh
 (within a regret budget: what explorations lose stays under 1 % of the time) and hysteresis so that the
-choice does not flap. While plain ar is the choice, the planner costs ~1 µs per cycle (quiet runs). On this 2-core CPU t(16)/t(1) is 4-10
-(../shared/notes/llama-cpp-build.md), so B = 2-3 is the sweet spot; on a GPU the curve is flat and the
-full block wins.
+choice does not flap. While plain ar is the choice, the planner hands out quiet runs of ar cycles and
+does almost no work per cycle. On a CPU a pass of n tokens costs nearly n one-token passes, so narrow
+blocks or ar win; on a GPU the curve is flat and the full block wins (measured: docs/planner.md).
 
 The verify choice is a marginal one: the proposal pass is paid, so verify width v maximises
 E[tokens committed | p̃, v] - R * t(v), with R the planned rate in tokens per second (the opportunity

@@ -18,7 +18,7 @@ would mean copying and rewinding sampler state per slot. Float64 because the rat
 probabilities must not underflow (a float16 q auto-accepts: lablup/mlxcel PR #992), and q must be
 the processed one the token was drawn from (raw q: HF transformers bug #47932, TV error 0.05).
 
-Cost per row (issue 20): with top-k on, the row is read once (the maxima of strided groups,
+Cost per row (a Qwen vocabulary's row is 600 kB): with top-k on, the row is read once (the maxima of strided groups,
 logits.top_candidates) and only the k candidates (k + the penalised tokens with a repetition
 penalty) are converted to float64, sorted and normalised; drawing, the ratio test and the residual
 work on those few. Only top-k off (0) needs the normaliser of the whole vocabulary: one float64

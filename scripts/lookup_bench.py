@@ -95,7 +95,7 @@ def one_run(engine, runs: dict, name: str, p: dict, args, model_path: str) -> di
 
 def first_difference(model: Model, prompt: list[int], a: list[int], b: list[int], threads: int) -> dict | None:
     """Where two greedy outputs part, and the logit gap of the two candidates there (a near-tie on
-    quantized weights is llama.cpp's batch rounding, README "Exactness on quantized weights")."""
+    quantized weights is llama.cpp's batch rounding, docs/design.md "Exactness on quantized weights")."""
     if a == b:
         return None
     i = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))

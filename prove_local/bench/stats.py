@@ -515,7 +515,7 @@ def distribution_check(reference: dict, outputs: dict, positions: int = 8, min_c
                       "summed over prompts, Bonferroni over positions"}
 
 
-# ------------------------------------------------------------ comparison at equal error (issue 16)
+# ------------------------------------------------------------ comparison at equal error
 def error_points(sweep: list[dict], kind: str = "divergence", ar_accuracy: float | None = None) -> list[dict]:
     """(θ, error, tokens per cycle) of each `prove` run of a θ sweep (results.json "theta_sweep").
     kind "divergence": share of prompts whose output differs from `ar`'s (1 − exact_match_vs_ar);

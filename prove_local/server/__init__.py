@@ -1,8 +1,7 @@
 """`prove-local serve`: an OpenAI-compatible HTTP server on the same engine, with the ProVe cycle
 statistics in every response.
 
-Endpoints (as llama.cpp's tools/server names them, see shared/notes/anchors-sampling-server-planner.md,
-"OpenAI-compatible server"): GET /health (503 while the models load, then 200 {"status": "ok"}),
+Endpoints (as llama.cpp's tools/server names them, tools/server/README.md in llama.cpp): GET /health (503 while the models load, then 200 {"status": "ok"}),
 GET /v1/models (OpenAI list format), POST /v1/chat/completions, POST /v1/completions, GET /metrics
 (Prometheus text). Every generation is a projection of the engine's Cycle events.
 
@@ -17,7 +16,7 @@ The package, by concern (as llama-cpp-python's server splits app, settings, type
     stops.py      stop strings on streamed text
     metrics.py    GET /metrics counters
     errors.py     OpenAI-style error answers
-How a request flows through them: README "How a request flows".
+How a request flows through them: docs/design.md, "How a request flows".
 
 What we take from llama.cpp's server: /health and /metrics (with its `llamacpp:spec_decode_*`
 counters), --parallel slots, --api-key-file, the 127.0.0.1 default, the `timings` object (with
