@@ -12,6 +12,7 @@ import pytest
 from prove_local.chat import Conversation, clean_text
 from prove_local.cli import json_line, main
 from prove_local.llama import Model
+from tests.signals import default_sigint
 from tests.tiny import tiny_gguf
 
 
@@ -141,7 +142,7 @@ def test_interactive_chat_survives_ctrl_c(model_path):
         [sys.executable, "-u", "-m", "prove_local.cli", "run", str(model_path), "-n", "3000", "--ctx", "4096",
          "--threads", "1", "--no-color"],
         stdin=subprocess.PIPE, stdout=write_end, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=default_sigint)  # (also when run in the background)
     os.close(write_end)
     try:
         started, go_on = threading.Event(), threading.Event()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from prove_local.cli import main
+from tests.signals import default_sigint
 from tests.tiny import make_checkpoint, tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +56,7 @@ def test_a_signal_during_quantize_stops_it_and_keeps_the_old_output(tmp_path, si
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PROVE_TEST_QUANTIZE_DELAY": "600"}   # hold the quantizer
     proc = subprocess.Popen([sys.executable, "-m", "prove_local.cli", "convert", str(ckpt), "-o", str(out),
                              "--outtype", "q4_k_m"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+                            env=env, preexec_fn=default_sigint)     # SIGINT reaches it even from a background run
     try:
         for line in proc.stderr:                # wait (bounded by the quantizer's delay) for the quantize step
             if "quantizing to Q4_K_M" in line:
