@@ -16,7 +16,7 @@ over --cycles cycles after a warm-up. Random weights make the logits and accepta
 not the cost: what a cycle does with its rows is the same.
 
 --ar-vs: `ar` tokens/s on the embedded proposer against llama.cpp's own greedy C++ loop
-(scripts/ar_loop.cpp, built against the vendored llama.cpp: README, "Host cost per cycle") on the same
+(dev/ar_loop.cpp, built against the vendored llama.cpp: docs/bench.md, "Host cost per cycle") on the same
 model, threads and KV type, and llama-bench's tg128 with --llama-bench (--kv f16: it has no F32 cache).
 
 share = 1 - Σ cycle.decode_seconds / Σ cycle.seconds over all cycles of a mode (prompt prefill
@@ -162,7 +162,7 @@ def vocab_table(vocab: int = 151936, threads: int | None = 2, cycles: int = 48, 
 def ar_vs_llama(loop_bin: str, bench_bin: str | None, threads: int, n: int, n_prompts: int, rounds: int,
                 kv: str = "f32") -> dict:
     """`ar` on the embedded proposer (F32; `prove-local run` gives it an F32 KV cache) against
-    llama.cpp's own greedy loop (scripts/ar_loop.cpp) on the same model, threads, KV type, prompts and
+    llama.cpp's own greedy loop (dev/ar_loop.cpp) on the same model, threads, KV type, prompts and
     token count, interleaved; and llama-bench's tg128 (decode only, no sampling; it has no F32 KV
     cache, so only with --kv f16) when given. Flash attention off on every side. Decoding time only:
     our cycles' seconds, the loop's time after its prefill."""
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=151936, help="vocabulary of --vocab-table's models")
     ap.add_argument("--cycles", type=int, default=48, help="cycles per run of --vocab-table")
     ap.add_argument("--ar-vs", metavar="AR_LOOP", help="compare `ar` on the embedded proposer with llama.cpp's own "
-                                                      "greedy loop, this binary (scripts/ar_loop.cpp) instead")
+                                                      "greedy loop, this binary (dev/ar_loop.cpp) instead")
     ap.add_argument("--llama-bench", metavar="BIN", help="with --ar-vs: also llama-bench's tg128 on the same model")
     ap.add_argument("--rounds", type=int, default=3, help="with --ar-vs: rounds over the prompts")
     ap.add_argument("--kv", default="f32", choices=("f32", "f16"), help="with --ar-vs: the KV cache type of both sides")

@@ -4,7 +4,7 @@ drafts off, at the given temperatures, over GSM8K dev prompts and several seeds 
 prompts and seeds for both samplers). Tokens per cycle depend on the logits only, not on the
 machine's speed; run it under `flock -x /tmp/cpu.lock` anyway on a shared machine.
 
-    python scripts/coupled_bench.py --data shared/datasets/gsm8k/test_dev.jsonl --limit 20 --seeds 3
+    python dev/coupled_bench.py --data shared/datasets/gsm8k/test_dev.jsonl --limit 20 --seeds 3
 """
 from __future__ import annotations
 

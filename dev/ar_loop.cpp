@@ -1,12 +1,12 @@
 // llama.cpp's own greedy decoding loop, as examples/simple/simple.cpp writes it, with the thread count and
-// KV cache type that prove-local's `ar` uses, for the per-token overhead comparison of issue 20 (README,
+// KV cache type that prove-local's `ar` uses, for the per-token overhead comparison of issue 20 (docs/bench.md,
 // "Host cost per cycle"). Prefill the prompt, then n times: greedy sampler chain on the last row
 // (llama_sampler_sample: llama.cpp's host sampling) and a one-token llama_decode; it does not stop at an
 // end-of-generation token, so every run decodes exactly n tokens. Prints "decoded N tokens in S seconds"
 // and the seconds spent inside llama_decode.
 //
-// Build against the vendored llama.cpp built as in the README:
-//   g++ -O2 -std=c++17 scripts/ar_loop.cpp -I$LL/include -I$LL/ggml/include \
+// Build against the vendored llama.cpp built as in docs/planner.md (the llama.cpp peer):
+//   g++ -O2 -std=c++17 dev/ar_loop.cpp -I$LL/include -I$LL/ggml/include \
 //       $LL/build/src/libllama.a $LL/build/ggml/src/libggml.a $LL/build/ggml/src/libggml-cpu.a \
 //       $LL/build/ggml/src/libggml-base.a -fopenmp -lpthread -o ar_loop
 //   ./ar_loop -m MODEL.gguf -t 1 -ctk f32 -n 256 [-c N_CTX -b N_BATCH] -p "prompt text"

@@ -5,7 +5,7 @@ reports, per mode, the share of prompts whose output differs from AR's and the l
 AR's token and the other token at the first difference (a near-tie: batched evaluation rounds
 differently from one-token evaluation).
 
-    python scripts/batch_divergence.py [MODEL.gguf] --prompts 16 --max-new 64
+    python dev/batch_divergence.py [MODEL.gguf] --prompts 16 --max-new 64
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ embedding and head are single tensors of ~0.6 GB each) into a temporary director
 in a child process, and prints JSON with the checkpoint size and the child's peak RSS
 (getrusage(RUSAGE_CHILDREN).ru_maxrss).
 
-    python scripts/convert_memory_bench.py [--size-gb 2.5] [--outtype f16] [--shard-gb 1.0]
+    python dev/convert_memory_bench.py [--size-gb 2.5] [--outtype f16] [--shard-gb 1.0]
 """
 from __future__ import annotations
 

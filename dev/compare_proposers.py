@@ -4,7 +4,7 @@ proposals at every position of `ar`'s answers, and `lossless` B=16's positional 
 lossless cycle per width, lossless tokens per one-token pass on a flat curve (fixed widths and the
 per-cycle oracle), exactness, answers right and the share of tokens in loops.
 
-    python scripts/compare_proposers.py OLD_BENCH_DIR NEW_BENCH_DIR --out DIR [--names old,new]
+    python dev/compare_proposers.py OLD_BENCH_DIR NEW_BENCH_DIR --out DIR [--names old,new]
 
 Writes DIR/compare.json and DIR/compare.md (atomically) and prints the markdown.
 """

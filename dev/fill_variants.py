@@ -14,7 +14,7 @@ Variants, at block B and lookup length k (where the lookup index has a match; el
   subst     [pending, mask x (B-1)]; slots 2..B replaced by the lookup's continuation after slot 1
             (the exact AR token), then verify B                          (tried here only)
 
-    python scripts/fill_variants.py --limit 30 --block 4 --k 4
+    python dev/fill_variants.py --limit 30 --block 4 --k 4
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=4)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--curve", default="1:1,2:1.6,3:2.2,4:2.8,5:3.3,6:3.8,8:5.5,12:7.6,16:9.8,24:14,32:20",
-                    help="t(n)/t(1) of the CPU curve (n:ratio; default: ../shared/notes/llama-cpp-build.md)")
+                    help="t(n)/t(1) of the CPU curve (n:ratio; default: the embedded proposer on a 2-core CPU, docs/lookup.md)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = Model(EMBEDDED_PROPOSER)

@@ -1,7 +1,7 @@
 """Tokens per cycle and speed of `lossless` against `ar` under a JSON schema (issue 25), on the
 embedded pair: a small extraction task, greedy, answers decoded to the end of the JSON.
 
-    flock -x /tmp/cpu.lock python scripts/bench_structured.py [--threads 1] [--repeats 3]
+    flock -x /tmp/cpu.lock python dev/bench_structured.py [--threads 1] [--repeats 3]
 
 Prints one line per (constraint, mode, block): tokens, cycles, tokens per cycle, tokens/s (the
 median of the repeats; engine.tokens_per_second's definition), and whether the text equals ar's."""

@@ -4,7 +4,7 @@ modes ar,prove): AUC of p̃ / q / p̃·q per θ, and the ProVe paper's compariso
 verifier's θ points; prove_local.bench.stats.at_equal_error), and each verifier's cost ratio
 ρ = t_v(1) / t_p(1) from the bench's pass-cost curves.
 
-    python scripts/compare_verifiers.py OLD_BENCH_DIR NEW_BENCH_DIR --out DIR
+    python dev/compare_verifiers.py OLD_BENCH_DIR NEW_BENCH_DIR --out DIR
 
 Writes DIR/compare.json and DIR/compare.md (atomically) and prints the markdown.
 """

@@ -1,8 +1,8 @@
 """What llama.cpp's experimental backend sampling (llama-cpp-python 0.3.36's vendored llama.cpp) gives
-for a 16-row verify-style pass, and what it costs on this machine (issue 20; README, "Host cost per
+for a 16-row verify-style pass, and what it costs on this machine (issue 20; docs/bench.md, "Host cost per
 cycle").
 
-    python scripts/backend_sampling_probe.py [--vocab 151936] [--rows 16] [--reps 15] [--threads 2]
+    python dev/backend_sampling_probe.py [--vocab 151936] [--rows 16] [--reps 15] [--threads 2]
 
 A sampler chain attached to sequence 0 (`llama_context_params.samplers`, with
 `n_outputs_max_per_seq` = rows) runs inside the graph of every pass; per output row i,
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))   # overhead_bench
 
 import llama_cpp as ll  # noqa: E402
 
