@@ -27,7 +27,36 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--cpu", action="store_true", help="CPU form: small shapes, no offload")
+    ap.add_argument("--work", help="folder for the random GGUFs (default: a new temp folder, removed after)")
+    ap.add_argument("--shapes", help="comma-separated subset of the shapes to measure")
+    ap.add_argument("--n-max", type=int, default=64, help="largest pass length (default 64)")
+    ap.add_argument("--reps", type=int, help="timed passes per n (default 5 on GPU, 3 on CPU)")
+    ap.add_argument("--prefix", type=int, default=512, help="tokens in the cache before each pass (default 512)")
+    ap.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    ap.add_argument("--flash-attn", choices=("off", "on", "both"),
+                    help="flash attention in the pass-cost contexts (default: both on GPU, off on CPU)")
+    ap.add_argument("--proposer", help="proposer GGUF for the pair (default: the embedded one)")
+    ap.add_argument("--verifier", help="verifier GGUF for the pair (default: the embedded one)")
+    ap.add_argument("--max-new", type=int, default=128, help="new tokens per prompt in the pair runs")
+    ap.add_argument("--budget", type=float, default=420, help="seconds; later stages are skipped past it (default 420)")
+    ap.add_argument("--keep", action="store_true", help="keep the random GGUFs")
+    ap.add_argument("--install", help="JSON text describing the install step (from gpu_check.sh)")
+    ap.add_argument("--inflate-shape", help="the stand-in stage: the proposer inflated to this shape (scripts/inflate.py) "
+                                            "with the verifier as partner (default on GPU: qwen2.5-7b; on CPU: none)")
+    ap.add_argument("--inflate-outtype", default="f16", choices=("f32", "f16", "q8_0"),
+                    help="matrix type of the inflated proposer (default f16: 13 GB at the 7B shape)")
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()   # --help and bad arguments end here, before llama.cpp is loaded
+
+
+import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -326,28 +355,7 @@ def gpu_used_mib() -> int | None:
 
 # ------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="JSON file to write")
-    ap.add_argument("--cpu", action="store_true", help="CPU form: small shapes, no offload")
-    ap.add_argument("--work", help="folder for the random GGUFs (default: a new temp folder, removed after)")
-    ap.add_argument("--shapes", help="comma-separated subset of the shapes to measure")
-    ap.add_argument("--n-max", type=int, default=64, help="largest pass length (default 64)")
-    ap.add_argument("--reps", type=int, help="timed passes per n (default 5 on GPU, 3 on CPU)")
-    ap.add_argument("--prefix", type=int, default=512, help="tokens in the cache before each pass (default 512)")
-    ap.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
-    ap.add_argument("--flash-attn", choices=("off", "on", "both"),
-                    help="flash attention in the pass-cost contexts (default: both on GPU, off on CPU)")
-    ap.add_argument("--proposer", help="proposer GGUF for the pair (default: the embedded one)")
-    ap.add_argument("--verifier", help="verifier GGUF for the pair (default: the embedded one)")
-    ap.add_argument("--max-new", type=int, default=128, help="new tokens per prompt in the pair runs")
-    ap.add_argument("--budget", type=float, default=420, help="seconds; later stages are skipped past it (default 420)")
-    ap.add_argument("--keep", action="store_true", help="keep the random GGUFs")
-    ap.add_argument("--install", help="JSON text describing the install step (from gpu_check.sh)")
-    ap.add_argument("--inflate-shape", help="the stand-in stage: the proposer inflated to this shape (scripts/inflate.py) "
-                                            "with the verifier as partner (default on GPU: qwen2.5-7b; on CPU: none)")
-    ap.add_argument("--inflate-outtype", default="f16", choices=("f32", "f16", "q8_0"),
-                    help="matrix type of the inflated proposer (default f16: 13 GB at the 7B shape)")
-    a = ap.parse_args(argv)
+    a = build_parser().parse_args(argv)
 
     t_start = time.monotonic()
     deadline = t_start + a.budget

@@ -29,11 +29,33 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-from prove_local.chat import Conversation
-from prove_local.engine import Engine, Settings, tokens_per_second
-from prove_local.llama import Context, Model
-from prove_local.modes import draft_counts
-from prove_local.planner import widths_histogram
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--data", action="append", default=None,
+                    help="FILE:raw or FILE:chat (default: scripts/data/copy_raw.jsonl:raw and copy_chat.jsonl:chat)")
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--fixed", default="3,8", help="fixed lookup lengths to run too (lossless --lookup K)")
+    ap.add_argument("--llama-lookup", default=None, help="llama.cpp's llama-lookup binary")
+    ap.add_argument("--llama-drafts", default="3,8", help="its --spec-draft-n-max values (3 is its default)")
+    ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="timed rounds of every run per prompt (the order rotates; the median round is reported)")
+    ap.add_argument("--out", required=True)
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()   # --help and bad arguments end here, before llama.cpp is loaded
+
+
+from prove_local.chat import Conversation  # noqa: E402
+from prove_local.engine import Engine, Settings, tokens_per_second  # noqa: E402
+from prove_local.llama import Context, Model  # noqa: E402
+from prove_local.modes import draft_counts  # noqa: E402
+from prove_local.planner import widths_histogram  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -145,21 +167,7 @@ def prompt_tokens(model: Model, p: dict) -> list[int]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--data", action="append", default=None,
-                    help="FILE:raw or FILE:chat (default: scripts/data/copy_raw.jsonl:raw and copy_chat.jsonl:chat)")
-    ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=2048)
-    ap.add_argument("--fixed", default="3,8", help="fixed lookup lengths to run too (lossless --lookup K)")
-    ap.add_argument("--llama-lookup", default=None, help="llama.cpp's llama-lookup binary")
-    ap.add_argument("--llama-drafts", default="3,8", help="its --spec-draft-n-max values (3 is its default)")
-    ap.add_argument("--warmup", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="timed rounds of every run per prompt (the order rotates; the median round is reported)")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = build_parser().parse_args()
 
     model_path = args.model or smollm2()
     model = Model(model_path)

@@ -31,9 +31,26 @@ import statistics
 import sys
 from pathlib import Path
 
-from prove_local.engine import Engine, Settings
-from prove_local.llama import Model
-from prove_local.lookup import NgramIndex
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--data", action="append", default=None,
+                    help="FILE:raw or FILE:chat (default: scripts/data/copy_raw.jsonl:raw and copy_chat.jsonl:chat)")
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rules", default="copy@3,copy@8,backed@3,backed@8,backed@16,vote@3,vote@8")
+    ap.add_argument("--fresh", action="store_true", help="decode the answers again")
+    ap.add_argument("--out", required=True)
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()   # --help and bad arguments end here, before llama.cpp is loaded
+
+
+from prove_local.engine import Engine, Settings  # noqa: E402
+from prove_local.llama import Model  # noqa: E402
+from prove_local.lookup import NgramIndex  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lookup_bench import HERE, bar_plot, load_prompts, prompt_tokens, smollm2  # noqa: E402
@@ -95,16 +112,7 @@ def slot_split(prompt: list[int], answer: list[int], k: int = 8) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--data", action="append", default=None,
-                    help="FILE:raw or FILE:chat (default: scripts/data/copy_raw.jsonl:raw and copy_chat.jsonl:chat)")
-    ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rules", default="copy@3,copy@8,backed@3,backed@8,backed@16,vote@3,vote@8")
-    ap.add_argument("--fresh", action="store_true", help="decode the answers again")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = build_parser().parse_args()
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

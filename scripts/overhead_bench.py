@@ -40,6 +40,36 @@ import tempfile
 import time
 from pathlib import Path
 
+MODES = ("ar", "lossless", "prove", "mars", "spec")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="tiny,embedded,smollm2")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--draft-k", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--profile", metavar="MODE", help="also profile this mode with cProfile")
+    ap.add_argument("--json", metavar="OUT", help="write the figures as JSON")
+    ap.add_argument("--vocab-table", action="store_true",
+                    help="the host-time table on random models with a large vocabulary instead")
+    ap.add_argument("--vocab", type=int, default=151936, help="vocabulary of --vocab-table's models")
+    ap.add_argument("--cycles", type=int, default=48, help="cycles per run of --vocab-table")
+    ap.add_argument("--ar-vs", metavar="AR_LOOP", help="compare `ar` on the embedded proposer with llama.cpp's own "
+                                                      "greedy loop, this binary (dev/ar_loop.cpp) instead")
+    ap.add_argument("--llama-bench", metavar="BIN", help="with --ar-vs: also llama-bench's tg128 on the same model")
+    ap.add_argument("--rounds", type=int, default=3, help="with --ar-vs: rounds over the prompts")
+    ap.add_argument("--kv", default="f32", choices=("f32", "f16"), help="with --ar-vs: the KV cache type of both sides")
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()   # --help and bad arguments end here, before llama.cpp is loaded
+
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))      # gpu_check's write_random_gguf
 
@@ -49,7 +79,6 @@ from prove_local.llama import Model  # noqa: E402
 PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
            "def fibonacci(n):", "The quick brown fox jumps over the lazy dog.", "Weng earns $12 an hour for babysitting.",
            "List three prime numbers.", "for i in range(10):", "Once upon a time", "What is 7 times 8?"]
-MODES = ("ar", "lossless", "prove", "mars", "spec")
 
 
 def tiny_models(tmp: Path):
@@ -212,26 +241,7 @@ def profile(engine, model, mode, max_new, n_prompts, top=18, **kw) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="tiny,embedded,smollm2")
-    ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--draft-k", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--profile", metavar="MODE", help="also profile this mode with cProfile")
-    ap.add_argument("--json", metavar="OUT", help="write the figures as JSON")
-    ap.add_argument("--vocab-table", action="store_true",
-                    help="the host-time table on random models with a large vocabulary (issue 20) instead")
-    ap.add_argument("--vocab", type=int, default=151936, help="vocabulary of --vocab-table's models")
-    ap.add_argument("--cycles", type=int, default=48, help="cycles per run of --vocab-table")
-    ap.add_argument("--ar-vs", metavar="AR_LOOP", help="compare `ar` on the embedded proposer with llama.cpp's own "
-                                                      "greedy loop, this binary (dev/ar_loop.cpp) instead")
-    ap.add_argument("--llama-bench", metavar="BIN", help="with --ar-vs: also llama-bench's tg128 on the same model")
-    ap.add_argument("--rounds", type=int, default=3, help="with --ar-vs: rounds over the prompts")
-    ap.add_argument("--kv", default="f32", choices=("f32", "f16"), help="with --ar-vs: the KV cache type of both sides")
-    a = ap.parse_args(argv)
+    a = build_parser().parse_args(argv)
     if a.ar_vs:
         out = ar_vs_llama(a.ar_vs, a.llama_bench, a.threads, a.max_new, a.prompts, a.rounds, a.kv)
         if a.json:

@@ -40,11 +40,36 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from prove_local.shapes import SHAPES, Shape  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--shape", default="qwen2.5-0.5b", help=f"tiny, or one of {', '.join(SHAPES)} (default qwen2.5-0.5b)")
+    ap.add_argument("--quant", default="q8_0", choices=("q8_0", "q4_k_m", "f16"), help="weights (default q8_0)")
+    ap.add_argument("--servers", type=int, default=2, help="rpc-server processes on loopback (default 2)")
+    ap.add_argument("--threads", type=int, default=1, help="threads of the client and of each server (default 1)")
+    ap.add_argument("--ns", default="1,2,4,8,16,32", help="pass widths (default 1,2,4,8,16,32)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per width (default 3)")
+    ap.add_argument("--prompts", type=int, default=3, help="prompts for tokens/s (default 3)")
+    ap.add_argument("--max-new", type=int, default=32, help="new tokens per prompt (default 32)")
+    ap.add_argument("--block", type=int, default=8, help="lossless block (default 8)")
+    ap.add_argument("--n-gpu-layers", type=int, default=-1,
+                    help="layers on the servers (default -1: all and the output head; the number of layers "
+                         "keeps the output head local, so logits do not cross the network)")
+    ap.add_argument("--work", help="folder for the GGUF and server logs (default: a temp folder)")
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()   # --help and bad arguments end here, before llama.cpp is loaded
+
+
 from prove_local import rpc  # noqa: E402
 from prove_local.bench.runner import measure_pass_cost  # noqa: E402
 from prove_local.engine import Engine, Settings, summarize  # noqa: E402
 from prove_local.llama import Model  # noqa: E402
-from prove_local.shapes import SHAPES, Shape  # noqa: E402
 
 TINY = Shape(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=4096, tied=False)
 
@@ -143,22 +168,7 @@ def speeds(model: Model, threads: int, prompts: list[list[int]], max_new: int, b
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="JSON file to write")
-    ap.add_argument("--shape", default="qwen2.5-0.5b", help=f"tiny, or one of {', '.join(SHAPES)} (default qwen2.5-0.5b)")
-    ap.add_argument("--quant", default="q8_0", choices=("q8_0", "q4_k_m", "f16"), help="weights (default q8_0)")
-    ap.add_argument("--servers", type=int, default=2, help="rpc-server processes on loopback (default 2)")
-    ap.add_argument("--threads", type=int, default=1, help="threads of the client and of each server (default 1)")
-    ap.add_argument("--ns", default="1,2,4,8,16,32", help="pass widths (default 1,2,4,8,16,32)")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions per width (default 3)")
-    ap.add_argument("--prompts", type=int, default=3, help="prompts for tokens/s (default 3)")
-    ap.add_argument("--max-new", type=int, default=32, help="new tokens per prompt (default 32)")
-    ap.add_argument("--block", type=int, default=8, help="lossless block (default 8)")
-    ap.add_argument("--n-gpu-layers", type=int, default=-1,
-                    help="layers on the servers (default -1: all and the output head; the number of layers "
-                         "keeps the output head local, so logits do not cross the network)")
-    ap.add_argument("--work", help="folder for the GGUF and server logs (default: a temp folder)")
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
 
     from gpu_check import write_random_gguf
 

@@ -4,6 +4,7 @@
 #   scripts/slim_llama_sdist.sh llama_cpp_python-0.3.36.tar.gz OUT_DIR   ->  OUT_DIR/llama_cpp_python-0.3.36-slim.tar.gz
 # Get the sdist where PyPI is reachable: pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36
 set -euo pipefail
+case "${1:-}" in -h|--help|"") sed -n '2,5p' "$0"; [ -n "${1:-}" ]; exit ;; esac
 SDIST=$(realpath "$1"); OUT=$(realpath -m "$2")
 mkdir -p "$OUT"
 TMP=$(mktemp -d); trap 'rm -rf "$TMP"' EXIT

@@ -25,16 +25,34 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cycles", type=int, default=10_000, help="cycles to run in all (default 10000)")
+    p.add_argument("--out", default="soak.json", help="JSON summary (written atomically; default soak.json)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new", type=int, default=64, help="max new tokens per request (default 64)")
+    p.add_argument("--check-every", type=int, default=10,
+                   help="compare with a fresh decode by hand (greedy, or coupled samples of the seed) every N requests of each exact mode (default 10)")
+    p.add_argument("--rss-every", type=int, default=200, help="VmRSS sample every N cycles (default 200)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    return p
 
-from prove_local.chat import Conversation
-from prove_local.engine import Engine, Settings
-from prove_local.sampling import Sampler
-from prove_local.errors import ContextFull
-from prove_local.files import write_atomic
-from prove_local.llama import Context, Model
-from prove_local.loading import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER
-from prove_local.modes import MODES
+
+if __name__ == "__main__":
+    build_parser().parse_args()   # --help and bad arguments end here, before llama.cpp is loaded
+
+
+import numpy as np  # noqa: E402
+
+from prove_local.chat import Conversation  # noqa: E402
+from prove_local.engine import Engine, Settings  # noqa: E402
+from prove_local.sampling import Sampler  # noqa: E402
+from prove_local.errors import ContextFull  # noqa: E402
+from prove_local.files import write_atomic  # noqa: E402
+from prove_local.llama import Context, Model  # noqa: E402
+from prove_local.loading import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER  # noqa: E402
+from prove_local.modes import MODES  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "prove_local" / "train" / "data" / "gsm8k_train.jsonl"
 FOLLOW_UPS = ["Explain the last step again.", "Are you sure? Check it.", "What if the numbers were doubled?"]
@@ -194,17 +212,7 @@ def soak(cycles: int, *, seed: int = 0, max_new: int = 64, check_every: int = 10
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cycles", type=int, default=10_000, help="cycles to run in all (default 10000)")
-    p.add_argument("--out", default="soak.json", help="JSON summary (written atomically; default soak.json)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new", type=int, default=64, help="max new tokens per request (default 64)")
-    p.add_argument("--check-every", type=int, default=10,
-                   help="compare with a fresh decode by hand (greedy, or coupled samples of the seed) every N requests of each exact mode (default 10)")
-    p.add_argument("--rss-every", type=int, default=200, help="VmRSS sample every N cycles (default 200)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     res = soak(args.cycles, seed=args.seed, max_new=args.max_new, check_every=args.check_every,
                rss_every=args.rss_every, threads=args.threads, progress=not args.quiet)
     write_atomic(Path(args.out), json.dumps(res, indent=1) + "\n")
