@@ -161,19 +161,63 @@ def sources(cycle) -> list[str]:
     return [of(cycle.plan).source or "mask"] * len(cycle.proposed)
 
 
-def draft_counts(cycles) -> dict[str, tuple[int, int]]:
-    """Tokens proposed and accepted per source ("mask", "lookup", "draft") over cycles that proposed
-    (llama.cpp's draft_n / draft_n_accepted, split by where the drafts came from). A slot is accepted
-    when it lies in the cycle's accepted run (committed[:n_accepted])."""
-    out: dict[str, list[int]] = {}
-    for c in cycles:
-        if not c.plan.proposes:
+def drafted_slots(cycle) -> list[tuple[int, str]]:
+    """The proposed slots of a cycle that are drafts, as (index in cycle.proposed, source), in order.
+
+    A draft is a token guessed before the target has scored its prefix: lookup tokens, a draft
+    model's tokens, and the MARS slots after the first. Slot 1 of a MARS block (the first "mask"
+    slot: the block's own first slot, or the one after a filled proposal's lookup tokens) is read
+    from the ordinary next-token row, i.e. it is the model's own token, not a draft; llama-server
+    counts only drafted tokens in draft_n and `llamacpp:spec_decode_*`, and so do we. A rule whose
+    slot 1 is not read from the model's own next-token row (a proposal through a gated adapter) is
+    a draft there and must not label it "mask". The planner's plain ar cycles propose nothing."""
+    if not cycle.plan.proposes:
+        return []
+    out, seen_mask = [], False
+    for i, src in enumerate(sources(cycle)):
+        if src == "mask" and not seen_mask:
+            seen_mask = True                # slot 1 of the MARS block: the model's own token
             continue
-        for i, src in enumerate(sources(c)):
+        out.append((i, src))
+    return out
+
+
+class Drafts(dict):
+    """source ("mask", "lookup", "draft") -> (drafted, accepted), with the totals over sources as
+    llama.cpp's draft_n / draft_n_accepted, and the cycle and position counts of llama-server's
+    `llamacpp:spec_decode_*` counters."""
+
+    def __init__(self, by_source: dict[str, tuple[int, int]], n_drafts: int, accepted_by_pos: dict[int, int]):
+        super().__init__(by_source)
+        self.n_drafts = n_drafts                    # cycles with at least one drafted token
+        self.accepted_by_pos = accepted_by_pos      # position in the cycle's draft (0: first) -> accepted
+
+    @property
+    def drafted(self) -> int:
+        return sum(n for n, _ in self.values())
+
+    @property
+    def accepted(self) -> int:
+        return sum(a for _, a in self.values())
+
+
+def draft_counts(cycles) -> Drafts:
+    """Drafted and accepted tokens per source over cycles (drafted_slots: slot 1 of a MARS block is
+    not a draft). A drafted slot is accepted when it lies in the cycle's accepted run
+    (committed[:n_accepted]). The one count behind `--json`'s drafts, the server's draft_n and
+    /metrics, the UI and the bench."""
+    out: dict[str, list[int]] = {}
+    n_drafts, by_pos = 0, {}
+    for c in cycles:
+        slots = drafted_slots(c)
+        n_drafts += bool(slots)
+        for pos, (i, src) in enumerate(slots):
             n = out.setdefault(src, [0, 0])
             n[0] += 1
-            n[1] += i < c.n_accepted
-    return {k: (v[0], v[1]) for k, v in out.items()}
+            if i < c.n_accepted:
+                n[1] += 1
+                by_pos[pos] = by_pos.get(pos, 0) + 1
+    return Drafts({k: (v[0], v[1]) for k, v in out.items()}, n_drafts, by_pos)
 
 
 def get(name: str) -> Mode:

@@ -230,7 +230,7 @@ def test_completions_and_prove_mode(client, local):
     p = check_stats(pv, mode="prove")
     assert pv.choices[0].text == local.complete("Hello world", 20)[1]
     assert p["n_cycles"] == 20 and p["block"] == 8 and set(p["passes"]) == {"proposer", "verifier"}
-    assert p["draft_n"] == 8 * 20 and p["draft_n_accepted"] == 20
+    assert p["draft_n"] == 7 * 20 and p["draft_n_accepted"] == 0      # slot 1 of each block is no draft
 
 
 def test_lookup_drafts_over_the_api(client, local, server):
@@ -573,10 +573,12 @@ def test_health_is_503_while_loading():
 
 def test_draft_counts_leave_out_the_planners_ar_cycles():
     from prove_local.rules import Cycle, Plan
-    from prove_local.server import draft_counts
+    from prove_local.modes import draft_counts
     block = Cycle([1, 2, 3, 4], [.9] * 4, [.9] * 4, [1, 2, 7], 2, {"proposer": 2}, widths={"proposer": [4, 4]},
                   plan=Plan("lossless", 4))
     ar = Cycle([5], [.9], None, [5], 1, {"proposer": 1}, widths={"proposer": [1]})    # (plan: ar)
-    assert draft_counts([block, ar, ar]) == (4, 2)
-    assert draft_counts([ar]) == (0, 0)
+    d = draft_counts([block, ar, ar])
+    assert (d.drafted, d.accepted, d.n_drafts) == (3, 1, 1)        # slots 2..4 drafted, slot 2 accepted
+    d = draft_counts([ar])
+    assert (d.drafted, d.accepted, d.n_drafts) == (0, 0, 0)
 

@@ -30,9 +30,9 @@ package's __init__ and cli.py do not import app.py, schemas.py or responses.py.
 """
 from ..hosts import is_loopback
 from .cli import add_parser, cmd_serve, exposure_warning, read_api_keys
-from .metrics import Metrics, draft_counts
+from .metrics import Metrics
 from .state import State
 from .stops import StopText
 
-__all__ = ["add_parser", "cmd_serve", "draft_counts", "exposure_warning", "is_loopback", "Metrics",
+__all__ = ["add_parser", "cmd_serve", "exposure_warning", "is_loopback", "Metrics",
            "read_api_keys", "State", "StopText"]

@@ -15,7 +15,6 @@ from .. import modes, planner
 from ..engine import TextStream, summarize
 from ..errors import ProveError
 from .errors import ApiError
-from .metrics import draft_counts
 from .stops import StopText
 
 log = logging.getLogger("prove_local.server")
@@ -130,7 +129,7 @@ class Job:
         seconds = self.request.decode_seconds if self.request is not None else 0.0
         s = summarize(self.cycles, seconds)
         mode = modes.MODES[self.settings.mode]
-        d_n, d_acc = draft_counts(self.cycles)
+        drafts = modes.draft_counts(self.cycles)
         prefill = self.request.prefill if self.request is not None else (0, 0.0)
         return {
             "mode": self.settings.mode,
@@ -139,12 +138,12 @@ class Job:
             "widths": planner.widths_histogram(self.cycles),
             "draft_k": self.settings.draft_k if mode.width == "draft_k" else None,
             "lookup": (self.request.lookup if self.request is not None else self.settings.lookup) if mode.lookup else None,
-            "drafts": {src: {"drafted": n, "accepted": a} for src, (n, a) in modes.draft_counts(self.cycles).items()},
+            "drafts": {src: {"drafted": n, "accepted": a} for src, (n, a) in drafts.items()},
             "n_cycles": s["n_cycles"],
             "tokens_per_cycle": round(s["tokens_per_cycle"], 4),
             "passes": s["n_passes"],
-            "draft_n": d_n,
-            "draft_n_accepted": d_acc,
+            "draft_n": drafts.drafted,
+            "draft_n_accepted": drafts.accepted,
             "decode_seconds": {r: round(t, 6) for r, t in s["decode_seconds"].items()},
             "seconds": round(seconds, 6),
             "tokens_per_second": round(s["tokens_per_second"], 3),
@@ -166,8 +165,9 @@ class Job:
         (the last prompt token is evaluated in the first cycle, as llama-server evaluates it with the
         prompt: a difference of one token's pass); predicted_n the generated tokens, predicted_ms the
         decode time (engine.tokens_per_second's, so predicted_per_second is the `prove` object's
-        tokens_per_second); draft_n / draft_n_accepted the proposed and accepted tokens, present, as
-        in llama-server, only when something was proposed."""
+        tokens_per_second); draft_n / draft_n_accepted the drafted and accepted tokens
+        (modes.draft_counts: slot 1 of a MARS block is no draft), present, as in llama-server, only
+        when something was drafted."""
         req = self.request
         prompt_n = len(self.prompt) - (req.n_cached if req is not None else 0)
         prompt_ms = (req.prefill[1] if req is not None else 0.0) * 1e3
@@ -183,9 +183,9 @@ class Job:
             "predicted_per_token_ms": round(predicted_ms / predicted_n, 3) if predicted_n else 0.0,
             "predicted_per_second": round(predicted_n / predicted_ms * 1e3, 3) if predicted_ms > 0 else 0.0,
         }
-        d_n, d_acc = draft_counts(self.cycles)
-        if d_n > 0:
-            out["draft_n"], out["draft_n_accepted"] = d_n, d_acc
+        drafts = modes.draft_counts(self.cycles)
+        if drafts.drafted > 0:
+            out["draft_n"], out["draft_n_accepted"] = drafts.drafted, drafts.accepted
         return out
 
     def usage(self) -> dict:

@@ -1,6 +1,9 @@
 """GET /metrics: counters over every generation and request, in Prometheus' text format: our own
-`prove_*` names, and llama-server's speculative-decoding counters under its names
-(`llamacpp:spec_decode_*`, llama.cpp PR #26389, after vLLM's `vllm:spec_decode_*`)."""
+`prove_*` names, and llama-server's speculative-decoding counters under its names and meanings
+(`llamacpp:spec_decode_*`, llama.cpp PR #26389, after vLLM's `vllm:spec_decode_*`). Drafted tokens
+are what modes.draft_counts counts: lookup tokens, a draft model's tokens and the MARS slots after
+the first; slot 1 of a lossless / prove / mars block is the model's own token and is no draft, so
+accepted ÷ drafted here is the acceptance rate llama-server reports."""
 from __future__ import annotations
 
 import threading
@@ -21,8 +24,8 @@ class Metrics:
         self.passes: dict[str, int] = {}
         self.decode_seconds: dict[str, float] = {}
         self.drafts: dict[str, list[int]] = {}              # source -> [drafted, accepted]
-        self.n_drafts = 0                                   # cycles that proposed (llama.cpp's drafts)
-        self.accepted_by_pos: dict[int, int] = {}           # proposed slot index -> times accepted
+        self.n_drafts = 0                                   # cycles that drafted (llama.cpp's drafts)
+        self.accepted_by_pos: dict[int, int] = {}           # position in a cycle's draft -> times accepted
 
     def request(self, endpoint: str, status: int) -> None:
         with self.lock:
@@ -42,17 +45,16 @@ class Metrics:
                     self.passes[r] = self.passes.get(r, 0) + n
                 for r, t in c.decode_seconds.items():
                     self.decode_seconds[r] = self.decode_seconds.get(r, 0.0) + t
-            for c in job.cycles:
-                if c.plan.proposes:              # as modes.draft_counts: the planner's ar cycles propose nothing
-                    self.n_drafts += 1
-                    for i in range(min(c.n_accepted, len(modes.sources(c)))):
-                        self.accepted_by_pos[i] = self.accepted_by_pos.get(i, 0) + 1
-            for src, (n, acc) in modes.draft_counts(job.cycles).items():
-                d = self.drafts.setdefault(src, [0, 0])
-                d[0] += n
-                d[1] += acc
-                self.draft_n += n
-                self.draft_n_accepted += acc
+            d = modes.draft_counts(job.cycles)
+            self.n_drafts += d.n_drafts
+            for pos, n in d.accepted_by_pos.items():
+                self.accepted_by_pos[pos] = self.accepted_by_pos.get(pos, 0) + n
+            for src, (n, acc) in d.items():
+                s = self.drafts.setdefault(src, [0, 0])
+                s[0] += n
+                s[1] += acc
+            self.draft_n += d.drafted
+            self.draft_n_accepted += d.accepted
 
     def render(self, pool_stats: dict | None) -> str:
         out: list[str] = []
@@ -79,13 +81,14 @@ class Metrics:
                    [({"slot": s}, n) for s, n in sorted(self.accepted_by_slot.items())])
             metric("slot_tokens_total", "counter", "tokens committed per engine slot",
                    [({"slot": s}, n) for s, n in sorted(self.tokens_by_slot.items())])
-            metric("draft_n_total", "counter", "tokens proposed or drafted (llama.cpp's draft_n)", [({}, self.draft_n)])
-            metric("draft_n_accepted_total", "counter", "proposed or drafted tokens accepted (draft_n_accepted)",
+            metric("draft_n_total", "counter", "tokens drafted (llama.cpp's draft_n; slot 1 of a MARS block is none)",
+                   [({}, self.draft_n)])
+            metric("draft_n_accepted_total", "counter", "drafted tokens accepted (draft_n_accepted)",
                    [({}, self.draft_n_accepted)])
-            metric("drafts_total", "counter", "tokens proposed, by source (mask: MARS slots, lookup: copied from "
-                   "the prompt and answer, draft: a draft model)",
+            metric("drafts_total", "counter", "tokens drafted, by source (mask: MARS slots after the first, "
+                   "lookup: copied from the prompt and answer, draft: a draft model)",
                    [({"source": s}, d[0]) for s, d in sorted(self.drafts.items())])
-            metric("drafts_accepted_total", "counter", "proposed tokens accepted, by source",
+            metric("drafts_accepted_total", "counter", "drafted tokens accepted, by source",
                    [({"source": s}, d[1]) for s, d in sorted(self.drafts.items())])
             metric("passes_total", "counter", "forward passes (llama_decode calls) per model",
                    [({"model": r}, n) for r, n in sorted(self.passes.items())])
@@ -93,14 +96,14 @@ class Metrics:
                    [({"model": r}, round(t, 6)) for r, t in sorted(self.decode_seconds.items())])
             # llama-server's names (the same counts as draft_n_total / draft_n_accepted_total above)
             ll = "llamacpp:"
-            metric("spec_decode_num_drafts_total", "counter", "cycles that proposed tokens (drafts)",
+            metric("spec_decode_num_drafts_total", "counter", "drafts: cycles that drafted at least one token",
                    [({}, self.n_drafts)], ll)
-            metric("spec_decode_num_draft_tokens_total", "counter", "tokens proposed or drafted",
+            metric("spec_decode_num_draft_tokens_total", "counter", "drafted tokens",
                    [({}, self.draft_n)], ll)
-            metric("spec_decode_num_accepted_tokens_total", "counter", "proposed or drafted tokens accepted",
+            metric("spec_decode_num_accepted_tokens_total", "counter", "drafted tokens accepted",
                    [({}, self.draft_n_accepted)], ll)
             metric("spec_decode_num_accepted_tokens_per_pos_total", "counter",
-                   "accepted tokens by their position in the draft (0: the first proposed token)",
+                   "accepted tokens by their position in the draft (0: the first drafted token)",
                    [({"position": i}, n) for i, n in sorted(self.accepted_by_pos.items())], ll)
         if pool_stats is not None:
             metric("slots", "gauge", "engines (--parallel)", [({}, pool_stats["slots"])])
@@ -117,12 +120,3 @@ class Metrics:
 def _label(value) -> str:
     """A Prometheus label value, escaped as the text format requires."""
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def draft_counts(cycles) -> tuple[int, int]:
-    """llama.cpp's draft_n / draft_n_accepted for our cycles: the tokens proposed (MARS block slots,
-    lookup drafts, or spec's drafts) and those accepted, all sources together (modes.draft_counts
-    splits them). Plain ar proposes nothing, nor do the plain ar cycles that the planner runs inside
-    another mode (--block auto)."""
-    by_source = modes.draft_counts(cycles).values()
-    return sum(n for n, _ in by_source), sum(a for _, a in by_source)
