@@ -1,7 +1,9 @@
 """constrain.py on the scripted world of tests/fakes.py: a grammar given as a fake (allowed tokens as
-a function of the tokens so far), a proposer that proposes a token the grammar forbids. Every rule
-commits only allowed tokens; the exact ones equal ar under the same grammar, which equals masked
-greedy decoding by its definition; a dead end stops with "grammar"."""
+a function of the tokens so far: after an even token its successor is forbidden, so a state advanced
+over the wrong token masks the wrong successor), a proposer that proposes a token the grammar
+forbids. Every rule commits only allowed tokens; the exact ones equal ar under the same grammar,
+which equals masked greedy decoding by its definition; a dead end stops with "grammar". The negative
+control advances the grammar over a dropped draft and must fail."""
 import numpy as np
 import pytest
 
@@ -38,8 +40,17 @@ class FakeState:
 
 def no_forbidden_no_sevens(seq):
     """Every token but FORBIDDEN and 7 (the scripted model's successor of 6: the mask must move the
-    argmax there), and the mask token."""
-    return set(range(V)) - {FORBIDDEN, 7, MASK}
+    argmax there), and the mask token; and, depending on the tokens so far, after an even token t
+    not t + 1 (the scripted successor): the mask at a position depends on the token before it."""
+    banned = {FORBIDDEN, 7, MASK}
+    if seq and seq[-1] % 2 == 0:
+        banned.add((seq[-1] + 1) % 20)
+    return set(range(V)) - banned
+
+
+def all_allowed(out, rule=no_forbidden_no_sevens) -> bool:
+    """Every token of `out` allowed by `rule` after the tokens before it."""
+    return all(t in rule(tuple(out[:k])) for k, t in enumerate(out))
 
 
 def masked_greedy(prompt, n, rule, model=successor):
@@ -55,7 +66,8 @@ def masked_greedy(prompt, n, rule, model=successor):
 
 def test_forbidden_proposals_are_never_committed_and_lossless_equals_ar():
     want = masked_greedy(PROMPT, 24, no_forbidden_no_sevens)
-    assert 7 not in want and FORBIDDEN not in want
+    assert 7 not in want and FORBIDDEN not in want and all_allowed(want)
+    assert want != masked_greedy(PROMPT, 24, lambda seq: set(range(V)) - {FORBIDDEN, 7, MASK})   # state matters
     g = FakeGrammar(no_forbidden_no_sevens)
     _, ar = run(make_engine(), PROMPT, mode="ar", max_new=24, grammar=g)
     assert ar == want
@@ -72,10 +84,10 @@ def test_forbidden_proposals_are_never_committed_and_lossless_equals_ar():
     ver = FakeContext(verifier(), V)
     cycles, prove = run(make_engine(proposer(wrong=(2,)), verifier=ver), PROMPT, mode="prove", block=4,
                         theta=0.0, max_new=24, grammar=g)
-    assert FORBIDDEN not in prove and 7 not in prove and len(prove) == 24
+    assert all_allowed(prove) and len(prove) == 24
     assert any(c.n_accepted > 1 for c in cycles)            # several slots per cycle were committed
     _, mars = run(make_engine(proposer(wrong=(2,))), PROMPT, mode="mars", block=4, tau=0.0, max_new=24, grammar=g)
-    assert FORBIDDEN not in mars and 7 not in mars and len(mars) == 24
+    assert all_allowed(mars) and len(mars) == 24
 
 
 def test_sampled_rules_commit_only_allowed_tokens():
@@ -83,7 +95,7 @@ def test_sampled_rules_commit_only_allowed_tokens():
     for mode, extra in [("ar", {}), ("lossless", {"block": 4, "lookup": 0}), ("mars", {"block": 4, "tau": 0.0})]:
         _, out = run(make_engine(proposer(wrong=(2,))), PROMPT, mode=mode, max_new=40, temperature=1.0, top_k=0,
                      top_p=1.0, min_p=0.0, seed=5, grammar=g, **extra)
-        assert out and FORBIDDEN not in out and 7 not in out and MASK not in out, mode
+        assert out and all_allowed(out), mode
 
 
 def test_dead_end_stops_with_grammar():
@@ -115,7 +127,7 @@ def test_logprobs_on_fakes_are_the_rows_log_softmax():
     out = [t for t, _, _ in rows["ar"]]
     for k, (t, lp, top) in enumerate(rows["ar"]):
         probs = onehot(V, successor(PROMPT + out[:k]), 0.9)
-        probs[~FakeGrammar(no_forbidden_no_sevens).start().mask()] = 0.0
+        probs[~FakeState(FakeGrammar(no_forbidden_no_sevens), tuple(out[:k])).mask()] = 0.0
         with np.errstate(divide="ignore"):
             ref = np.log(probs / probs.sum())
         assert lp == pytest.approx(ref[t], abs=1e-5)
@@ -132,7 +144,7 @@ def test_forbidden_lookup_draft_is_rejected_by_verification():
     assert free.count(FORBIDDEN) == 12 and any(c.n_accepted for c in cycles)
     cycles, out = run(make_engine(proposer(wrong=(1,))), prompt, mode="lookup", lookup=3, max_new=12, grammar=g)
     assert any(FORBIDDEN in c.proposed for c in cycles)      # proposed, and
-    assert FORBIDDEN not in out                               # never committed
+    assert FORBIDDEN not in out and all_allowed(out)          # never committed
     _, ar = run(make_engine(proposer(wrong=(1,))), prompt, mode="ar", max_new=12, grammar=g)
     assert out == ar
 
@@ -143,17 +155,16 @@ def test_sampled_lossless_under_a_grammar_is_distributed_as_ar():
     from tests.test_sampling import gof
 
     rule = no_forbidden_no_sevens
-    allowed = sorted(rule(()))
 
-    def masked(prefix):
+    def masked(prefix):                          # the grammar's state after the answer's tokens so far
         p = onehot(V, successor(prefix), 0.9)
         keep = np.zeros(V, dtype=bool)
-        keep[allowed] = True
+        keep[sorted(rule(tuple(prefix[len(PROMPT):])))] = True
         p[~keep] = 0.0
         return p / p.sum()
 
     p1 = masked(PROMPT)
-    want = {(a, b): p1[a] * masked(PROMPT + [a])[b] for a in allowed for b in allowed}
+    want = {(a, b): p1[a] * masked(PROMPT + [a])[b] for a in rule(()) for b in rule((a,))}
     g = FakeGrammar(rule)
     samples = []
     for seed in range(3000):
@@ -174,5 +185,44 @@ def test_spec_drafts_follow_the_grammar_and_spec_equals_ar():
         cycles, out = run(make_engine(draft=FakeContext(draft, V)), PROMPT, mode="spec", draft_k=3, lookup=0,
                           max_new=20, grammar=g)
         assert out == want
-        assert all(FORBIDDEN not in c.proposed and 7 not in c.proposed for c in cycles)
+        # each cycle's drafts are allowed after the committed tokens before them
+        assert all(all_allowed(out[:c.start] + c.proposed) for c in cycles)
     assert sum(c.n_accepted for c in cycles) > 0          # the successor-following draft is accepted
+
+
+def end_over_dropped_draft(end):
+    """A broken Watch.end: the grammar state after a cycle advanced over the first dropped draft
+    (the proposed token where the verify pass disagreed) instead of the committed correction, as a
+    grammar accepted on drafts without a rollback would be."""
+    def broken(self, committed):
+        ok, dead = end(self, committed)
+        fed = [t for t in self._suffix.get("proposer", []) if t != self.mask_token]
+        k = next((i for i, (a, b) in enumerate(zip(fed, committed)) if a != b), None)
+        if k is not None:
+            st = self.state_after(tuple(committed[:k]) + (fed[k],))
+            if st is not None:
+                self.state = st
+        return ok, dead
+    return broken
+
+
+def test_negative_control_a_state_advanced_over_a_dropped_draft_fails(monkeypatch):
+    """The tests above see such a bug: lossless with a proposer whose slot 2 is always wrong (every
+    cycle drops a draft) leaves masked greedy decoding under the token-dependent grammar. A grammar
+    whose masks ignore the tokens so far would not notice."""
+    from prove_local import constrain
+
+    want = masked_greedy(PROMPT, 24, no_forbidden_no_sevens)
+
+    def lossless(rule):
+        _, out = run(make_engine(proposer(wrong=(2,))), PROMPT, mode="lossless", block=4, lookup=0, max_new=24,
+                     grammar=FakeGrammar(rule))
+        return out
+
+    assert lossless(no_forbidden_no_sevens) == want
+    monkeypatch.setattr(constrain.Watch, "end", end_over_dropped_draft(constrain.Watch.end))
+    assert lossless(no_forbidden_no_sevens) != want                # the bug shows
+
+    def blind(seq):
+        return set(range(V)) - {FORBIDDEN, 7, MASK}
+    assert lossless(blind) == masked_greedy(PROMPT, 24, blind)     # a token-blind grammar hides it
