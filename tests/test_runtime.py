@@ -77,7 +77,7 @@ def test_spec_with_identical_draft_accepts_everything(models):
     e = Engine.load(prop, draft=draft, **F32)
     cycles, out = generate(e, prop.tokenize("Hello world"), mode="spec", max_new=40, draft_k=4)
     assert all(c.n_accepted == len(c.proposed) for c in cycles[:-1])
-    assert out == generate(e, prop.tokenize("Hello world"), mode="ar", max_new=40)[1]
+    assert out == greedy_ar(prop, prop.tokenize("Hello world"), 40, **F32)
 
 
 def test_prove_theta_zero_commits_whole_blocks(engine, models):
@@ -170,8 +170,7 @@ def test_interrupted_generation_then_next_request(models):
     np.testing.assert_allclose(next_logits(ctx, e.tokens), fresh.eval(e.tokens)[0], rtol=1e-4, atol=1e-3)
     kept = list(e.tokens)
     _, out = generate(e, kept, mode="lossless", max_new=20)
-    _, want = generate(Engine.load(prop, **F32), kept, mode="ar", max_new=20)
-    assert out == want
+    assert out == greedy_ar(prop, kept, 20, **F32)
 
 
 def test_prompt_longer_than_context(models):
@@ -187,8 +186,7 @@ def test_context_fills_up_cleanly(models):
     prompt = prop.tokenize("The cat sat on the mat.")
     cycles, out = generate(e, prompt, mode="lossless", max_new=500, block=8)
     assert cycles[-1].stop == "context" and len(prompt) + len(out) == 64
-    _, ar = generate(e, prompt, mode="ar", max_new=500)
-    assert ar == out
+    assert out == greedy_ar(prop, prompt, 500, **{**F32, "n_ctx": 64})
 
 
 def test_bad_model_files(tmp_path, models):
