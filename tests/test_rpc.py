@@ -27,7 +27,7 @@ from prove_local import rpc
 from prove_local.engine import Engine, Settings
 from prove_local.errors import UsageError
 from prove_local.llama import Context, Model
-from tests.reference import next_logits
+from tests.reference import greedy_ar, next_logits
 from tests.tiny import tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,10 +250,11 @@ def test_layers_are_on_both_servers(models, servers):
 @pytest.mark.parametrize("mode,extra", [("ar", {}), ("lossless", {}), ("lossless", {"block": 5}),
                                         ("spec", {"draft_k": 3})])
 def test_exact_modes_over_rpc_equal_local_ar(models, mode, extra):
-    local, remote = engine(models, "local"), engine(models, "remote")
+    """Every exact mode over RPC equals greedy decoding by hand on a local context (tests/reference.py)."""
+    remote = engine(models, "remote")
     prop = models["local"]
     for p in PROMPTS:
-        want = generate(local, prop.tokenize(p), mode="ar", max_new=48)
+        want = greedy_ar(prop, prop.tokenize(p), 48, **F32)
         got = generate(remote, prop.tokenize(p), mode=mode, max_new=48, **extra)
         assert got == want, (mode, p)
 
@@ -361,8 +362,7 @@ def test_server_killed_mid_generation_then_restarted(tmp_path, paths, models):
     own = [Server(tmp_path).start(), Server(tmp_path).start()]
     procs = []
     try:
-        local = engine(models, "local")
-        want = generate(local, models["local"].tokenize("Hello world"), mode="ar", max_new=48)
+        want = greedy_ar(models["local"], models["local"].tokenize("Hello world"), 48, **F32)
 
         p = harness(paths["prop"], [s.endpoint for s in own], pause=3)
         procs.append(p)
@@ -552,7 +552,7 @@ def test_load_models_puts_only_the_proposer_on_the_servers(paths, servers, model
         assert not any("RPC" in k for k in loaded.draft.placement)
         e = loaded.engine()
         models["contexts"] += e.contexts.values()
-        want = generate(engine(models, "local"), models["local"].tokenize("Hello world"), mode="ar", max_new=24)
+        want = greedy_ar(models["local"], models["local"].tokenize("Hello world"), 24, **F32)
         assert generate(e, models["local"].tokenize("Hello world"), mode="spec", max_new=24, draft_k=3) == want
         with pytest.raises(UsageError, match="--tensor-split has 3 shares for 2 devices"):
             load_models(p.parse_args([str(paths["prop"]), "--rpc", eps, "--tensor-split", "1,1,1"]))
