@@ -74,8 +74,10 @@ def test_forbidden_proposals_are_never_committed_and_lossless_equals_ar():
     for wrong in [(2,), (1, 3), (2, 3, 4)]:
         cycles, lossless = run(make_engine(proposer(wrong=wrong)), PROMPT, mode="lossless", block=4, lookup=0,
                                max_new=24, grammar=g)
-        _, ar_same = run(make_engine(proposer(wrong=wrong)), PROMPT, mode="ar", max_new=24, grammar=g)
-        assert lossless == ar_same, wrong          # the proposer is the target (slot 1 its AR row)
+        # the proposer is the target: its AR row (slot 1) proposes FORBIDDEN when 1 is wrong, whose
+        # masked argmax is the lowest allowed id
+        own = (lambda prefix: FORBIDDEN) if 1 in wrong else successor
+        assert lossless == masked_greedy(PROMPT, 24, no_forbidden_no_sevens, model=own), wrong
         assert FORBIDDEN not in lossless
         if 1 not in wrong:
             assert lossless == want
@@ -145,8 +147,7 @@ def test_forbidden_lookup_draft_is_rejected_by_verification():
     cycles, out = run(make_engine(proposer(wrong=(1,))), prompt, mode="lookup", lookup=3, max_new=12, grammar=g)
     assert any(FORBIDDEN in c.proposed for c in cycles)      # proposed, and
     assert FORBIDDEN not in out and all_allowed(out)          # never committed
-    _, ar = run(make_engine(proposer(wrong=(1,))), prompt, mode="ar", max_new=12, grammar=g)
-    assert out == ar
+    assert out == masked_greedy(prompt, 12, no_forbidden_no_sevens, model=lambda prefix: FORBIDDEN)
 
 
 def test_sampled_lossless_under_a_grammar_is_distributed_as_ar():
