@@ -11,16 +11,23 @@ from prove_local.llama import Context, Model
 F32 = dict(n_ctx=512, n_threads=1, type_k="f32", type_v="f32")
 
 
-def greedy_ar(model: Model, prompt: list[int], max_new: int, **context_options) -> list[int]:
+def greedy_ar(model: Model, prompt: list[int], max_new: int, sampler=None, **context_options) -> list[int]:
     """The greedy continuation of `prompt`: up to `max_new` tokens, ending with an end-of-generation
-    token if one comes first, or where the context is full (as the engine's stops)."""
+    token if one comes first, or where the context is full (as the engine's stops). With a coupled
+    sampler (sampling.CoupledSampler) each token is instead its coupled sample at its absolute
+    position, drawn by the sampler from the processed row of a one-token pass: sampled ar by hand,
+    what every exact mode must commit for that seed (the chain itself is checked in test_sampling)."""
     opts = {**F32, **context_options}
     ctx = Context(model, **opts)
     try:
         logits = ctx.eval(list(prompt))[0]
         out: list[int] = []
         while len(out) < max_new:
-            tok = int(np.argmax(logits))
+            if sampler is None:
+                tok = int(np.argmax(logits))
+            else:
+                prefix = list(prompt) + out
+                tok = int(sampler.draw(sampler.dists(logits[None], prefix)[0], len(prefix)))
             out.append(tok)
             if model.is_eog(tok) or len(prompt) + len(out) >= ctx.n_ctx:
                 break

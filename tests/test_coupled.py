@@ -17,6 +17,7 @@ from prove_local.engine import Engine, Settings
 from prove_local.planner import Costs, Planner
 from prove_local.sampling import CoupledSampler, Row, Sampler, gumbel, uniform
 from tests.fakes import FakeContext
+from tests.reference import greedy_ar
 from tests.test_sampling import (ALPHA, FAKE_SETTINGS, FULL, MASK, PROMPT, QUESTION, TRUNC, V, ar_dist, draft_dist,
                                  exact_ar, exact_pairs, fake_logits, first_tokens, gof, mars_dist, marginal, pair)
 
@@ -263,6 +264,9 @@ def test_sampled_exact_modes_equal_sampled_ar_on_llama_cpp(pair, engine, T, extr
         for seed in (1, 2, 3, 4):
             ar = text(engine, prompt, mode="ar", temperature=T, seed=seed, **extra)
             assert len(ar) == N_NEW or engine.is_eog(ar[-1])
+            if seed == 1:                 # ar itself against sampled ar by hand (tests/reference.py)
+                assert ar == greedy_ar(pair[0], prompt, N_NEW, CoupledSampler(seed, temperature=T, **extra),
+                                       n_ctx=512)
             for label, kw in WIDTHS:
                 gen = engine.generate(prompt, Settings(max_new=N_NEW, temperature=T, seed=seed, **kw, **extra))
                 cycles = list(gen)
