@@ -18,10 +18,11 @@ from .chat import Conversation, clean_text
 from .convert.cli import add_parser as add_convert
 from .engine import Settings, TextStream, seed_note, summarize
 from .errors import ContextFull, ProveError, UsageError
-from .grammar import Grammar, GrammarError
+from .files import read_limited
+from .grammar import MAX_GRAMMAR_FILE, Grammar, GrammarError
 from .llama import Model, gpu_offload_supported
-from .loading import (EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, KV_TYPES, MAX_NEW, TAU, THETA, add_model_args,
-                      add_width_args, load_engine)
+from .loading import (EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, GPU_LAYERS, KV_TYPES, MAX_NEW, TAU, THETA, THREADS,
+                      add_model_args, add_width_args, finite_float, load_engine)
 from .pull import add_parser as add_pull
 from .rpc import add_parser as add_rpc_server
 from .server import add_parser as add_serve      # FastAPI is imported only when `serve` runs
@@ -63,8 +64,8 @@ def read_grammar(args, model):
     if path is None:
         return None
     flag = "--grammar" if args.grammar else "--json-schema"
-    try:
-        text = Path(path).read_text(encoding="utf-8")
+    try:        # a regular file of bounded size: /dev/zero or a FIFO is refused before any read
+        text = read_limited(path, MAX_GRAMMAR_FILE).decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"{flag} {path}: cannot read it ({e})") from None
     try:
@@ -78,7 +79,7 @@ def add_sampling_args(p) -> None:
     g = p.add_argument_group("sampling", "penalties -> temperature -> top-k -> top-p -> min-p; the exact modes "
                              "(lossless, spec, lookup) give ar's sampled text for the seed (coupled sampler)")
     d = sampling
-    g.add_argument("--temp", "--temperature", dest="temperature", type=float, default=d.TEMPERATURE,
+    g.add_argument("--temp", "--temperature", dest="temperature", type=d.temperature_arg, default=d.TEMPERATURE,
                    help=f"temperature (default {d.TEMPERATURE:g}: greedy, every exact mode equals ar token for token)")
     g.add_argument("--top-k", type=int, default=d.TOP_K,
                    help=f"keep the k most probable tokens (default {d.TOP_K}; 0: off)")
@@ -243,6 +244,9 @@ def cmd_run(args) -> int:
 
 
 # ------------------------------------------------------------------------------- calibrate
+MAX_BUDGET = 3600.0     # seconds per model: a measurement, not a soak (nan/inf never ended)
+
+
 def add_calibrate_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="measure (or show) the pass-cost curve t(n) of models as configured",
                        description="Measure t(n), the seconds of one llama_decode of n tokens, for each model "
@@ -250,10 +254,11 @@ def add_calibrate_parser(sub) -> None:
                                    "reads it). Cached curves are shown unless --refresh.")
     p.add_argument("models", nargs="*", metavar="MODEL.gguf", help="GGUF files (default: the embedded pair)")
     p.add_argument("--refresh", action="store_true", help="measure again even when a cached curve exists")
-    p.add_argument("--budget", type=float, default=0.8,
-                   help="seconds per model, shared by the thread counts tried (default 0.8)")
-    p.add_argument("--threads", type=int, help="CPU threads (default: chosen by measurement for small models)")
-    p.add_argument("--n-gpu-layers", type=int, help="layers to offload (default: all when llama.cpp has a GPU backend)")
+    p.add_argument("--budget", type=finite_float(0.0, MAX_BUDGET), default=0.8,
+                   help=f"seconds per model, shared by the thread counts tried, > 0 and <= {MAX_BUDGET:g} (default 0.8)")
+    p.add_argument("--threads", type=THREADS, help="CPU threads (default: chosen by measurement for small models)")
+    p.add_argument("--n-gpu-layers", type=GPU_LAYERS,
+                   help="layers to offload (default: all when llama.cpp has a GPU backend)")
     p.add_argument("--flash-attn", action="store_true")
     p.add_argument("--kv-type", choices=KV_TYPES, help="KV cache type (default: f32 for F32 models, else f16)")
     p.add_argument("--json", action="store_true", help="print the curves as JSON")

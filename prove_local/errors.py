@@ -37,3 +37,8 @@ class MissingExtra(UsageError):
     def __init__(self, extra: str, module: str):
         super().__init__(f"this command needs the '{extra}' extra ({module} is not installed): "
                          f"pip install 'prove-local[{extra}]'")
+
+
+class DeadlineExceeded(ProveError):
+    """A request ran past its deadline (`serve --request-timeout`); checked between cycles and between
+    grammar steps, so that its engine is freed."""

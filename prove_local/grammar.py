@@ -26,19 +26,22 @@ import os
 import re
 import tempfile
 import threading
+import time
 
 import numpy as np
 
 import llama_cpp as ll
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
-from .errors import ProveError
+from .errors import DeadlineExceeded, ProveError
+from .grammar_bounds import BoundError, check_gbnf, check_pattern, nesting, MAX_NESTING
 from .llama import _log_tail
 
 # Bounds on what a request may ask the converter and the parser to build (a schema such as
 # {"minItems": 10**9} expands into a grammar of that many repetitions).
 MAX_SCHEMA_CHARS = 64 * 1024
 MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_GRAMMAR_FILE = 4 * MAX_GRAMMAR_CHARS     # bytes of a --grammar / --json-schema file (UTF-8: <= 4 per character)
 MAX_REPEAT = 1000           # largest minItems/maxItems/minLength/maxLength/min/maxProperties a schema may give
 
 
@@ -81,12 +84,26 @@ class Grammar:
     """GBNF text parsed by llama.cpp for `model`'s vocabulary; `start()` is the state before any
     token. `text` is what was parsed (a schema's GBNF, for the record)."""
 
-    def __init__(self, model, text: str):
+    def __init__(self, model, text: str, *, weigh: bool = True):
+        """`weigh`: refuse nested repetitions too heavy for llama.cpp's parse stacks (grammar_bounds);
+        off for the JSON-schema converter's output, whose patterns and counts are bounded before."""
         if not isinstance(text, str) or not text.strip():
             raise GrammarError("invalid grammar: it is empty")
         if len(text) > MAX_GRAMMAR_CHARS:
             raise GrammarError(f"the grammar has {len(text)} characters; the limit is {MAX_GRAMMAR_CHARS}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise GrammarError(f"invalid grammar: not UTF-8 text (a lone surrogate at character {e.start})") from None
+        try:        # before llama.cpp's parser sees it: a deep nesting overflows its stack (SIGSEGV)
+            if weigh:
+                check_gbnf(text)
+            elif nesting(text) > MAX_NESTING:
+                raise BoundError(f"the grammar nests parentheses more than {MAX_NESTING} levels deep")
+        except BoundError as e:
+            raise GrammarError(f"invalid grammar: {e}") from None
         self.text = text
+        self.deadline: float | None = None      # time.monotonic() past which a step raises DeadlineExceeded
         self.n_vocab = model.n_vocab
         self._root = _parse(model._vocab, text)
         eos = ll.llama_vocab_eos(model._vocab)
@@ -98,11 +115,15 @@ class Grammar:
 
     @classmethod
     def from_schema(cls, model, schema) -> "Grammar":
-        return cls(model, schema_to_gbnf(schema))
+        return cls(model, schema_to_gbnf(schema), weigh=False)
 
     @classmethod
     def json_object(cls, model) -> "Grammar":
-        return cls(model, JSON_GBNF)
+        return cls(model, JSON_GBNF, weigh=False)
+
+    def check_deadline(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise DeadlineExceeded("the request ran past its deadline during a grammar step")
 
     def start(self) -> "GrammarState":
         return GrammarState(self, ll.llama_sampler_clone(self._root))
@@ -138,6 +159,7 @@ class GrammarState:
     def allows(self, token: int) -> bool:
         if self._mask is not None:
             return bool(self._mask[token])
+        self.grammar.check_deadline()
         c = self.grammar._one
         c.buf["id"][0], c.buf["logit"][0] = token, 0.0
         c.arr.size, c.arr.selected, c.arr.sorted = 1, -1, False
@@ -147,6 +169,7 @@ class GrammarState:
     def mask(self) -> np.ndarray:
         """Every token the grammar allows next (an end-of-generation token only where it may end)."""
         if self._mask is None:
+            self.grammar.check_deadline()
             c = self.grammar._all
             c.buf["logit"] = 0.0
             c.arr.size, c.arr.selected, c.arr.sorted = len(c.buf), -1, False
@@ -178,10 +201,14 @@ def schema_to_gbnf(schema) -> str:
             raise GrammarError(f"invalid JSON schema: not JSON ({e})") from None
     if not isinstance(schema, (dict, bool)):
         raise GrammarError(f"invalid JSON schema: a schema is an object, not {type(schema).__name__}")
-    text = json.dumps(schema)
+    _check_bounds(schema, "schema")           # (depth first: the walk below recurses)
+    schema = _booleans(schema, "schema")
+    try:
+        text = json.dumps(schema, allow_nan=False)
+    except ValueError:
+        raise GrammarError("invalid JSON schema: NaN or Infinity is not JSON") from None
     if len(text) > MAX_SCHEMA_CHARS:
         raise GrammarError(f"the JSON schema has {len(text)} characters; the limit is {MAX_SCHEMA_CHARS}")
-    _check_bounds(schema, "schema")
     try:
         gbnf = json_schema_to_gbnf(text)
     except RecursionError:
@@ -212,7 +239,50 @@ def _check_bounds(node, where: str, depth: int = 0) -> None:
                     if max(int(x) for x in m.groups() if x) > MAX_REPEAT:
                         raise GrammarError(f"JSON schema {where}.pattern: the repetition {m.group(0)} is over "
                                            f"the limit of {MAX_REPEAT}")
+                try:                 # (a{0,n}){0,m}: n*m parse stacks per grammar step (grammar_bounds)
+                    check_pattern(v)
+                except BoundError as e:
+                    raise GrammarError(f"JSON schema {where}.pattern: {e}") from None
             _check_bounds(v, f"{where}.{k}", depth + 1)
     elif isinstance(node, list):
         for i, v in enumerate(node):
             _check_bounds(v, f"{where}[{i}]", depth + 1)
+
+
+# keywords whose value is one schema / a list of schemas / a name -> schema map (JSON Schema 2020-12)
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+        "unevaluatedItems", "unevaluatedProperties")
+_LIST = ("prefixItems", "anyOf", "oneOf", "allOf")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _booleans(node, where: str):
+    """The schema with JSON Schema's boolean schemas spelled out for the converter (which calls
+    .get on every schema): `true` (anything) is {} (as items: no items keyword), `false` (nothing)
+    is refused, except as additionalProperties, which the converter takes as a boolean."""
+    if node is True:
+        return {}
+    if node is False:
+        raise GrammarError(f"invalid JSON schema: {where} is false, which no value satisfies")
+    if not isinstance(node, dict):
+        raise GrammarError(f"invalid JSON schema: {where} must be an object or a boolean, not {type(node).__name__}")
+    out = dict(node)
+    for k, v in node.items():
+        if k in _ONE:
+            if v is True and k in ("items", "additionalItems"):
+                del out[k]                                  # any items: the converter's default
+            elif isinstance(v, list) and k == "items":      # (draft 4 tuple form)
+                out[k] = [_booleans(x, f"{where}.{k}[{i}]") for i, x in enumerate(v)]
+            else:
+                out[k] = _booleans(v, f"{where}.{k}")
+        elif k in _LIST:
+            if not isinstance(v, list):
+                raise GrammarError(f"invalid JSON schema: {where}.{k} must be a list of schemas")
+            out[k] = [_booleans(x, f"{where}.{k}[{i}]") for i, x in enumerate(v)]
+        elif k in _MAP:
+            if not isinstance(v, dict):
+                raise GrammarError(f"invalid JSON schema: {where}.{k} must be an object of schemas")
+            out[k] = {name: _booleans(x, f"{where}.{k}.{name}") for name, x in v.items()}
+        elif k == "additionalProperties" and v is not False and v is not True:
+            out[k] = _booleans(v, f"{where}.{k}")
+    return out

@@ -148,6 +148,8 @@ def _gguf_paths(paths) -> list[Path]:
         if p is None:
             continue
         p = Path(p)
+        if not p.is_file():     # (stat only: opening a FIFO would wait for a writer forever)
+            continue            # the loader reports it with its own message
         try:
             with open(p, "rb") as f:
                 if f.read(4) != b"GGUF":

@@ -69,18 +69,54 @@ SAMPLERS = ("coupled", "rejection")   # how a token is drawn and verified (the m
 SAMPLER = "coupled"
 
 
+# Below this a temperature is greedy decoding: logits are float32 (steps of ~1e-6 near 10), so a
+# smaller T only tells float rounding apart, and logits / T overflows to inf for T ~ 1e-307 (then
+# inf - inf: NaN probabilities). Every front end (CLI, server, UI) passes T through `temperature_of`,
+# which turns 0 < T < MIN_TEMPERATURE into 0; `check` refuses what was not normalised.
+MIN_TEMPERATURE = 1e-6
+MIN_REPEAT_PENALTY = 1e-3         # x / penalty for a smaller one overflows the same way
+
+
+def temperature_of(value) -> float:
+    """The one validation of a temperature shared by the CLI, the server and the UI: a finite number
+    >= 0 (ValueError otherwise, naming the value); below MIN_TEMPERATURE it is 0 (greedy)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), not {value!r}")
+    value = float(value)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), not {value!r}")
+    return 0.0 if value < MIN_TEMPERATURE else value
+
+
+def temperature_arg(text: str) -> float:
+    """argparse type of --temperature: `temperature_of`, refusals as one argparse line."""
+    import argparse
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    try:
+        return temperature_of(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def check(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed) -> str | None:
     """A one-line complaint about the first out-of-range sampling setting, or None."""
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
         return f"temperature must be a finite number >= 0 (0 = greedy), not {temperature!r}"
+    if 0 < temperature < MIN_TEMPERATURE:
+        return (f"temperature {temperature!r} is below {MIN_TEMPERATURE:g}: pass 0 (greedy), which is what it "
+                "means (sampling.temperature_of)")
     if not (isinstance(top_k, int) and top_k >= 0):
         return f"top-k must be an integer >= 0 (0 = off), not {top_k!r}"
     if not (isinstance(top_p, (int, float)) and 0 <= top_p <= 1):
         return f"top-p must be in [0, 1] (1 = off), not {top_p!r}"
     if not (isinstance(min_p, (int, float)) and 0 <= min_p <= 1):
         return f"min-p must be in [0, 1] (0 = off), not {min_p!r}"
-    if not (isinstance(repeat_penalty, (int, float)) and math.isfinite(repeat_penalty) and repeat_penalty > 0):
-        return f"repeat penalty must be a finite number > 0 (1 = off), not {repeat_penalty!r}"
+    if not (isinstance(repeat_penalty, (int, float)) and math.isfinite(repeat_penalty)
+            and repeat_penalty >= MIN_REPEAT_PENALTY):
+        return f"repeat penalty must be a finite number >= {MIN_REPEAT_PENALTY:g} (1 = off), not {repeat_penalty!r}"
     if not (isinstance(repeat_last_n, int) and repeat_last_n >= -1):
         return f"repeat-last-n must be an integer >= -1 (-1 = the whole context, 0 = off), not {repeat_last_n!r}"
     if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2 ** 64):

@@ -266,7 +266,7 @@ def _runs_asked(args) -> tuple[list[str], list[float], list[float]]:
         raise UsageError(f"unknown mode(s) {', '.join(bad) or '(none)'}; choose from {', '.join(MODES)}")
     modes = list(dict.fromkeys(modes))
     thetas = _floats(args.theta)
-    temps = sorted(set(_floats(args.temp)))
+    temps = sorted(set(sampling_defaults.temperature_of(t) for t in _floats(args.temp)))     # (a tiny T is greedy: sampling.py)
     if not temps or any(t < 0 for t in temps) or args.samples < 1:
         raise UsageError("--temp needs values >= 0 and --samples must be >= 1")
     if any(MODES[m].gate == "theta" for m in modes) and not thetas:

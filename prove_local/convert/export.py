@@ -139,10 +139,25 @@ class _Streamed:
     def tofile(self, f) -> None:
         written = 0
         for chunk in self.chunks:
-            chunk.tofile(f)
+            try:
+                chunk.tofile(f)
+            except OSError as e:        # numpy says only "N requested and M written" (no errno)
+                raise OSError(e.errno, _write_failure(f, e)) from None
             written += chunk.nbytes
             self.bar.update(chunk.nbytes)
         assert written == self.nbytes, (written, self.nbytes)
+
+
+def _write_failure(f, e: OSError) -> str:
+    """What failed when a tensor's bytes could not be written: the file, its folder's free space."""
+    name = getattr(f, "name", "the output")
+    try:
+        st = os.fstatvfs(f.fileno())
+        free = st.f_bavail * st.f_frsize
+        where = f"; {free} bytes free on that disk" + (" (it is full)" if free < (1 << 20) else "")
+    except (OSError, AttributeError, ValueError):
+        where = ""
+    return f"cannot write the tensor data to {name} ({e.strerror or e}){where}"
 
 
 def _add_hparams(w: gguf.GGUFWriter, hp: Hparams, where: Path) -> None:

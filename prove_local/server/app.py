@@ -4,6 +4,7 @@ FastAPI is the `server` extra: this module imports it at its top, and is itself 
 `serve` runs (server/cli.py) or a test builds the app."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -14,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import modes
 from .errors import ApiError, api_error_of
+from .guard import Guard, json_content_type
 from .inputs import chat_prompt, completion_prompt, settings_for, stop_list
 from .jobs import Job
 from .responses import Answer, collected, streamed
@@ -32,6 +34,7 @@ def create_app(state: State) -> FastAPI:
 
     app = FastAPI(title="prove-local", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app, state)
+    app.add_middleware(Guard, state=state)       # Host and Origin checks before any route (guard.py)
 
     @app.get("/health")
     @app.get("/v1/health")
@@ -116,17 +119,30 @@ def authorize(state: State, request: Request) -> None:
 
 
 async def read_body(state: State, request: Request) -> bytes:
+    """The body, JSON only, at most --max-body bytes, arrived within --read-timeout seconds (a body
+    shorter than its Content-Length would otherwise hold the connection for good)."""
+    if not json_content_type(request.headers.get("content-type")):
+        raise ApiError(415, f"the request body must be JSON (Content-Type: application/json), not "
+                            f"{request.headers.get('content-type') or 'untyped'}", code="unsupported_media_type")
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > state.max_body:
         raise ApiError(413, f"the request body has {size} bytes; the limit is {state.max_body} (--max-body)",
                        code="body_too_large")
     chunks, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > state.max_body:
-            raise ApiError(413, f"the request body is over the limit of {state.max_body} bytes (--max-body)",
-                           code="body_too_large")
-        chunks.append(chunk)
+
+    async def read():
+        nonlocal n
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > state.max_body:
+                raise ApiError(413, f"the request body is over the limit of {state.max_body} bytes (--max-body)",
+                               code="body_too_large")
+            chunks.append(chunk)
+    try:
+        await asyncio.wait_for(read(), state.read_timeout or None)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {state.read_timeout:g} s (--read-timeout): "
+                            f"{n} bytes came", code="body_timeout") from None
     return b"".join(chunks)
 
 

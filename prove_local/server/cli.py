@@ -9,13 +9,16 @@ from pathlib import Path
 
 from .. import modes, sampling
 from ..errors import MissingExtra, ProveError, UsageError
+from ..files import read_limited
 from ..hosts import is_loopback
-from ..loading import PARALLEL, TAU, THETA, add_model_args, add_width_args, int_in
-from .state import DEFAULT_MAX_BODY, State
+from ..loading import PARALLEL, TAU, THETA, add_model_args, add_width_args, finite_float, int_in
+from .guard import KEEP_ALIVE, MAX_HEAD, Policy, h11_protocol, hosts_from, origins_from
+from .state import DEFAULT_MAX_BODY, DEFAULT_READ_TIMEOUT, DEFAULT_REQUEST_TIMEOUT, State
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEFAULT_QUEUE = 16
+MAX_KEY_FILE = 1 << 20           # bytes of --api-key-file
 
 
 def add_parser(sub) -> None:
@@ -36,13 +39,28 @@ def add_parser(sub) -> None:
     keys.add_argument("--api-key-file", metavar="F", help="like --api-key, one accepted key per line")
     p.add_argument("--max-body", type=int_in(1), default=DEFAULT_MAX_BODY,
                    help=f"largest request body in bytes (default {DEFAULT_MAX_BODY})")
+    p.add_argument("--read-timeout", type=finite_float(0.0), default=DEFAULT_READ_TIMEOUT, metavar="S",
+                   help=f"seconds a request's head, and then its body, may take to arrive; else the connection "
+                        f"closes / 408 (default {DEFAULT_READ_TIMEOUT:g}; 0: none)")
+    p.add_argument("--request-timeout", type=finite_float(0.0), default=DEFAULT_REQUEST_TIMEOUT, metavar="S",
+                   help="seconds a generation may hold its engine, queueing included: past it the answer ends "
+                        f"(finish_reason length, prove.stop 'deadline') and the engine is freed (default "
+                        f"{DEFAULT_REQUEST_TIMEOUT:g}; 0: none)")
+    p.add_argument("--allowed-origins", metavar="O[,O...]",
+                   help="web page origins that may call the server, patterns with * (e.g. https://app.example, "
+                        "http://192.168.1.*:*), added to PROVE_LOCAL_ORIGINS and the defaults (pages on localhost); "
+                        "'*': any. Others get 403")
+    p.add_argument("--allowed-hosts", metavar="H[,H...]",
+                   help="Host header names to answer besides loopback names (and, beyond loopback, IP "
+                        "addresses and this machine's name), patterns with *; added to PROVE_LOCAL_ALLOWED_HOSTS; "
+                        "'*': any. Guards against DNS rebinding")
     p.add_argument("--mode", choices=modes.NAMES,
                    help="decoding rule when a request names none (default: lossless if the model has a "
                         "mask token, else ar)")
     add_width_args(p)       # --block / --draft-k: 'auto' (the planner) unless a request or this fixes them
     p.add_argument("--theta", type=THETA, default=0.05, help="default ProVe gate (default 0.05)")
     p.add_argument("--tau", type=TAU, default=0.95, help="default MARS threshold (default 0.95)")
-    p.add_argument("--temperature", type=float, default=sampling.TEMPERATURE,
+    p.add_argument("--temperature", type=sampling.temperature_arg, default=sampling.TEMPERATURE,
                    help=f"temperature when a request gives none (default {sampling.TEMPERATURE:g}: greedy, so that the exact modes "
                         "answer exactly as greedy decoding; OpenAI's default would be 1.0, llama-server's 0.8)")
     p.add_argument("--sampler", choices=sampling.SAMPLERS, default=sampling.SAMPLER,
@@ -68,8 +86,9 @@ def read_api_keys(args) -> list[str]:
     if args.api_key_file is None:
         return []
     path = Path(args.api_key_file)
-    try:
-        keys = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:        # a regular file of bounded size (/dev/zero, a FIFO: refused before any read)
+        text = read_limited(path, MAX_KEY_FILE).decode("utf-8")
+        keys = [line.strip() for line in text.splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"--api-key-file {path}: cannot read it ({e})") from None
     if not keys:
@@ -115,7 +134,9 @@ def cmd_serve(args) -> int:
     warning = exposure_warning(args.host, port, keys)
     if warning:
         print(f"prove-local serve: warning: {warning}", file=sys.stderr)
-    state = State(keys=keys, max_body=args.max_body)
+    state = State(keys=keys, max_body=args.max_body, read_timeout=args.read_timeout,
+                  request_timeout=args.request_timeout,
+                  policy=Policy(args.host, hosts_from(args.allowed_hosts), origins_from(args.allowed_origins)))
     server = _uvicorn_server(uvicorn, create_app(state), state)
     shown = f"[{host}]" if ":" in host else host
     print(f"prove-local serve: listening on http://{shown}:{port}/v1 (loading the models)", file=sys.stderr, flush=True)
@@ -133,8 +154,11 @@ def cmd_serve(args) -> int:
 def _uvicorn_server(uvicorn, app, state: State):
     """A uvicorn server whose Ctrl-C / SIGTERM stops the open generations at once, so that the
     graceful shutdown does not wait for them."""
+    # read timeouts: the request head within --read-timeout (guard.h11_protocol), idle keep-alive
+    # connections closed after KEEP_ALIVE s, a head of at most MAX_HEAD bytes; the body: app.read_body
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=3)
+                            timeout_graceful_shutdown=3, http=h11_protocol(state.read_timeout),
+                            timeout_keep_alive=KEEP_ALIVE, h11_max_incomplete_event_size=MAX_HEAD)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

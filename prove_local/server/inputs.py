@@ -7,7 +7,7 @@ from pathlib import Path
 
 from jinja2 import TemplateError
 
-from .. import modes
+from .. import modes, sampling
 from ..chat import chat_tokens
 from ..engine import Settings, seed_note
 from ..engine import MAX_LOGPROBS
@@ -31,7 +31,8 @@ def settings_for(state, body, n_prompt: int):
         theta=d.theta if body.theta is None else body.theta, tau=d.tau if body.tau is None else body.tau,
         draft_k=d.draft_k if body.draft_k is None else body.draft_k,
         lookup=d.lookup if body.lookup is None else body.lookup,
-        temperature=d.temperature if body.temperature is None else body.temperature,
+        # (the one rule of the CLI and the UI: a tiny T is greedy, never logits / 1e-310)
+        temperature=d.temperature if body.temperature is None else sampling.temperature_of(body.temperature),
         top_k=d.top_k if body.top_k is None else body.top_k, top_p=d.top_p if body.top_p is None else body.top_p,
         min_p=d.min_p if body.min_p is None else body.min_p,
         repeat_penalty=d.repeat_penalty if body.repeat_penalty is None else body.repeat_penalty,

@@ -13,7 +13,7 @@ import time
 
 from .. import modes, planner
 from ..engine import TextStream, summarize
-from ..errors import ProveError
+from ..errors import DeadlineExceeded, ProveError
 from .errors import ApiError
 from .stops import StopText
 
@@ -35,6 +35,9 @@ class Job:
         self.finish: str | None = None       # stop, length, grammar, cancelled, error
         self.logprobs: list = []             # (token, logprob, top) per answer token, when asked for
         self._checked = time.monotonic()     # when we last asked whether the client is still there
+        # the request's deadline (serve --request-timeout), from its arrival: queueing counts
+        timeout = getattr(state, "request_timeout", 0) or 0
+        self.deadline = time.monotonic() + timeout if timeout > 0 else None
         self.thread = threading.Thread(target=self._run, name="generate", daemon=True)
 
     def start(self) -> "Job":
@@ -55,21 +58,35 @@ class Job:
             n += 1
         return n
 
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
     def _run(self) -> None:
         pool = self.state.pool
+        grammar = self.settings.grammar
+        if grammar is not None and hasattr(grammar, "deadline"):
+            grammar.deadline = self.deadline     # checked before every grammar step (grammar.py)
         try:
-            with pool.engine(prefer=self._affinity, abandoned=self.cancel.is_set) as (slot, engine):
+            with pool.engine(prefer=self._affinity,
+                             abandoned=lambda: self.cancel.is_set() or self.expired()) as (slot, engine):
                 self.slot = slot
                 gen = engine.generate(self.prompt, self.settings)
                 self.request = gen.request
                 self._emit("start", slot)
-                with contextlib.closing(gen):
-                    self._decode(gen, TextStream(pool.loaded.proposer), StopText(self.stops), pool.loaded.proposer)
+                try:
+                    with contextlib.closing(gen):
+                        self._decode(gen, TextStream(pool.loaded.proposer), StopText(self.stops), pool.loaded.proposer)
+                except DeadlineExceeded:         # inside a cycle (a grammar step): the cycle is dropped
+                    self.finish = "deadline"
             if self.finish is None:              # the engine stopped without a cycle (max_new 0)
                 self.finish = "length"
             self.state.metrics.generation(self)
             self._emit("done")
         except BaseException as e:               # noqa: BLE001 - every failure goes to the client
+            if self.slot < 0 and self.expired() and not self.cancel.is_set():
+                e = ApiError(503, f"no engine came free within the request's deadline of "
+                                  f"{self.state.request_timeout:g} s (--request-timeout)", "unavailable_error",
+                             code="deadline_exceeded")
             if not isinstance(e, (ProveError, ApiError)):
                 log.exception("generation failed")
             self.finish = "error" if self.request is not None else None
@@ -109,6 +126,9 @@ class Job:
                 break
             if self.cancel.is_set():
                 self.finish = "cancelled"
+                break
+            if self.expired():
+                self.finish = "deadline"
                 break
 
     async def next(self, request=None):
@@ -153,7 +173,7 @@ class Job:
             "sampler": self.settings.sampler,
             "slot": self.slot,
             # eog, length, context, grammar (the engine's), stop_string, or cancelled (the client went away)
-            "stop": (self.finish if self.finish in ("cancelled", "stop_string") else
+            "stop": (self.finish if self.finish in ("cancelled", "stop_string", "deadline") else
                      self.request.stop if self.request is not None else None),
             "notes": self.notes,
         }
@@ -197,4 +217,6 @@ def finish_reason(job: Job) -> str:
     """OpenAI's names: "stop" (end of generation or a stop string), "length" (max_tokens or the
     context full); and "grammar": the request's grammar allows no further token and cannot end there
     (a dead end, e.g. a grammar that requires text no token can spell)."""
+    if job.finish == "deadline":         # (prove.stop says "deadline": serve --request-timeout)
+        return "length"
     return job.finish if job.finish in ("length", "grammar") else "stop"

@@ -10,9 +10,12 @@ from ..engine import Settings
 from ..errors import ModeError, ProveError
 from ..loading import load_models
 from ..pool import EnginePool
+from .guard import Policy
 from .metrics import Metrics
 
 DEFAULT_MAX_BODY = 2 * 1024 * 1024     # bytes; a 32k-token conversation is ~130 kB of text
+DEFAULT_READ_TIMEOUT = 30.0            # seconds for a request's head, and again for its body
+DEFAULT_REQUEST_TIMEOUT = 600.0        # seconds a generation may hold its engine (0: no deadline)
 
 
 @dataclass
@@ -29,6 +32,9 @@ class State:
     jobs: set = field(default_factory=set)
     mode_errors: dict = field(default_factory=dict)
     closing: bool = False
+    policy: Policy = field(default_factory=Policy)      # Host / Origin rules (guard.py)
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
 
     def load(self, args) -> None:
         loaded = load_models(args, parallel=args.parallel)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import gradio as gr
 
+from prove_local import sampling
 from prove_local.engine import Settings, summarize
 from prove_local.modes import MODES, draft_counts
 
@@ -127,9 +128,14 @@ class Page:
             return
         # sampling: the side panel's "sampling" controls (seed -1: a fresh seed per answer);
         # slider value 0 is "auto": the planner picks the widths per cycle (planner.py)
+        try:        # the one rule of the CLI and the server: finite, >= 0, a tiny T is greedy
+            temperature = sampling.temperature_of(float(temp))
+        except (TypeError, ValueError) as e:
+            yield self.answer_outputs(sess, view.banner_html(str(e)), gr.update())
+            return
         settings = Settings(mode=mode, max_new=int(max_new), block=int(block) or "auto", theta=float(theta),
                             tau=float(tau), draft_k=int(draft_k) or "auto",
-                            lookup="auto" if int(lookup) < 0 else int(lookup), temperature=float(temp), top_k=int(top_k),
+                            lookup="auto" if int(lookup) < 0 else int(lookup), temperature=temperature, top_k=int(top_k),
                             top_p=float(top_p), min_p=float(min_p), repeat_penalty=float(repeat_penalty),
                             seed=None if seed is None or int(seed) < 0 else int(seed))
         banner = ""
