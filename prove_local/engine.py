@@ -16,7 +16,7 @@ from typing import Iterator
 from . import constrain, modes, rules, sampling
 from .calibrate import calibrate, recheck_threads
 from .errors import ContextFull, EngineBusy, ModeError
-from .llama import Context, Model
+from .llama import Adapter, Context, Model
 from .lookup import NgramIndex
 from .modes import AR_PLAN, DEFAULT_BLOCK, DEFAULT_DRAFT_K, LOOKUP, MODES, Plan
 from .planner import Costs, Planner
@@ -117,19 +117,25 @@ class Engine:
 
     @classmethod
     def load(cls, proposer: Model, verifier: Model | None = None, draft: Model | None = None, *,
-             mask_token: int | None = None, **context_options) -> "Engine":
+             mask_token: int | None = None, adapter: Adapter | None = None, **context_options) -> "Engine":
         """Contexts on the given models (options as for `Context`); checks that the verifier and
-        draft share the proposer's vocabulary and that the mask token is in range."""
+        draft share the proposer's vocabulary and that the mask token is in range. `adapter`: a gated
+        MARS adapter on the proposer (a stock model): its mask token and block are the adapter's."""
         models = {"proposer": proposer, "verifier": verifier, "draft": draft}
         for role in ("verifier", "draft"):
             if models[role] is not None:
                 proposer.check_same_vocab(models[role])
-        mask = proposer.mask_token if mask_token is None else mask_token
+        if adapter is not None and adapter.mask_token is None and mask_token is None:
+            raise ModeError(f"{adapter.path}: the adapter names no mask token (prove.mask_token_id); pass --mask-token ID")
+        own = adapter.mask_token if adapter is not None else proposer.mask_token
+        mask = own if mask_token is None else mask_token
         if mask is not None and not 0 <= mask < proposer.n_vocab:
             raise ModeError(f"mask token id {mask} is outside the vocabulary of {proposer.path} (0..{proposer.n_vocab - 1})")
-        contexts = {role: Context(m, **context_options) for role, m in models.items() if m is not None}
+        contexts = {role: Context(m, adapter=adapter if role == "proposer" else None, **context_options)
+                    for role, m in models.items() if m is not None}
+        block = adapter.block_size if adapter is not None else proposer.block_size
         engine = cls(contexts, is_eog=proposer.is_eog, mask_token=mask, n_ctx=contexts["proposer"].n_ctx,
-                     block_size=proposer.block_size, name=str(proposer.path))
+                     block_size=block, name=str(proposer.path) + (f" + {adapter.path.name}" if adapter else ""))
         engine.context_options = dict(context_options)
         return engine
 
@@ -237,12 +243,17 @@ class Engine:
 
     def _pending(self) -> dict[str, int]:
         """Tokens each context will be fed before its new ones (at least the last: rules._pending)."""
-        return {r: max(1, len(self.tokens) - c.n_past) for r, c in self.contexts.items()}
+        out = {r: max(1, len(self.tokens) - c.n_past) for r, c in self.contexts.items()}
+        if rules.gated(self.contexts["proposer"]):
+            out[modes.GATED] = 1                # the lossless passes' widths differ (modes._lossless_widths)
+        return out
 
     def _sync(self) -> None:
-        """Drop from every cache whatever is not a committed prefix (after a cut or an interrupt)."""
+        """Drop from every cache whatever is not a committed prefix (after a cut or an interrupt), and
+        what a gated adapter's pass kept (llama.Context.n_stock: the lossy modes' proposal passes),
+        so that a later request, exact or not, reads the stock model's KV."""
         for ctx in self.contexts.values():
-            ctx.truncate(min(ctx.n_past, len(self.tokens)))
+            ctx.truncate(min(ctx.n_past, len(self.tokens), getattr(ctx, "n_stock", ctx.n_past)))
 
     def generate(self, prompt: list[int], settings: Settings | None = None) -> "Generation":
         """Stream the cycles that continue `prompt` (iterate the returned `Generation`). Cached tokens

