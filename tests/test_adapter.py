@@ -190,3 +190,49 @@ def test_training_reduces_the_loss_and_exports(tiny, tmp_path):
     with Model(tiny["path"]) as m:
         a = Adapter(m, gguf)
         assert a.mask_token == tiny["mask"] and a.block_size == 4
+
+
+def test_mars_on_a_gated_context_leaves_stock_kv_for_the_next_request(tiny):
+    """mars keeps its proposal pass's KV of committed tokens (lossy, one pass per cycle); the context
+    records it (n_stock), and the next request (lossless) reads stock KV only: still exact."""
+    with Model(tiny["path"]) as m:
+        eng = Engine.load(m, adapter=Adapter(m, tiny["random"]), **F32)
+        ctx = eng.contexts["proposer"]
+        prompt = [5, 17, 42, 99, 7]
+        out = [t for c in eng.generate(prompt, Settings(mode="mars", max_new=12, block=4, tau=0.0)) for t in c.committed]
+        assert len(out) == 12 and ctx.n_past == ctx.n_stock
+        got = [t for c in eng.generate(prompt + out, Settings(mode="lossless", max_new=16, block=4)) for t in c.committed]
+        assert got == greedy_ar(m, prompt + out, 16)
+
+
+def test_gated_cycles_count_slot_one_as_a_draft(tiny):
+    """A gated proposal's slot 1 is the adapter's guess: every slot is a draft in /metrics' sense."""
+    from prove_local.modes import draft_counts
+    with Model(tiny["path"]) as m:
+        eng = Engine.load(m, adapter=Adapter(m, tiny["random"]), **F32)
+        cycles = list(eng.generate([5, 17, 42, 99, 7], Settings(mode="lossless", max_new=12, block=4, lookup=0)))
+    proposing = [c for c in cycles if c.plan.proposes]
+    assert proposing and all(c.source == ["adapter"] * 4 for c in proposing)
+    counts = draft_counts(cycles)
+    assert counts["adapter"][0] == 4 * len(proposing)
+    assert counts["adapter"][1] == sum(c.n_accepted for c in proposing)
+
+
+def test_run_with_an_adapter_and_its_errors(tiny, tmp_path):
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "prove_local.cli", "run", str(tiny["path"]), "--raw", "-p", "hello",
+                               "-n", "12", "--threads", "1", "--kv-type", "f32", *args],
+                              capture_output=True, text=True, timeout=300)
+    r = cli("--adapter", str(tiny["random"]), "--block", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    with Model(tiny["path"]) as m:
+        assert out["token_ids"] == greedy_ar(m, m.tokenize("hello"), 12)
+    assert out["n_passes"]["proposer"] == 2 * out["n_cycles"]
+    r = cli("--adapter", str(tmp_path / "none.gguf"))
+    assert r.returncode != 0 and "none.gguf: no such adapter file" in r.stderr and "Traceback" not in r.stderr
+    r = cli("--adapter", str(tiny["path"]))
+    assert r.returncode != 0 and "not a LoRA adapter" in r.stderr and "Traceback" not in r.stderr

@@ -356,7 +356,7 @@ def test_cli_seed_gives_the_same_text_in_every_exact_mode(capsys):
     import json
     from prove_local.cli import main
     q = "A baker made 24 muffins and sold half of them. How many are left?"
-    base = ["run", "-p", q, "-n", "32", "--json", "--threads", "1", "--temp", "0.8"]
+    base = ["run", "embedded", "-p", q, "-n", "32", "--json", "--threads", "1", "--temp", "0.8"]
 
     def run(*extra):
         assert main(base + list(extra)) == 0

@@ -47,8 +47,8 @@ def test_exact_modes_equal_ar_on_the_shipped_pair(pair):
         assert out["lossless"] == out["ar"] and out["spec"] == out["ar"] and out["prove"] == out["ar"], q
 
 
-def test_default_run_uses_the_embedded_proposer():
-    r = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", "-p", QUESTIONS[2], "-n", "48", "--json",
+def test_run_embedded_uses_the_embedded_pair():
+    r = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", "embedded", "-p", QUESTIONS[2], "-n", "48", "--json",
                         "--threads", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -58,12 +58,12 @@ def test_default_run_uses_the_embedded_proposer():
     assert out["n_cycles"] <= out["n_passes"]["proposer"] <= 2 * out["n_cycles"]
     assert sum(out["widths"].values()) == out["n_cycles"]
     assert out["token_ids"] and out["text"]
-    r = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", "-p", QUESTIONS[2], "-n", "48", "--json",
+    r = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", "embedded", "-p", QUESTIONS[2], "-n", "48", "--json",
                         "--threads", "1", "--block", "16"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     fixed = json.loads(r.stdout)
     assert fixed["n_passes"] == {"proposer": 2 * fixed["n_cycles"]} and fixed["token_ids"] == out["token_ids"]
-    r = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", "-p", QUESTIONS[2], "-n", "48", "--json",
+    r = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", "embedded", "-p", QUESTIONS[2], "-n", "48", "--json",
                         "--threads", "1", "--mode", "prove", "--block", "16"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert set(json.loads(r.stdout)["n_passes"]) == {"proposer", "verifier"}

@@ -23,7 +23,7 @@ from .. import sampling as sampling_defaults
 from ..chat import Conversation, clean_text
 from ..engine import Engine
 from ..errors import MissingExtra, UsageError
-from ..llama import Model, gpu_offload_supported
+from ..llama import Adapter, Model, gpu_offload_supported
 from ..loading import (CTX, EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, GPU_LAYERS, KV_TYPES, MAX_NEW, TAU, THETA, THREADS,
                        TOKEN_ID, add_rpc_args, draft_width_arg, int_in, lookup_arg, placement_note, rpc_devices,
                        width_arg)
@@ -74,7 +74,7 @@ def _floats(text: str) -> list[float]:
 def canonical_command(args) -> str:
     """The command line that reproduces this run, every option spelled out."""
     parts = ["prove-local", "bench"]
-    for opt in ("proposer", "verifier", "draft", "modes", "limit", "max_new", "theta", "tau", "block", "draft_k", "lookup",
+    for opt in ("proposer", "adapter", "verifier", "draft", "modes", "limit", "max_new", "theta", "tau", "block", "draft_k", "lookup",
                 "temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed", "sampler", "samples",
                 "mask_token", "threads", "ctx", "n_gpu_layers", "kv_type", "warmup", "pass_cost_reps", "pass_cost_max",
                 "llama_spec",
@@ -97,6 +97,7 @@ def add_parser(sub) -> None:
                        description="Run the decoding modes interleaved per prompt on benchmark prompts; write "
                                    "DIR/results.json, DIR/summary.md, DIR/generations.jsonl and PNG plots.")
     p.add_argument("--proposer", help=f"proposer GGUF (default: the embedded {EMBEDDED_PROPOSER.name})")
+    p.add_argument("--adapter", help="a gated MARS adapter for a stock --proposer (LoRA GGUF; on for proposal passes only)")
     p.add_argument("--verifier", help="verifier GGUF for prove (default with the embedded proposer: the embedded verifier)")
     p.add_argument("--draft", help="draft GGUF for spec (spec is added to the default modes when given)")
     p.add_argument("--modes", help=f"comma-separated runs among {','.join(MODES)} (default {DEFAULT_MODES}[,spec])")
@@ -205,8 +206,9 @@ def cmd_bench(args) -> int:
     models, ngl = _load_models(args, modes, proposer_path, verifier_path)
     kv = args.kv_type or ("f32" if models["proposer"].meta("general.file_type") == "0" else "f16")
     context_options = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
+    adapter = Adapter(models["proposer"], args.adapter) if args.adapter else None
     engine = Engine.load(models["proposer"], models.get("verifier"), models.get("draft"), mask_token=args.mask_token,
-                         **context_options)
+                         adapter=adapter, **context_options)
     sampling = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                     repeat_last_n=args.repeat_last_n, seed=args.seed, sampler=args.sampler)
     blocks, draft_ks = _widths(args.block, "--block"), _widths(args.draft_k, "--draft-k")
@@ -236,7 +238,9 @@ def cmd_bench(args) -> int:
         "machine": runner.machine_info(threads),
         "models": {role: {"path": str(m.path), "n_params": m.n_params, "n_vocab": m.n_vocab,
                           "mask_token": (engine.mask_token if role == "proposer" else m.mask_token),
-                          "block_size": m.block_size} for role, m in models.items()},
+                          "block_size": m.block_size,
+                          **({"adapter": str(args.adapter)} if role == "proposer" and args.adapter else {})}
+                   for role, m in models.items()},
         "settings": {"modes": modes, "max_new": args.max_new, "block": ",".join(map(str, blocks)), "theta": thetas,
                      "tau": args.tau, "draft_k": ",".join(map(str, draft_ks)), "lookup": ",".join(map(str, lookups)),
                      "temperature": temps, **sampling,
