@@ -23,6 +23,7 @@ import re
 MAX_NESTING = 2048          # parenthesis depth (the converter writes x{0,1000} as 1000 nested groups)
 MAX_NESTED_REPEAT = 1000    # product of the counts of nested repetitions
 UNBOUNDED = 2               # the weight of * and +
+MAX_EPS = 64                # positions reachable without reading a character (runs of optional items)
 
 
 class BoundError(ValueError):
@@ -76,12 +77,15 @@ def _count(m: re.Match) -> int:
 
 
 class _Item:
-    """A grammar item: its weight, the depth of the optional-group chain it ends (0: none), and for a
-    group the weight of what that chain repeats."""
-    __slots__ = ("w", "chain", "ref")
+    """A grammar item: `w` its weight (nested repetition counts multiplied), `nullable` whether it
+    can match nothing, `eps` how many positions the parser reaches through it without reading a
+    character (llama.cpp keeps a parse stack per position: `"a"? "a"? ... "a"?` 1000 times cost
+    100 s per step, 100 times 0.1 s), `chain` the depth of the optional-group chain it ends, and
+    `content` the weight of what that chain repeats."""
+    __slots__ = ("w", "nullable", "eps", "chain", "content")
 
-    def __init__(self, w: int = 1, chain: int = 0, ref=None):
-        self.w, self.chain, self.ref = w, chain, ref
+    def __init__(self, w: int = 1, nullable: bool = False, eps: int = 0, chain: int = 0, content: int = 1):
+        self.w, self.nullable, self.eps, self.chain, self.content = w, nullable, eps, chain, content
 
 
 def _tokens(body: str):
@@ -112,19 +116,16 @@ def _tokens(body: str):
         elif c == "|":
             i += 1
             yield "alt", None
-        elif c in "*+":
+        elif c in "*+?":
             i += 1
-            yield "quant", UNBOUNDED
-        elif c == "?":
-            i += 1
-            yield "quant", "?"
+            yield "quant", (c, 0, 0)
         elif c == "{":
             m = _COUNT.match(body, i)
             if not m:
                 i += 1
                 continue
             i = m.end()
-            yield "quant", _count(m)
+            yield "quant", ("{", int(m.group(1)), _count(m))
         else:
             m = _NAME.match(body, i)
             if not m:
@@ -138,7 +139,6 @@ def _rules(text: str) -> dict[str, str]:
     """Rule name -> body text (a rule runs until the next `name ::=` outside literals)."""
     starts = []
     i, n = 0, len(text)
-    line_start = True
     while i < n:
         c = text[i]
         if c == '"':
@@ -151,80 +151,123 @@ def _rules(text: str) -> dict[str, str]:
             j = text.find("\n", i)
             i = n if j < 0 else j
             continue
-        m = _DEF.match(text, i) if (c.isalnum() or c in "_-") and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] in "_-")) else None
-        if m:
-            starts.append((m.group(1), m.start(), m.end()))
-            i = m.end()
-            continue
+        if (c.isalnum() or c in "_-") and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] in "_-")):
+            m = _DEF.match(text, i)
+            if m:
+                starts.append((m.group(1), m.start(), m.end()))
+                i = m.end()
+                continue
         i += 1
-    out = {}
+    out: dict[str, str] = {}
     for k, (name, _, body_start) in enumerate(starts):
         end = starts[k + 1][1] if k + 1 < len(starts) else n
-        out[name] = out.get(name, "") + " | " * (name in out) + text[body_start:end]
+        out[name] = (out[name] + " | " if name in out else "") + text[body_start:end]
     return out
 
 
-def gbnf_weight(text: str) -> tuple[int, str]:
-    """(the heaviest repeated item's weight, the rule it is in) of GBNF text."""
+def _alt(items: list) -> _Item:
+    """A sequence of items as one item: its eps counts the positions of its runs of nullable items
+    (a run of k is x{0,k} written flat, and costs more than written nested)."""
+    w = max([1] + [it.w for it in items])
+    eps = run_eps = 0
+    for it in items:
+        if it.nullable:
+            run_eps += max(1, it.eps)
+            eps = max(eps, run_eps)
+        else:
+            eps = max(eps, it.eps)
+            run_eps = 0
+    chain = max([0] + [it.chain for it in items])
+    content = max([1] + [it.w for it in items if not it.chain])
+    return _Item(w, all(it.nullable for it in items), eps, chain, content)
+
+
+def _quantified(it: _Item, op: str, lo: int, hi: int) -> _Item:
+    if op == "?":
+        chain = it.chain + 1      # a chain of nested optional groups is a repetition written out: x{0,k}
+        w = max(it.w, chain * it.content if it.content > 1 else chain)
+        return _Item(w, True, (1 + it.eps) if it.nullable else 1, chain, it.content)
+    if op == "*":
+        return _Item(UNBOUNDED * it.w if it.w > 1 else UNBOUNDED, True, (1 + it.eps) if it.nullable else 1)
+    if op == "+":
+        return _Item(UNBOUNDED * it.w if it.w > 1 else UNBOUNDED, it.nullable, it.eps)
+    w = hi * it.w if it.w > 1 else hi
+    if it.nullable:
+        return _Item(w, True, hi * max(1, it.eps))
+    return _Item(w, lo == 0, 1 if lo == 0 else it.eps)
+
+
+def _body(body: str, known: dict) -> _Item:
+    frames: list[tuple[list, list]] = [([], [])]          # per open group: (finished alternatives, items)
+    for kind, value in _tokens(body):
+        alts, items = frames[-1]
+        if kind == "lit":
+            items.append(_Item())
+        elif kind == "ref":
+            r = known.get(value)
+            items.append(_Item(r.w, r.nullable, r.eps, 0, r.w) if r is not None else _Item())
+        elif kind == "open":
+            frames.append(([], []))
+        elif kind == "alt":
+            alts.append(_alt(items))
+            frames[-1] = (alts, [])
+        elif kind == "close" and len(frames) > 1:
+            frames.pop()
+            group = _group(alts + [_alt(items)])
+            frames[-1][1].append(group)
+        elif kind == "quant" and items:
+            items[-1] = _quantified(items[-1], *value)
+    while len(frames) > 1:                                  # unbalanced: the parser will refuse it
+        alts, items = frames.pop()
+        frames[-1][1].append(_group(alts + [_alt(items)]))
+    alts, items = frames[0]
+    return _group(alts + [_alt(items)])
+
+
+def _group(alts: list) -> _Item:
+    return _Item(max(a.w for a in alts), any(a.nullable for a in alts), max(a.eps for a in alts),
+                 max(a.chain for a in alts), max(a.content for a in alts))
+
+
+def measure(text: str) -> tuple[dict, int]:
+    """Every rule's item (weight, nullable, eps), and the deepest chain of rule references; rules
+    are measured after the rules they reference (an explicit stack: no recursion on hostile input),
+    a reference back into a rule being measured (recursion) counts as a plain item."""
     rules = _rules(text)
-    memo: dict[str, int] = {}
-    worst = [1, "root"]
+    refs = {name: [v for k, v in _tokens(body) if k == "ref" and v in rules] for name, body in rules.items()}
+    known: dict[str, _Item] = {}
+    depth: dict[str, int] = {}
+    state: dict[str, int] = {}                             # 1: on the stack, 2: done
+    deepest = 0
+    for root in rules:
+        if root in state:
+            continue
+        stack = [(root, 0)]
+        state[root] = 1
+        while stack:
+            name, i = stack[-1]
+            if i < len(refs[name]):
+                stack[-1] = (name, i + 1)
+                nxt = refs[name][i]
+                if nxt not in state:
+                    state[nxt] = 1
+                    stack.append((nxt, 0))
+                continue
+            stack.pop()
+            known[name] = _body(rules[name], known)
+            depth[name] = 1 + max([depth.get(r, 0) for r in refs[name]] + [0])
+            deepest = max(deepest, depth[name])
+            state[name] = 2
+    return known, deepest
 
-    def rule_weight(name: str, active: set) -> int:
-        if name in memo:
-            return memo[name]
-        if name in active or name not in rules:
-            return 1                       # recursion (a * of its own) or an unknown name: the parser decides
-        active.add(name)
-        w = body_weight(rules[name], name, active)
-        active.discard(name)
-        memo[name] = w
-        return w
 
-    def body_weight(body: str, name: str, active: set) -> int:
-        # a stack of groups; each group: (its items so far, max weight of closed alternatives)
-        stack: list[list] = [[[], 1]]
-        for kind, value in _tokens(body):
-            items = stack[-1][0]
-            if kind == "lit":
-                items.append(_Item())
-            elif kind == "ref":
-                items.append(_Item(rule_weight(value, active)))
-            elif kind == "open":
-                stack.append([[], 1])
-            elif kind == "alt":
-                stack[-1][1] = max(stack[-1][1], *(it.w for it in items)) if items else stack[-1][1]
-                stack[-1][0] = []
-                stack[-1].append(max((it.chain for it in items), default=0))
-            elif kind == "close" and len(stack) > 1:
-                group = stack.pop()
-                g_items, g_w = group[0], group[1]
-                chains = group[2:] + [max((it.chain for it in g_items), default=0)]
-                w = max([g_w] + [it.w for it in g_items])
-                # what a chain of optional groups repeats: the items beside the nested chain
-                content = max([1] + [it.w for it in g_items if not it.chain])
-                stack[-1][0].append(_Item(w, max(chains), content))
-            elif kind == "quant" and items:
-                it = items[-1]
-                if value == "?":
-                    # a chain of nested optional groups is a repetition written out: x{0,k}
-                    it.chain += 1
-                    base = it.ref if isinstance(it.ref, int) else 1
-                    it.w = max(it.w, it.chain * base if base > 1 else it.chain)
-                else:
-                    it.w = value * it.w if it.w > 1 else value
-                    it.chain = 0
-                if it.w > worst[0]:
-                    worst[:] = [it.w, name]
-        ws = [stack[0][1]] + [it.w for it in stack[0][0]]
-        for it in stack[0][0]:
-            if it.w > worst[0]:
-                worst[:] = [it.w, name]
-        return max(ws)
-
-    for name in rules:
-        rule_weight(name, set())
-    return worst[0], worst[1]
+def gbnf_weight(text: str) -> tuple[int, str]:
+    """(the heaviest rule's weight, its name) of GBNF text."""
+    known, _ = measure(text)
+    if not known:
+        return 1, "root"
+    name = max(known, key=lambda k: known[k].w)
+    return known[name].w, name
 
 
 def regex_weight(pattern: str) -> int:
@@ -288,14 +331,21 @@ def regex_weight(pattern: str) -> int:
 
 
 def check_gbnf(text: str) -> None:
-    """BoundError if GBNF text nests too deeply or repeats repetitions too heavily."""
+    """BoundError if GBNF text nests too deeply, chains rule references too deeply, reaches too many
+    positions without reading (eps), or repeats repetitions too heavily."""
     depth = nesting(text)
     if depth > MAX_NESTING:
         raise BoundError(f"the grammar nests parentheses {depth} levels deep; the limit is {MAX_NESTING}")
-    w, rule = gbnf_weight(text)
-    if w > MAX_NESTED_REPEAT:
-        raise BoundError(f"rule {rule!r} repeats a repetition {w} times over (nested repetition counts "
-                         f"multiply); the limit is {MAX_NESTED_REPEAT}")
+    known, chain = measure(text)
+    if chain > MAX_NESTING:
+        raise BoundError(f"the grammar's rules reference each other {chain} levels deep; the limit is {MAX_NESTING}")
+    for name, it in known.items():
+        if it.eps > MAX_EPS:
+            raise BoundError(f"rule {name!r} has {it.eps} optional items in a row (each a parse stack at every "
+                             f"step); the limit is {MAX_EPS}")
+        if it.w > MAX_NESTED_REPEAT:
+            raise BoundError(f"rule {name!r} repeats {it.w} times over (the counts of nested repetitions "
+                             f"multiply); the limit is {MAX_NESTED_REPEAT}")
 
 
 def check_pattern(pattern: str) -> None:

@@ -249,6 +249,9 @@ def add_servers(endpoints: list[str]) -> list[Device]:
     for e in endpoints:
         if e not in _servers:
             probe(e)
+    # the guard goes in before ggml's first call: a server that answers our HELLO and then closes
+    # (or answers ggml's next command with garbage) makes ggml abort inside registration already
+    install_abort_guard(list(dict.fromkeys([*_servers, *endpoints])))
     devices = []
     for e in endpoints:
         if e not in _servers:
