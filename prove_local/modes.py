@@ -59,12 +59,12 @@ class Mode:
         """The planner's statistics key: acceptance depends on the gate's setting (prove@0.05)."""
         return f"{self.name}@{getattr(settings, self.gate):g}" if self.gate else self.name
 
-    def expected_tokens(self, slot_rates, n_max: int) -> list[float]:
+    def expected_tokens(self, slot_rates, n_max: int, gated: bool = False) -> list[float]:
         """Expected tokens committed by a cycle testing n = 0..n_max proposed tokens whose
         (conditional) acceptance per slot is slot_rates (slot 1 included; ignored where it is free):
         the expected accepted run, plus the free first slot and the correction token where the mode
         has them."""
-        first = 1 if self.free_first else 0
+        first = 1 if self.free_first and not gated else 0    # a gated adapter's slot 1 is a guess
         base = first + (1.0 if self.correction else 0.0)
         out, prod, run = [base] * min(first + 1, n_max + 1), 1.0, 0.0
         for r in slot_rates[first:n_max]:

@@ -375,7 +375,8 @@ class Planner:
             if plan.filled and plan.verify:
                 self.stats_for(key or kind).record(cycle.p[n_l:], 1, plan.verify, cycle.n_accepted - n_l)
         else:
-            lo = 1 if MODES[kind].free_first else 0     # a free first slot teaches nothing
+            # a free first slot teaches nothing; a gated adapter's slot 1 is tested like the others
+            lo = 1 if MODES[kind].free_first and not (cycle.source and cycle.source[0] == "adapter") else 0
             self.stats_for(key or kind).record(cycle.p, lo, plan.tested, cycle.n_accepted)
         decode = sum(cycle.decode_seconds.values())
         over = max(0.0, cycle.seconds - decode)
@@ -440,7 +441,7 @@ class Planner:
             ts = table[ns] if ns[-1] < len(table) else np.array([t(role, n) for n in ns])
             cost += np.bincount(idx, weights=ts[inv], minlength=len(cost))
         s = self.stats_for(key or mode).slot_rates(n_max).tolist()
-        gain = np.array(m.expected_tokens(s, n_max))[lay.tested]
+        gain = np.array(m.expected_tokens(s, n_max, gated=bool(pending.get(GATED))))[lay.tested]
         oh = np.array([self._oh(mode, w) for w in range(1, n_max + 1)])[lay.width - 1]
         secs = np.maximum(1e-12, cost + oh)
         rate = gain / secs
