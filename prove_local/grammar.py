@@ -178,6 +178,7 @@ class GrammarState:
         return self._mask
 
     def then(self, token: int) -> "GrammarState | None":
+        self.grammar.check_deadline()
         if not self.allows(token):      # accepting a forbidden token would make llama.cpp throw
             return None
         nxt = ll.llama_sampler_clone(self._smpl)

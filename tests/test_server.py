@@ -564,7 +564,7 @@ def test_health_is_503_while_loading():
     from prove_local.server import State
     from prove_local.server.app import create_app
 
-    with TestClient(create_app(State(keys=[KEY]))) as c:
+    with TestClient(create_app(State(keys=[KEY])), base_url="http://127.0.0.1") as c:   # (a loopback Host)
         r = c.get("/health")
         assert r.status_code == 503 and r.json()["error"]["message"] == "Loading model"
         r = c.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {KEY}"})

@@ -76,8 +76,10 @@ def create_app(state: State) -> FastAPI:
 
 # ------------------------------------------------------------------------------ errors
 def error_response(e: ApiError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+    if e.status in (408, 413):        # the body was not read to its end: the connection cannot go on
+        headers["Connection"] = "close"
+    return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
 
 def _add_error_handlers(app: FastAPI, state: State) -> None:
@@ -118,12 +120,18 @@ def authorize(state: State, request: Request) -> None:
                        "authentication_error", code="invalid_api_key")
 
 
-async def read_body(state: State, request: Request) -> bytes:
-    """The body, JSON only, at most --max-body bytes, arrived within --read-timeout seconds (a body
-    shorter than its Content-Length would otherwise hold the connection for good)."""
+def require_json(request: Request) -> None:
+    """415 unless the body is declared JSON: a form or text/plain POST is a request any web page can
+    make a browser send without asking (guard.py)."""
     if not json_content_type(request.headers.get("content-type")):
         raise ApiError(415, f"the request body must be JSON (Content-Type: application/json), not "
                             f"{request.headers.get('content-type') or 'untyped'}", code="unsupported_media_type")
+
+
+async def read_body(state: State, request: Request) -> bytes:
+    """The body, JSON only, at most --max-body bytes, arrived within --read-timeout seconds (a body
+    shorter than its Content-Length would otherwise hold the connection for good)."""
+    require_json(request)
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > state.max_body:
         raise ApiError(413, f"the request body has {size} bytes; the limit is {state.max_body} (--max-body)",
@@ -164,6 +172,7 @@ def model_list(state: State) -> dict:
 async def generate(state: State, request: Request, kind: str):
     """POST /v1/chat/completions (kind "chat") and /v1/completions ("completion")."""
     authorize(state, request)
+    require_json(request)
     ready(state)
     body = parse(await read_body(state, request), Chat if kind == "chat" else Completion)
     job = await start_job(state, request, body, kind)

@@ -62,20 +62,25 @@ def _is_ip(name: str) -> bool:
         return False
 
 
+def _pattern(text: str) -> str:
+    """An allow-list entry as an fnmatch pattern: only * is a wildcard ('[::1]' is literal)."""
+    return text.strip().lower().replace("[", "[[]").replace("?", "[?]")
+
+
 class Policy:
     """The Host and Origin rules of one server (`bound`: the --host it listens on)."""
 
     def __init__(self, bound: str = "127.0.0.1", hosts: list[str] | None = None, origins: list[str] | None = None):
         self.loopback = is_loopback(bound)
-        self.hosts = [h.lower() for h in (hosts or [])]
+        self.hosts = [_pattern(h) for h in (hosts or [])]
         self.names = {host_name(bound)} if bound not in ("0.0.0.0", "::", "") else set()
         if not self.loopback:
             with_domain = socket.gethostname().lower()
             self.names |= {with_domain, with_domain.split(".")[0], with_domain.split(".")[0] + ".local"}
-        self.origins = [o.lower() for o in (origins if origins is not None else list(DEFAULT_ORIGINS))]
+        self.origins = [_pattern(o) for o in (origins if origins is not None else list(DEFAULT_ORIGINS))]
 
     def host_ok(self, host: str | None) -> bool:
-        if host is None or "*" in self.hosts:
+        if host is None or "*" in self.hosts:    # ('*' stays '*' through _pattern)
             return True
         name = host_name(host)
         if name == "localhost" or name.endswith(".localhost") or is_loopback(name):
