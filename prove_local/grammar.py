@@ -34,7 +34,7 @@ import llama_cpp as ll
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
 from .errors import DeadlineExceeded, ProveError
-from .grammar_bounds import BoundError, check_gbnf, check_pattern, nesting, MAX_NESTING
+from .grammar_bounds import BoundError, check_gbnf, check_pattern, check_schema_gbnf
 from .llama import _log_tail
 
 # Bounds on what a request may ask the converter and the parser to build (a schema such as
@@ -86,7 +86,8 @@ class Grammar:
 
     def __init__(self, model, text: str, *, weigh: bool = True):
         """`weigh`: refuse nested repetitions too heavy for llama.cpp's parse stacks (grammar_bounds);
-        off for the JSON-schema converter's output, whose patterns and counts are bounded before."""
+        off for the JSON-schema converter's output, whose patterns and counts are bounded before
+        (its nesting and its alternatives are checked either way)."""
         if not isinstance(text, str) or not text.strip():
             raise GrammarError("invalid grammar: it is empty")
         if len(text) > MAX_GRAMMAR_CHARS:
@@ -98,8 +99,8 @@ class Grammar:
         try:        # before llama.cpp's parser sees it: a deep nesting overflows its stack (SIGSEGV)
             if weigh:
                 check_gbnf(text)
-            elif nesting(text) > MAX_NESTING:
-                raise BoundError(f"the grammar nests parentheses more than {MAX_NESTING} levels deep")
+            else:
+                check_schema_gbnf(text)
         except BoundError as e:
             raise GrammarError(f"invalid grammar: {e}") from None
         self.text = text

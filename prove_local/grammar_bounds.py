@@ -24,6 +24,7 @@ MAX_NESTING = 2048          # parenthesis depth (the converter writes x{0,1000} 
 MAX_NESTED_REPEAT = 1000    # product of the counts of nested repetitions
 UNBOUNDED = 2               # the weight of * and +
 MAX_EPS = 64                # positions reachable without reading a character (runs of optional items)
+MAX_FAN = 1024              # parse stacks at one point: alternatives add up (a 1024-value enum: fine)
 
 
 class BoundError(ValueError):
@@ -82,10 +83,14 @@ class _Item:
     character (llama.cpp keeps a parse stack per position: `"a"? "a"? ... "a"?` 1000 times cost
     100 s per step, 100 times 0.1 s), `chain` the depth of the optional-group chain it ends, and
     `content` the weight of what that chain repeats."""
-    __slots__ = ("w", "nullable", "eps", "chain", "content")
+    __slots__ = ("w", "nullable", "eps", "chain", "content", "fan", "fan_max")
 
-    def __init__(self, w: int = 1, nullable: bool = False, eps: int = 0, chain: int = 0, content: int = 1):
+    def __init__(self, w: int = 1, nullable: bool = False, eps: int = 0, chain: int = 0, content: int = 1,
+                 fan: int = 1, fan_max: int = 1):
         self.w, self.nullable, self.eps, self.chain, self.content = w, nullable, eps, chain, content
+        # fan: the parse stacks at the item's start (alternatives add up: an enum of 7000 strings
+        # cost 0.5 s per grammar step, 20,000 GBNF alternatives 2.2 s); fan_max: the most anywhere in it
+        self.fan, self.fan_max = fan, max(fan, fan_max)
 
 
 def _tokens(body: str):
@@ -179,22 +184,30 @@ def _alt(items: list) -> _Item:
             run_eps = 0
     chain = max([0] + [it.chain for it in items])
     content = max([1] + [it.w for it in items if not it.chain])
-    return _Item(w, all(it.nullable for it in items), eps, chain, content)
+    # the stacks at each point: the items of the nullable run from there, and the first item after it
+    fans, following = [], 0
+    for it in reversed(items):
+        following = it.fan + (following if it.nullable else 0)
+        fans.append(following)
+    fan = fans[-1] if fans else 1
+    fan_max = max([fan] + fans + [it.fan_max for it in items])
+    return _Item(w, all(it.nullable for it in items), eps, chain, content, fan, fan_max)
 
 
 def _quantified(it: _Item, op: str, lo: int, hi: int) -> _Item:
+    f, fm = it.fan, it.fan_max
     if op == "?":
         chain = it.chain + 1      # a chain of nested optional groups is a repetition written out: x{0,k}
         w = max(it.w, chain * it.content if it.content > 1 else chain)
-        return _Item(w, True, (1 + it.eps) if it.nullable else 1, chain, it.content)
+        return _Item(w, True, (1 + it.eps) if it.nullable else 1, chain, it.content, f, fm)
     if op == "*":
-        return _Item(UNBOUNDED * it.w if it.w > 1 else UNBOUNDED, True, (1 + it.eps) if it.nullable else 1)
+        return _Item(UNBOUNDED * it.w if it.w > 1 else UNBOUNDED, True, (1 + it.eps) if it.nullable else 1, 0, 1, f, fm)
     if op == "+":
-        return _Item(UNBOUNDED * it.w if it.w > 1 else UNBOUNDED, it.nullable, it.eps)
+        return _Item(UNBOUNDED * it.w if it.w > 1 else UNBOUNDED, it.nullable, it.eps, 0, 1, f, fm)
     w = hi * it.w if it.w > 1 else hi
-    if it.nullable:
-        return _Item(w, True, hi * max(1, it.eps))
-    return _Item(w, lo == 0, 1 if lo == 0 else it.eps)
+    if it.nullable:               # every copy's start is reachable without reading
+        return _Item(w, True, hi * max(1, it.eps), 0, 1, hi * f, hi * fm)
+    return _Item(w, lo == 0, 1 if lo == 0 else it.eps, 0, 1, f, fm)
 
 
 def _body(body: str, known: dict) -> _Item:
@@ -205,7 +218,7 @@ def _body(body: str, known: dict) -> _Item:
             items.append(_Item())
         elif kind == "ref":
             r = known.get(value)
-            items.append(_Item(r.w, r.nullable, r.eps, 0, r.w) if r is not None else _Item())
+            items.append(_Item(r.w, r.nullable, r.eps, 0, r.w, r.fan, r.fan_max) if r is not None else _Item())
         elif kind == "open":
             frames.append(([], []))
         elif kind == "alt":
@@ -226,7 +239,8 @@ def _body(body: str, known: dict) -> _Item:
 
 def _group(alts: list) -> _Item:
     return _Item(max(a.w for a in alts), any(a.nullable for a in alts), max(a.eps for a in alts),
-                 max(a.chain for a in alts), max(a.content for a in alts))
+                 max(a.chain for a in alts), max(a.content for a in alts), sum(a.fan for a in alts),
+                 max(a.fan_max for a in alts))
 
 
 def measure(text: str) -> tuple[dict, int]:
@@ -339,6 +353,7 @@ def check_gbnf(text: str) -> None:
     known, chain = measure(text)
     if chain > MAX_NESTING:
         raise BoundError(f"the grammar's rules reference each other {chain} levels deep; the limit is {MAX_NESTING}")
+    check_fan(known)
     for name, it in known.items():
         if it.eps > MAX_EPS:
             raise BoundError(f"rule {name!r} has {it.eps} optional items in a row (each a parse stack at every "
@@ -346,6 +361,22 @@ def check_gbnf(text: str) -> None:
         if it.w > MAX_NESTED_REPEAT:
             raise BoundError(f"rule {name!r} repeats {it.w} times over (the counts of nested repetitions "
                              f"multiply); the limit is {MAX_NESTED_REPEAT}")
+
+
+def check_fan(known: dict) -> None:
+    for name, it in known.items():
+        if it.fan_max > MAX_FAN:
+            raise BoundError(f"rule {name!r} offers {it.fan_max} alternatives at one point (a parse stack each, "
+                             f"at every step); the limit is {MAX_FAN}")
+
+
+def check_schema_gbnf(text: str) -> None:
+    """What a JSON schema's grammar must satisfy: the nesting and the alternatives (an enum of
+    thousands of values), not the repetition weights (see the module doc)."""
+    depth = nesting(text)
+    if depth > MAX_NESTING:
+        raise BoundError(f"the grammar nests parentheses {depth} levels deep; the limit is {MAX_NESTING}")
+    check_fan(measure(text)[0])
 
 
 def check_pattern(pattern: str) -> None:

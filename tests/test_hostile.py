@@ -77,6 +77,7 @@ def test_deeply_nested_gbnf_is_one_line_not_a_segfault(model_path, tmp_path):
     ('root ::= ' + '"a"? ' * 1000, "optional items in a row"),                    # x{0,1000} written flat
     ('root ::= ' + "b " * 30 + '\nb ::= ' + '"a"? ' * 30, "optional items in a row"),
     ("root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(3000)) + 'r3000 ::= "a"\n', "reference each other"),
+    ("root ::= " + " | ".join(f'"{i}"' for i in range(20000)), "20000 alternatives"),     # 2.2 s per step
 ])
 def test_grammars_that_would_hold_a_slot_are_refused(model, text, why):
     with pytest.raises(GrammarError, match=why):
@@ -90,6 +91,15 @@ def test_the_expanded_form_of_the_nested_pattern_is_refused_as_gbnf(model):
     text = json_schema_to_gbnf(json.dumps({"type": "string", "pattern": "^(a{0,1000}){0,1000}$"}))
     with pytest.raises(GrammarError):
         Grammar(model, text)
+
+
+def test_a_schema_with_thousands_of_alternatives_is_refused(model):
+    """An enum of 7,000 values cost 0.5 s per grammar step, a pattern of 8,000 alternatives 0.6 s."""
+    with pytest.raises(GrammarError, match="7000 alternatives"):
+        Grammar.from_schema(model, {"enum": [str(i) for i in range(7000)]})
+    with pytest.raises(GrammarError, match="8000 alternatives"):
+        Grammar.from_schema(model, {"type": "string", "pattern": "^(" + "|".join(["ab"] * 8000) + ")$"})
+    Grammar.from_schema(model, {"enum": [str(i) for i in range(1000)]})
 
 
 def test_nested_repetition_in_a_schema_pattern_is_refused(model):
