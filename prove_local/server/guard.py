@@ -51,7 +51,7 @@ def host_name(value: str) -> str:
     if value.startswith("["):
         return value[1:value.find("]")] if "]" in value else value[1:]
     name, sep, port = value.rpartition(":")
-    return name if sep and port.isdigit() and ":" not in name else value
+    return (name if sep and port.isdigit() and ":" not in name else value).rstrip(".")   # (localhost. = localhost)
 
 
 def _is_ip(name: str) -> bool:
