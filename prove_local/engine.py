@@ -245,7 +245,7 @@ class Engine:
         """Tokens each context will be fed before its new ones (at least the last: rules._pending)."""
         out = {r: max(1, len(self.tokens) - c.n_past) for r, c in self.contexts.items()}
         if rules.gated(self.contexts["proposer"]):
-            out[modes.GATED] = 1                # the lossless passes' widths differ (modes._lossless_widths)
+            out[modes.GATED] = 1                # the lossless passes' widths differ (modes.lossless_widths)
         return out
 
     def _sync(self) -> None:
@@ -360,7 +360,8 @@ class Engine:
             contexts = self.contexts if req.watch is None else req.watch.begin(self.tokens)
             cycle = modes.of(plan).cycle(contexts, self.tokens, plan, s, self.mask_token, sampler=req.sampler)
             cycle.seconds = time.perf_counter() - t0
-            # passes are counted, not declared: llama_decode calls made during this cycle
+            # the passes, recorded here only: the llama_decode calls made during this cycle (the rule records
+            # the widths it fed; a pass wider than n_batch is several calls)
             cycle.passes = {r: c.n_decode - before[r][0] for r, c in self.contexts.items() if c.n_decode > before[r][0]}
             cycle.decode_seconds = {r: c.decode_seconds - before[r][1] for r, c in self.contexts.items()
                                     if c.n_decode > before[r][0]}

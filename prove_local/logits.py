@@ -4,6 +4,8 @@ each one as few times as its question needs (a 151,936-token row is 600 kB).
 - `row_stats(logits, exp_rows)`: the argmax and maximum of every row (one pass each), and the
   softmax normaliser sum(exp(row - max)) of the rows in `exp_rows` only (one exp pass and one sum
   over a reused buffer: no temporary of the row's size per call).
+- `top1`, `prob_of`, `greedy_and_prob`: the greedy verify step's questions (the argmax and p̃ of
+  each row; the probability of given tokens), on `row_stats`.
 - `top_candidates(row, k)`: the ids of a row's k largest logits without sorting or partitioning the
   whole row (one elementwise-maximum pass over strided groups, then a partition of the entries of
   the k best groups).
@@ -78,6 +80,26 @@ def probs_at(logits: np.ndarray, maxes: np.ndarray, sums: np.ndarray, ids) -> np
         return np.zeros(0, dtype=np.float32)
     z = logits[np.arange(k), np.asarray(ids, dtype=np.int64)] - maxes[:k]
     return np.exp(z) / sums[:k]
+
+
+def top1(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Argmax per row and its softmax probability (p̃): one argmax pass and one exp pass per row,
+    no copy of the rows."""
+    ids, _, sums = row_stats(logits)
+    return ids, (1.0 / sums).astype(np.float32)
+
+
+def prob_of(logits: np.ndarray, ids) -> np.ndarray:
+    """Softmax probability of ids[i] under row i."""
+    _, maxes, sums = row_stats(logits)
+    return probs_at(logits, maxes, sums, ids)
+
+
+def greedy_and_prob(logits: np.ndarray, ids) -> tuple[np.ndarray, np.ndarray]:
+    """Argmax of every row, and the probability of ids[i] under row i for the first len(ids)
+    rows: an exp pass only over those rows (the last row of a verify pass needs its argmax only)."""
+    g, maxes, sums = row_stats(logits, exp_rows=range(len(ids)))
+    return g, probs_at(logits, maxes, sums, ids)
 
 
 def top_candidates(row: np.ndarray, k: int, group: int = 32) -> np.ndarray:

@@ -36,9 +36,10 @@ class Mode:
     free_first: bool                # slot 1 is the proposer's own AR token: always committed
     correction: bool                # commits the target's own token after the accepted run
     verify_choice: bool             # the verify pass reads a chosen number of the proposed tokens
-    # run one cycle: (contexts by role, committed tokens, plan, settings, mask token, sampler) -> Cycle
+    # run one cycle (the named *_cycle functions below): (contexts by role, committed tokens, plan, settings,
+    # mask token, sampler) -> Cycle
     cycle: Callable
-    # widths of its passes per role, given the tokens pending in each context: {role: [n, ...]}
+    # widths of its passes per role, given the tokens pending in each context: {role: [n, ...]} (*_widths)
     widths: Callable[[dict, Plan], dict]
     lookup: bool = False            # takes lookup drafts (lookup.py), verified exactly: needs no mask token
     source: str | None = None       # where its proposed slots come from: "mask", "draft", "lookup" (Cycle.source)
@@ -74,9 +75,22 @@ class Mode:
         return out
 
 
-def _lossless(c, t, plan, s, mask, sampler=None):
+# The cycle of each mode: (contexts by role, committed tokens, plan, settings, mask token, sampler) -> Cycle,
+# and the widths of its passes: (tokens pending per role, plan) -> {role: [tokens fed per pass]}.
+
+def ar_cycle(c, t, plan, s, mask, sampler=None):
+    return rules.ar_cycle(c["proposer"], t, sampler=sampler)
+
+
+def ar_widths(pend: dict, plan: Plan) -> dict:
+    return {"proposer": [pend["proposer"]]}
+
+
+def lossless_cycle(c, t, plan, s, mask, sampler=None):
+    """A MARS block verified by its own model; a proposal filled by lookup tokens where the plan has them
+    and the index drafts some (the lookup's draft, else a plain block)."""
     verify = plan.choose_verify if plan.choose_verify is not None else plan.verify
-    if plan.lookup and plan.propose_lookup is not None:            # a proposal filled by lookup tokens
+    if plan.lookup and plan.propose_lookup is not None:
         draft, scores = plan.propose_lookup(plan.lookup)
         if draft:
             return rules.lossless_fill_cycle(c["proposer"], t, draft, scores, plan.block, mask, verify=verify,
@@ -87,7 +101,7 @@ def _lossless(c, t, plan, s, mask, sampler=None):
 GATED = "gated"             # a key of the pending counts: the proposer proposes through a gated adapter
 
 
-def _lossless_widths(pend: dict, plan: Plan) -> dict:
+def lossless_widths(pend: dict, plan: Plan) -> dict:
     """The proposal pass ([pending, lookup tokens of a filled proposal, masks]) and the verify pass
     (none when a filled proposal's lookup token was rejected: verify = 0). With a gated adapter
     (`pend[GATED]`: rules.gated_lossless_cycle) the verify pass re-feeds the pending and lookup tokens
@@ -99,9 +113,40 @@ def _lossless_widths(pend: dict, plan: Plan) -> dict:
     return {"proposer": [first, v] if v else [first]}
 
 
-def _lookup(c, t, plan, s, mask, sampler=None):
+def prove_cycle(c, t, plan, s, mask, sampler=None):
+    return rules.prove_cycle(c["proposer"], c["verifier"], t, plan.block, mask, s.theta, sampler=sampler)
+
+
+def prove_widths(pend: dict, plan: Plan) -> dict:
+    return {"proposer": [pend["proposer"] + plan.block - 1], "verifier": [pend["verifier"] + plan.block - 1]}
+
+
+def mars_cycle(c, t, plan, s, mask, sampler=None):
+    return rules.mars_cycle(c["proposer"], t, plan.block, mask, s.tau, sampler=sampler)
+
+
+def mars_widths(pend: dict, plan: Plan) -> dict:
+    return {"proposer": [pend["proposer"] + plan.block - 1]}
+
+
+def spec_cycle(c, t, plan, s, mask, sampler=None):
+    return rules.spec_cycle(c["proposer"], c["draft"], t, plan.draft_k, sampler=sampler)
+
+
+def spec_widths(pend: dict, plan: Plan) -> dict:
+    """k one-token draft passes (the first also feeds the draft's pending tokens) and one target pass."""
+    return {"draft": ([pend["draft"]] + [1] * (plan.draft_k - 1)) if plan.draft_k else [],
+            "proposer": [pend["proposer"] + plan.draft_k]}
+
+
+def lookup_cycle(c, t, plan, s, mask, sampler=None):
+    """The index's draft verified in one pass (no draft: a plain ar cycle)."""
     draft, scores = plan.propose_lookup(plan.lookup) if plan.lookup and plan.propose_lookup else ([], [])
     return rules.lookup_cycle(c["proposer"], t, draft, scores, sampler=sampler)
+
+
+def lookup_widths(pend: dict, plan: Plan) -> dict:
+    return {"proposer": [pend["proposer"] + plan.lookup]}
 
 
 LOOKUP = "lookup"           # the kind of a lookup-verify cycle, and the planner's statistics key of lookup drafts
@@ -112,48 +157,39 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          ("proposer",), needs_mask=False, exact=True, width=None, gate=None,
          gate_text="no gate: one token per cycle", q_text="no verifier", free_first=True, correction=False,
          verify_choice=False,
-         cycle=lambda c, t, plan, s, mask, sampler=None: rules.ar_cycle(c["proposer"], t, sampler=sampler),
-         widths=lambda pend, plan: {"proposer": [pend["proposer"]]}),
+         cycle=ar_cycle, widths=ar_widths),
     Mode("lossless", "ProVe-lossless",
          "ProVe-lossless: the proposer verifies its own block (and lookup drafts); output identical to ar "
          "(sampled: the same text for the seed)",
          ("proposer",), needs_mask=True, exact=True, width="block", gate=None,
          gate_text="gate: proposed token = the proposer's greedy token (verify pass)",
          q_text="q: the proposer's own probability of the token in its verify pass",
-         free_first=True, correction=True, verify_choice=True, cycle=_lossless, widths=_lossless_widths,
+         free_first=True, correction=True, verify_choice=True, cycle=lossless_cycle, widths=lossless_widths,
          lookup=True, source="mask"),
     Mode("prove", "ProVe", "ProVe: a stock verifier gates the block, commit while p*q >= theta (lossy)",
          ("proposer", "verifier"), needs_mask=True, exact=False, width="block", gate="theta",
          gate_text="gate: p̃·q ≥ θ = {theta:g}", q_text="q: the verifier's probability of the token, teacher-forced",
-         free_first=True, correction=False, verify_choice=False,
-         cycle=lambda c, t, plan, s, mask, sampler=None: rules.prove_cycle(
-             c["proposer"], c["verifier"], t, plan.block, mask, s.theta, sampler=sampler),
-         widths=lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1],
-                                    "verifier": [pend["verifier"] + plan.block - 1]}, source="mask"),
+         free_first=True, correction=False, verify_choice=False, cycle=prove_cycle, widths=prove_widths,
+         source="mask"),
     Mode("mars", "MARS rule", "MARS confidence rule, commit while p >= tau (lossy)",
          ("proposer",), needs_mask=True, exact=False, width="block", gate="tau",
          gate_text="gate: p̃ ≥ τ = {tau:g}", q_text="no verifier: the rule looks at p̃ only",
-         free_first=True, correction=False, verify_choice=False,
-         cycle=lambda c, t, plan, s, mask, sampler=None: rules.mars_cycle(
-             c["proposer"], t, plan.block, mask, s.tau, sampler=sampler),
-         widths=lambda pend, plan: {"proposer": [pend["proposer"] + plan.block - 1]}, source="mask"),
+         free_first=True, correction=False, verify_choice=False, cycle=mars_cycle, widths=mars_widths,
+         source="mask"),
     Mode("spec", "speculative", "speculative decoding with a draft model (and lookup drafts); output identical to ar "
          "(sampled: the same text for the seed)",
          ("proposer", "draft"), needs_mask=False, exact=True, width="draft_k", gate=None,
          gate_text="gate: drafted token = the target's greedy token",
          q_text="p̃: the draft's confidence; q: the target's probability of the drafted token",
-         free_first=False, correction=True, verify_choice=False,
-         cycle=lambda c, t, plan, s, mask, sampler=None: rules.spec_cycle(
-             c["proposer"], c["draft"], t, plan.draft_k, sampler=sampler),
-         widths=lambda pend, plan: {"draft": ([pend["draft"]] + [1] * (plan.draft_k - 1)) if plan.draft_k else [],
-                                    "proposer": [pend["proposer"] + plan.draft_k]}, lookup=True, source="draft"),
+         free_first=False, correction=True, verify_choice=False, cycle=spec_cycle, widths=spec_widths,
+         lookup=True, source="draft"),
     Mode(LOOKUP, "lookup", "lookup drafts alone: continuations copied from the prompt and the answer (n-gram "
          "matches), verified in one pass; any GGUF; output identical to ar (sampled: the same text for the seed)",
          ("proposer",), needs_mask=False, exact=True, width=None, gate=None,
          gate_text="gate: drafted token = the model's greedy token (one verify pass)",
          q_text="p̃: the lookup's score m/(m+1) (m tokens matched); q: the model's probability of the drafted token",
-         free_first=False, correction=True, verify_choice=False, cycle=_lookup,
-         widths=lambda pend, plan: {"proposer": [pend["proposer"] + plan.lookup]}, lookup=True, source="lookup"),
+         free_first=False, correction=True, verify_choice=False, cycle=lookup_cycle, widths=lookup_widths,
+         lookup=True, source="lookup"),
 )}
 
 NAMES = tuple(MODES)

@@ -54,7 +54,7 @@ import math
 
 import numpy as np
 
-from .logits import _buffer, top_candidates
+from .logits import _buffer, greedy_and_prob, prob_of, top1, top_candidates
 
 # The defaults of every front end (engine.Settings, `run`, `serve`, `bench`, the UI) and of `Sampler`:
 # llama.cpp's, except the temperature (0: greedy, so that the exact modes equal ar token for token;
@@ -208,12 +208,50 @@ def _dense_pair(p, q):
     return np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
 
 
+def leading_run(ok) -> int:
+    """Length of the leading run of True."""
+    ok = np.asarray(ok, dtype=bool)
+    return int(ok.argmin()) if not ok.all() else len(ok)
+
+
+class Greedy:
+    """Greedy decoding as the sampler interface's zero-noise case (temperature 0, no penalty: every
+    processed row one-hot on its argmax, nothing random), on argmax fast paths over the raw rows
+    (logits.row_stats): no row is processed, one exp pass per row whose probability is asked for.
+    The rules run `GREEDY` when the engine passes no sampler; its four methods are `Sampler`'s:
+    `sample` (ar's token), `slots` (a proposal's tokens), `probs` (a verifier's probabilities of given
+    tokens) and `sample_and_accept_n` (the verify step of every exact rule)."""
+
+    def sample(self, logits: np.ndarray, prefix) -> tuple[int, float]:
+        ids, p = top1(logits)
+        return int(ids[0]), float(p[0])
+
+    def slots(self, logits: np.ndarray, prefix) -> tuple[list[int], np.ndarray, None]:
+        ids, p = top1(logits)
+        return [int(x) for x in ids], p, None
+
+    def probs(self, logits: np.ndarray, prefix, ids) -> np.ndarray:
+        return prob_of(logits, ids)
+
+    def sample_and_accept_n(self, logits: np.ndarray, drafted, prefix, q=None) -> tuple[int, int, list[float], None, bool]:
+        """Accept drafted[i] while it equals row i's argmax; the argmax of the first row that does not
+        match (or of the bonus row after a full match) follows. See Sampler.sample_and_accept_n."""
+        k = len(drafted)
+        g, target = greedy_and_prob(logits, drafted)
+        n = leading_run(np.asarray(drafted, dtype=np.int64) == g[:k])
+        return n, int(g[n]), target.tolist(), None, n < k
+
+
+GREEDY = Greedy()
+
+
 class Sampler:
-    """The sampler chain of one request and its random generator. The rules call:
-    `dists` (processed distributions, sparse), `propose` (draw slot/draft tokens), `draw`, `verify`
-    (exact speculative sampling) and `residual`. Temperature 0 with a repetition penalty gives
-    one-hot distributions (greedy on the penalized logits); without a penalty the engine passes
-    no sampler at all and the rules run their greedy code."""
+    """The sampler chain of one request and its random generator. The rules call the verify step's
+    four methods, `sample`, `slots`, `probs` and `sample_and_accept_n` (`Greedy`'s, on processed
+    distributions), which are built on `dists` (processed distributions, sparse), `propose` (draw
+    slot/draft tokens), `draw`, `verify` (exact speculative sampling) and `residual`. Temperature 0
+    with a repetition penalty gives one-hot distributions (greedy on the penalized logits); without a
+    penalty the engine passes no sampler at all and the rules run `GREEDY`."""
 
     def __init__(self, rng: np.random.Generator, temperature: float = TEMPERATURE, top_k: int = TOP_K,
                  top_p: float = TOP_P, min_p: float = MIN_P, repeat_penalty: float = REPEAT_PENALTY,
@@ -344,6 +382,37 @@ class Sampler:
             rows.append(self.row(logits[i], self._window(prefix, tokens, i)))
             tokens.append(self.draw(rows[-1], len(prefix) + i))
         return tokens, Dists(rows, logits.shape[1])
+
+    # ------------------------------------------------------------------ the verify step (rules.py)
+    def sample(self, logits: np.ndarray, prefix) -> tuple[int, float]:
+        """ar's token: a draw from the first row's processed distribution at position len(prefix),
+        and its probability."""
+        p = self.dists(logits, prefix)
+        x = self.draw(p[0], len(prefix))
+        return x, float(p[0, x])
+
+    def slots(self, logits: np.ndarray, prefix) -> tuple[list[int], np.ndarray, Dists]:
+        """A proposal (MARS slots, a draft token): the tokens `propose` draws, their processed
+        probabilities (p̃), and the distributions q they were drawn from."""
+        tokens, q = self.propose(logits, prefix)
+        return tokens, q[np.arange(len(tokens)), tokens], q
+
+    def probs(self, logits: np.ndarray, prefix, ids) -> np.ndarray:
+        """The processed probability of ids[i] under row i (row i: after prefix + ids[:i])."""
+        return self.dists(logits, prefix, ids)[np.arange(len(ids)), ids]
+
+    def sample_and_accept_n(self, logits: np.ndarray, drafted, prefix, q=None) -> tuple[int, int, list[float], list | None, bool]:
+        """The verify step of every exact rule (llama.cpp's common_sampler_sample_and_accept_n): row i
+        of `logits` is the target after prefix + drafted[:i], with one row more than drafted (the
+        bonus position); drafted[i] was drawn from q[i] (None: drafts proposed without a model,
+        point masses). `verify` decides, at positions from len(prefix). Returns (n accepted, the next
+        token, the target's processed probability of each drafted token, min(1, p/q) per draft or
+        None, whether the next token replaced a rejected draft)."""
+        p = self.dists(logits, prefix, drafted)
+        if q is None:
+            q = point_mass(drafted, p.shape[1])
+        n, nxt, accept, residual = self.verify(p, q, drafted, len(prefix))
+        return n, nxt, [float(p[i, drafted[i]]) for i in range(len(drafted))], accept, residual
 
     def residual(self, p, q) -> int:
         """The token after a rejection: a draw from norm(max(0, p - q)). If that has no mass (p <= q
