@@ -563,3 +563,20 @@ def test_a_full_disk_names_what_failed():
     with open("/dev/full", "wb") as f, pytest.raises(OSError) as e:
         _Streamed(1 << 20, iter([np.zeros(1 << 20, dtype=np.uint8)]), Bar()).tofile(f)
     assert "/dev/full" in str(e.value) and "cannot write the tensor data" in str(e.value)
+
+
+def test_the_ui_takes_the_same_temperature_rule(monkeypatch):
+    pytest.importorskip("gradio")
+    from prove_local.ui import page as ui_page
+    seen = []
+
+    def run_turn(runtime, sess, text, settings):
+        seen.append(settings.temperature)
+        return iter(())
+    monkeypatch.setattr(ui_page.rt, "run_turn", run_turn)
+    p = ui_page.Page(runtime=None)
+    args = ("hi", "ar", 0.05, 0.95, 0, 16, 0, -1)
+    list(p.send(*args, 5e-324, 40, 0.95, 0.05, 1.0, -1, None))
+    assert seen == [0.0]                            # (before: 5e-324 reached the sampler)
+    out = list(p.send(*args, float("nan"), 40, 0.95, 0.05, 1.0, -1, None))
+    assert seen == [0.0] and "temperature must be a finite number" in out[-1][4]
