@@ -312,11 +312,11 @@ def test_run_takes_a_json_schema_and_a_grammar(tmp_path):
 
     (tmp_path / "s.json").write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
                                                  "required": ["ok"]}))
-    r = cli("run", "-p", "Is it ok?", "--json-schema", str(tmp_path / "s.json"), "-n", "40", "--json",
+    r = cli("run", "embedded", "-p", "Is it ok?", "--json-schema", str(tmp_path / "s.json"), "-n", "40", "--json",
             "--threads", "1")
     assert r.returncode == 0, r.stderr
     assert isinstance(json.loads(json.loads(r.stdout)["text"])["ok"], bool)
     (tmp_path / "bad.gbnf").write_text('root ::= "a" | foo\n')
-    r = cli("run", "-p", "x", "--grammar", str(tmp_path / "bad.gbnf"))
+    r = cli("run", "embedded", "-p", "x", "--grammar", str(tmp_path / "bad.gbnf"))
     assert r.returncode == 1 and r.stderr.strip().count("\n") == 0
     assert "bad.gbnf: invalid grammar: Undefined rule identifier 'foo'" in r.stderr

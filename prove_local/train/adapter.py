@@ -363,7 +363,7 @@ def evaluate(lm: StockLM, lora: Lora, seqs, block: int, mask: int, every: int = 
         hits += h
         valid += v
         lead = (hit.cumprod(1)).sum(1).float()
-        runs += float((lead.clamp(max=block - 1) + 1).sum())      # matched run, then the correction
+        runs += float((lead + 1).sum())      # the matched run (slot 1 tested too: gated), then the stock token
         n_blocks += len(starts)
     rate = (hits / valid.clamp(min=1)).tolist()
     return {"slot_match": [round(x, 4) for x in rate], "tokens_per_cycle": round(runs / max(n_blocks, 1), 3),
@@ -413,6 +413,7 @@ def train(a) -> dict:
             stop = "time"
             break
         if state["epoch_order"] is None or state["cursor"] >= len(state["epoch_order"]):
+            data = load_sequences(shard_files(a.data, "train"))     # shards a running `gen` added since
             order = list(range(len(data)))
             rng.shuffle(order)
             state["epoch_order"], state["cursor"] = order, 0
