@@ -150,14 +150,11 @@ def measure(model, options: dict, fill: list[int] | None = None, *, ns=DEFAULT_N
     opts["n_batch"] = max(512, max(ns))
     if threads is not None:
         opts["n_threads"] = threads
-    ctx = Context(model, **opts)
-    try:
+    with Context(model, **opts) as ctx:
         fill = list(fill) if fill else [int(t) % max(1, min(model.n_vocab, 256)) for t in range(7, 7 + n_fill)]
         fill = (fill * (n_fill // len(fill) + 1))[:n_fill]
         ctx.eval(fill, rows=[])
         return measure_context(ctx, fill, ns=ns, budget_s=budget_s, reps=reps, seed=seed)
-    finally:
-        ctx.close()
 
 
 def _score(mean: dict[int, float]) -> float:

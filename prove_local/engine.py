@@ -114,6 +114,28 @@ class Engine:
         # lookup drafts: the n-gram index of the committed tokens (always a prefix of self.tokens)
         self.index = NgramIndex()
         self._thread_curves: dict[str, dict] = {}
+        self.closed = False
+
+    def close(self) -> None:
+        """Free the contexts (their KV caches), each before its model; the models stay (they belong
+        to whoever loaded them: Loaded.close, or a Model's own `with`). An open generation is released
+        first (its caches cut back); a later `generate` raises EngineBusy. Idempotent. `with
+        Engine.load(...) as engine:` closes it at the end of the block."""
+        if self.active is not None:
+            self._release(self.active)
+        for ctx in self.contexts.values():
+            close = getattr(ctx, "close", None)       # (the tests' fake contexts have none)
+            if close is not None:
+                close()
+        self.closed = True
+        self.tokens = []
+        self.index.clear()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @classmethod
     def load(cls, proposer: Model, verifier: Model | None = None, draft: Model | None = None, *,
@@ -260,6 +282,8 @@ class Engine:
         shared with the previous request are reused. If the consumer stops early (close, Ctrl-C
         mid-cycle), the caches are cut back to the committed tokens, so the next request works.
         One generation at a time: a second one while another is open raises EngineBusy."""
+        if self.closed:
+            raise EngineBusy(f"{self.name}: this engine is closed (its contexts are freed)")
         if self.active is not None:
             raise EngineBusy(f"{self.name}: a generation is still open on this engine; finish or close it first")
         s = settings or Settings(mode=self.default_mode())

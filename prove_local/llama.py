@@ -422,6 +422,8 @@ class Context:
         return self._eval(tokens, rows, copy=False, adapter=adapter)
 
     def _eval(self, tokens: list[int], rows: list[int] | None, copy: bool, adapter: bool = False) -> np.ndarray:
+        if not getattr(self, "_ctx", None):
+            raise LlamaError(f"{self.model.path}: this context is closed")
         if rows is None:
             rows = [len(tokens) - 1] if tokens else []
         if self.n_past + len(tokens) > self.n_ctx:
@@ -494,7 +496,10 @@ class Context:
         self.n_threads = n
 
     def truncate(self, n: int) -> None:
-        """Keep the first n tokens of the KV cache, drop the rest (`llama_memory_seq_rm`)."""
+        """Keep the first n tokens of the KV cache, drop the rest (`llama_memory_seq_rm`). A closed context
+        holds nothing: there is nothing to drop (an engine's clean-up after its models were closed)."""
+        if not getattr(self, "_ctx", None):
+            return
         if n < 0 or n > self.n_past:
             raise LlamaError(f"cannot truncate a context of {self.n_past} tokens to {n}")
         if not ll.llama_memory_seq_rm(self._mem, 0, n, -1):

@@ -44,7 +44,34 @@ class EnginePool:
         self.n_waiting = 0              # requests waiting for an engine now
         self.peak_waiting = 0
         self.n_rejected = 0             # refused with QueueFull
+        self.closed = False
         self._engines[0] = loaded.engine()       # validates vocabularies and the mask token now
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Close the engines (their contexts) once the requests holding them have given them back; a
+        request waiting for one, or asking after this, raises Cancelled. The models stay the
+        loader's (Loaded.close). `timeout`: seconds to wait for busy engines (None: as long as it
+        takes); an engine still busy then is left open. Whether every engine was closed.
+        `with EnginePool(loaded) as pool:` closes it at the end of the block."""
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: not any(self._busy), timeout)
+            done = [i for i, b in enumerate(self._busy) if not b]
+            engines = [self._engines[i] for i in done]
+            for i in done:
+                self._engines[i] = None
+            left = len(self._busy) - len(done)
+        for e in engines:
+            if e is not None:
+                e.close()
+        return left == 0
+
+    def __enter__(self) -> "EnginePool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def first(self):
@@ -86,6 +113,8 @@ class EnginePool:
         served) while all engines are busy; raises QueueFull when `max_queue` requests wait
         already, and Cancelled when `abandoned()` turns true while waiting."""
         with self._cond:
+            if self.closed:
+                raise Cancelled("the engine pool is closed")
             if all(self._busy) or self.n_waiting:
                 if self.max_queue is not None and self.n_waiting >= self.max_queue:
                     self.n_rejected += 1
@@ -96,6 +125,8 @@ class EnginePool:
             self.n_waiting += 1
             try:
                 while all(self._busy) or self._serving != ticket:
+                    if self.closed:
+                        raise Cancelled("the engine pool was closed while the request waited for an engine")
                     self.peak_waiting = max(self.peak_waiting, self.n_waiting)
                     if abandoned is not None and abandoned():
                         raise Cancelled("the request was abandoned while waiting for an engine")

@@ -211,61 +211,59 @@ def generate(a) -> dict:
     _dump(gdir / "spec.json", {"proposer": str(a.proposer), "train_data": str(a.train_data), "order": order,
                                "max_new": a.max_new, "topk": a.topk, "seed": a.seed, "samples": a.samples,
                                "temperature": a.temperature})
-    prop = Model(a.proposer)
-    engine = Engine.load(prop, n_ctx=a.ctx, n_threads=a.threads, type_k="f32", type_v="f32")
-    scorer = Context(prop, n_ctx=a.ctx, n_threads=a.threads, type_k="f32", type_v="f32")
-    greedy = Settings(mode="ar", max_new=a.max_new)
-    t0 = time.time()
-    stats = {"prompts": 0, "tokens": 0, "sampled_tokens": 0, "argmax_agree": 0, "seconds": 0.0, "stopped_early": False}
-    shards = [order[i:i + a.shard] for i in range(0, len(order), a.shard)]
-    mine = [s for s in range(len(shards)) if s % n_parts == part]
-    bar = tqdm(total=sum(len(shards[s]) for s in mine), desc="generate", unit="prompt", disable=a.no_progress,
-               mininterval=5.0)
-    try:
-        for s in mine:
-            idxs = shards[s]
-            path = gdir / f"shard_{s:04d}.npz"
-            if path.exists():
-                bar.update(len(idxs))
-                continue
-            if a.gen_minutes and time.time() - t0 > a.gen_minutes * 60:
-                stats["stopped_early"] = True
-                break
-            index, kind, plen, clen, toks, tk_ids, tk_lp = [], [], [], [], [], [], []
-            for i in idxs:
-                prompt = Conversation(prop).prompt_tokens(rows[i]["question"])
-                runs = [(0, greedy)] + [(1, Settings(mode="ar", max_new=a.max_new, temperature=a.temperature,
-                                                     top_k=0, top_p=1.0, min_p=0.0, seed=a.seed * 1_000_003 + i * 101 + j))
-                                        for j in range(a.samples)]
-                for k, settings in runs:
-                    cont = [t for c in engine.generate(prompt, settings) for t in c.committed]
-                    # teacher-forced pass: the row before each continuation token predicts it
-                    scorer.truncate(0)
-                    seq = prompt + cont
-                    logits = scorer.eval(seq, rows=list(range(len(prompt) - 1, len(seq) - 1)))
-                    ids, lp = topk_logprobs(logits, a.topk)
-                    if k == 0:
-                        stats["argmax_agree"] += int((ids[:, 0] == np.array(cont)).sum())
-                        stats["tokens"] += len(cont)
-                    else:
-                        stats["sampled_tokens"] += len(cont)
-                    index.append(i); kind.append(k); plen.append(len(prompt)); clen.append(len(cont)); toks.extend(seq)
-                    tk_ids.append(ids.astype(np.int32)); tk_lp.append(lp.astype(np.float32))
-                stats["prompts"] += 1
-                bar.update(1)
-                bar.set_postfix(tok_s=f"{(stats['tokens'] + stats['sampled_tokens']) / max(time.time() - t0, 1e-9):.0f}",
-                                refresh=False)
-            tmp = path.with_name(path.stem + ".tmp.npz")
-            with open(tmp, "wb") as f:
-                np.savez(f, index=np.array(index, dtype=np.int32), kind=np.array(kind, dtype=np.int8), prompt_len=np.array(plen, dtype=np.int32),
-                         cont_len=np.array(clen, dtype=np.int32), tokens=np.array(toks, dtype=np.int32),
-                         topk_ids=np.concatenate(tk_ids), topk_logp=np.concatenate(tk_lp))
-            os.replace(tmp, path)
-    finally:
-        bar.close()
-        scorer.close()
-        engine.contexts["proposer"].close()
-        prop.close()
+    # closed at the end of the block in reverse order: the scorer, the engine's context, the model
+    with Model(a.proposer) as prop, \
+            Engine.load(prop, n_ctx=a.ctx, n_threads=a.threads, type_k="f32", type_v="f32") as engine, \
+            Context(prop, n_ctx=a.ctx, n_threads=a.threads, type_k="f32", type_v="f32") as scorer:
+        greedy = Settings(mode="ar", max_new=a.max_new)
+        t0 = time.time()
+        stats = {"prompts": 0, "tokens": 0, "sampled_tokens": 0, "argmax_agree": 0, "seconds": 0.0, "stopped_early": False}
+        shards = [order[i:i + a.shard] for i in range(0, len(order), a.shard)]
+        mine = [s for s in range(len(shards)) if s % n_parts == part]
+        bar = tqdm(total=sum(len(shards[s]) for s in mine), desc="generate", unit="prompt", disable=a.no_progress,
+                   mininterval=5.0)
+        try:
+            for s in mine:
+                idxs = shards[s]
+                path = gdir / f"shard_{s:04d}.npz"
+                if path.exists():
+                    bar.update(len(idxs))
+                    continue
+                if a.gen_minutes and time.time() - t0 > a.gen_minutes * 60:
+                    stats["stopped_early"] = True
+                    break
+                index, kind, plen, clen, toks, tk_ids, tk_lp = [], [], [], [], [], [], []
+                for i in idxs:
+                    prompt = Conversation(prop).prompt_tokens(rows[i]["question"])
+                    runs = [(0, greedy)] + [(1, Settings(mode="ar", max_new=a.max_new, temperature=a.temperature,
+                                                         top_k=0, top_p=1.0, min_p=0.0, seed=a.seed * 1_000_003 + i * 101 + j))
+                                            for j in range(a.samples)]
+                    for k, settings in runs:
+                        cont = [t for c in engine.generate(prompt, settings) for t in c.committed]
+                        # teacher-forced pass: the row before each continuation token predicts it
+                        scorer.truncate(0)
+                        seq = prompt + cont
+                        logits = scorer.eval(seq, rows=list(range(len(prompt) - 1, len(seq) - 1)))
+                        ids, lp = topk_logprobs(logits, a.topk)
+                        if k == 0:
+                            stats["argmax_agree"] += int((ids[:, 0] == np.array(cont)).sum())
+                            stats["tokens"] += len(cont)
+                        else:
+                            stats["sampled_tokens"] += len(cont)
+                        index.append(i); kind.append(k); plen.append(len(prompt)); clen.append(len(cont)); toks.extend(seq)
+                        tk_ids.append(ids.astype(np.int32)); tk_lp.append(lp.astype(np.float32))
+                    stats["prompts"] += 1
+                    bar.update(1)
+                    bar.set_postfix(tok_s=f"{(stats['tokens'] + stats['sampled_tokens']) / max(time.time() - t0, 1e-9):.0f}",
+                                    refresh=False)
+                tmp = path.with_name(path.stem + ".tmp.npz")
+                with open(tmp, "wb") as f:
+                    np.savez(f, index=np.array(index, dtype=np.int32), kind=np.array(kind, dtype=np.int8), prompt_len=np.array(plen, dtype=np.int32),
+                             cont_len=np.array(clen, dtype=np.int32), tokens=np.array(toks, dtype=np.int32),
+                             topk_ids=np.concatenate(tk_ids), topk_logp=np.concatenate(tk_lp))
+                os.replace(tmp, path)
+        finally:
+            bar.close()
     stats["seconds"] = round(time.time() - t0, 1)
     stats["tokens_per_s"] = round((stats["tokens"] + stats["sampled_tokens"]) / max(stats["seconds"], 1e-9), 1)
     print(f"[generate] {json.dumps(stats)}", flush=True)

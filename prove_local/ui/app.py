@@ -154,6 +154,7 @@ def cmd_ui(args) -> int:
         pass
     finally:
         demo.close()
+        runtime.close()
     return 0
 
 

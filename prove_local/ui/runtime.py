@@ -67,6 +67,20 @@ class Runtime:
             return cls(error=f"model failed to load: {e}{hint}", parallel=args.parallel, n_ctx=args.ctx)
         return cls(loaded, parallel=args.parallel, system=args.system)
 
+    def close(self, timeout: float = 5.0) -> None:
+        """Free the engines (the pool waits up to `timeout` seconds for the requests holding them), then
+        the models; with an engine still busy after that the models stay loaded (the process is ending)."""
+        if self.pool is not None and not self.pool.close(timeout):
+            return
+        if self.loaded is not None:
+            self.loaded.close()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def parallel(self) -> int:
         """Requests that can decode at the same time (one engine each)."""
