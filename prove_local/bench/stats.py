@@ -14,7 +14,7 @@ from statistics import median
 
 import numpy as np
 
-from ..engine import tokens_per_second
+from ..engine import summarize, tokens_per_second
 from ..modes import cycle_cost, pass_cost
 from ..modes import get as get_mode
 
@@ -227,16 +227,13 @@ def throughput(runs: list[tuple[int, float]]) -> float | None:
 
 
 def passes_per_token(cycles) -> dict:
-    tokens = sum(len(c.committed) for c in cycles)
-    passes: dict[str, int] = {}
-    for c in cycles:
-        for role, n in c.passes.items():
-            passes[role] = passes.get(role, 0) + n
-    return {r: n / tokens for r, n in passes.items()} if tokens else {}
+    """Forward passes per generated token, per model (engine.summarize's: one definition)."""
+    return summarize(cycles, 0.0)["passes_per_token"]
 
 
 def tokens_per_cycle(cycles) -> float | None:
-    return sum(len(c.committed) for c in cycles) / len(cycles) if cycles else None
+    """Tokens committed per cycle (engine.summarize's); None without cycles."""
+    return summarize(cycles, 0.0)["tokens_per_cycle"] if cycles else None
 
 
 def measured_cycle_cost(cycles, ar_cycles, decode_only: bool = False) -> float | None:
