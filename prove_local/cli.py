@@ -3,7 +3,6 @@ command registers its own parser (convert, ui, pull, bench, serve, rpc-server)."
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import json
 import math
@@ -11,12 +10,13 @@ import os
 import sys
 from pathlib import Path
 
-from . import modes, planner, sampling
+from . import modes, sampling
+from .answer import Answer
 from .bench import add_parser as add_bench
 from .calibrate import cache_path, calibrate
 from .chat import Conversation, clean_text
 from .convert.cli import add_parser as add_convert
-from .engine import Settings, TextStream, seed_note, summarize
+from .engine import Settings, seed_note
 from .errors import ContextFull, ProveError, UsageError
 from .files import read_limited
 from .grammar import MAX_GRAMMAR_FILE, Grammar, GrammarError
@@ -105,50 +105,48 @@ def sampling_settings(args) -> dict:
 
 
 def answer(engine, model, prompt_tokens, settings, out, color: bool):
-    """Run one request, streaming committed text to `out`. Returns (cycles, interrupted, the engine's Request)."""
-    stream = TextStream(model)
-    cycles, interrupted = [], False
-    gen = engine.generate(prompt_tokens, settings)
-    request = gen.request
-    with contextlib.closing(gen):
+    """Run one request (answer.Answer), streaming its text to `out`. Returns (the Answer, interrupted)."""
+    ans = Answer(engine, model, prompt_tokens, settings)
+    interrupted = False
+    with ans:
         try:
-            for c in gen:
-                cycles.append(c)
+            for piece in ans:
                 if out is None:
                     continue
-                run, extra = c.committed[:c.n_accepted], c.committed[c.n_accepted:]
+                c, text = piece.cycle, piece.text
                 if color:
-                    out.write(COLORS[c.index % 2] + stream.feed(run) + (BONUS + stream.feed(extra) if extra else "") + RESET)
+                    extra = c.committed[c.n_accepted:]
+                    out.write(COLORS[c.index % 2] + text[:piece.accepted]
+                              + (BONUS + text[piece.accepted:] if extra else "") + RESET)
                 else:
-                    out.write(stream.feed(c.committed))
+                    out.write(text)
                 out.flush()
         except KeyboardInterrupt:
             interrupted = True
     if out is not None:
-        out.write(stream.flush())
-    return cycles, interrupted, request
+        out.write(ans.rest())
+    return ans, interrupted
 
 
-def report(engine, model, settings, cycles, request, interrupted) -> dict:
+def report(engine, settings, ans, interrupted) -> dict:
     """The --json object of one answer; `seconds` and tokens/s are the decode time's (prefill apart)."""
-    ids = [t for c in cycles for t in c.committed]
-    s = summarize(cycles, request.decode_seconds)
+    s = ans.summary()
     return {
-        "mode": settings.mode, "text": model.detokenize([t for t in ids if not model.is_eog(t)]),
-        "token_ids": ids, "prompt_tokens": request.n_prompt, "n_cycles": s["n_cycles"], "n_passes": s["n_passes"],
-        "tokens_per_cycle": s["tokens_per_cycle"], "passes_per_token": s["passes_per_token"],
+        "mode": settings.mode, "text": ans.text(),
+        "token_ids": ans.tokens, "prompt_tokens": ans.request.n_prompt, "n_cycles": s["n_cycles"],
+        "n_passes": s["n_passes"], "tokens_per_cycle": s["tokens_per_cycle"], "passes_per_token": s["passes_per_token"],
         "seconds": s["seconds"], "host_seconds": s["host_seconds"], "tokens_per_second": s["tokens_per_second"],
-        "prefill": {"tokens": request.prefill[0], "seconds": request.prefill[1]},
+        "prefill": {"tokens": s["prefill"][0], "seconds": s["prefill"][1]},
         "stop": "interrupted" if interrupted else s["stop"],
-        "widths": planner.widths_histogram(cycles),
-        "drafts": {src: {"drafted": n, "accepted": a} for src, (n, a) in modes.draft_counts(cycles).items()},
+        "widths": s["widths"],
+        "drafts": {src: {"drafted": n, "accepted": a} for src, (n, a) in s["drafts"].items()},
         "planner": engine.explain(settings),      # why auto ran plain ar cycles, if it did
         "settings": {"block": settings.block or engine.block_size, "theta": settings.theta, "tau": settings.tau,
                      "draft_k": settings.draft_k, "lookup": settings.lookup, "max_new": settings.max_new,
                      "temperature": settings.temperature,
                      "top_k": settings.top_k, "top_p": settings.top_p, "min_p": settings.min_p,
                      "repeat_penalty": settings.repeat_penalty, "repeat_last_n": settings.repeat_last_n,
-                     "seed": request.seed, "sampler": settings.sampler},
+                     "seed": s["seed"], "sampler": settings.sampler},
     }
 
 
@@ -201,13 +199,12 @@ def cmd_run(args) -> int:
         text = clean_text(text)
         tokens = model.tokenize(text, add_special=True) if conv is None else conv.prompt_tokens(text)
         try:
-            cycles, interrupted, request = answer(engine, model, tokens, settings,
-                                                  None if args.json else sys.stdout, color)
+            ans, interrupted = answer(engine, model, tokens, settings, None if args.json else sys.stdout, color)
         except BaseException:
             if conv is not None:    # the turn did not happen: the conversation stays as it was
                 conv.forget_last_user()
             raise
-        r = report(engine, model, settings, cycles, request, interrupted)
+        r = report(engine, settings, ans, interrupted)
         if conv is not None:
             conv.add_reply(r["text"])
         if args.json:

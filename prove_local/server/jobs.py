@@ -1,6 +1,6 @@
-"""One generation of the server: a worker thread takes an engine from the pool, iterates
-`Engine.generate`, turns the committed tokens into text (stop strings applied there) and hands the
-pieces to the request's event loop. Closing the generation (stop string, client gone, shutdown) runs
+"""One generation of the server: a worker thread takes an engine from the pool, runs the answer
+(answer.Answer: the generation's text with the stop strings applied, and its statistics) and hands
+the pieces to the request's event loop. Closing the generation (stop string, client gone, shutdown) runs
 the engine's clean-up: every KV cache is cut back to the committed tokens, so the next request on
 that engine works."""
 from __future__ import annotations
@@ -11,11 +11,10 @@ import logging
 import threading
 import time
 
-from .. import modes, planner
-from ..engine import TextStream, summarize
+from .. import modes
+from ..answer import Answer, summary
 from ..errors import DeadlineExceeded, ProveError
 from .errors import ApiError
-from .stops import StopText
 
 log = logging.getLogger("prove_local.server")
 
@@ -29,7 +28,7 @@ class Job:
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
-        self.cycles: list = []
+        self.cycles: list = []               # the answer's cycles (Answer.cycles once it started)
         self.request = None                  # the engine's Request (prefill, block)
         self.slot = -1
         self.finish: str | None = None       # stop, length, grammar, cancelled, error
@@ -70,12 +69,13 @@ class Job:
             with pool.engine(prefer=self._affinity,
                              abandoned=lambda: self.cancel.is_set() or self.expired()) as (slot, engine):
                 self.slot = slot
-                gen = engine.generate(self.prompt, self.settings)
-                self.request = gen.request
+                model = pool.loaded.proposer
+                answer = Answer(engine, model, self.prompt, self.settings, self.stops)
+                self.request, self.cycles = answer.request, answer.cycles
                 self._emit("start", slot)
                 try:
-                    with contextlib.closing(gen):
-                        self._decode(gen, TextStream(pool.loaded.proposer), StopText(self.stops), pool.loaded.proposer)
+                    with answer:
+                        self._decode(answer, model)
                 except DeadlineExceeded:         # inside a cycle (a grammar step): the cycle is dropped
                     self.finish = "deadline"
             if self.finish is None:              # the engine stopped without a cycle (max_new 0)
@@ -96,15 +96,11 @@ class Job:
         finally:
             self.state.jobs.discard(self)
 
-    def _decode(self, gen, stream: TextStream, stop: StopText, model) -> None:
-        """The cycles of `gen` as text events (text, logprob entries of its tokens), until the engine
+    def _decode(self, answer: Answer, model) -> None:
+        """The answer's pieces as text events (text, logprob entries of its tokens), until the engine
         stops, a stop string, or a cancel."""
-        for cycle in gen:
-            self.cycles.append(cycle)
-            text = stop.feed(stream.feed(cycle.committed))
-            if cycle.stop:
-                text += stop.feed(stream.flush())
-                text += stop.flush()
+        for piece in answer:
+            cycle, text = piece.cycle, piece.text
             entries = []
             if cycle.logprobs:
                 # end-of-generation tokens have no text, and no entry (as llama-server's); a stop
@@ -114,7 +110,7 @@ class Job:
                 self.logprobs += entries
             if text or entries:
                 self._emit("text", (text, entries))
-            if stop.stopped:
+            if answer.stopped:
                 self.finish = "stop_string"
             elif cycle.stop == "eog":
                 self.finish = "stop"
@@ -146,16 +142,14 @@ class Job:
     def stats(self) -> dict:
         """The `prove` extension object: what the cycles of this answer did. `seconds` is the decode
         time (engine.tokens_per_second's), `prefill` the prompt's."""
-        seconds = self.request.decode_seconds if self.request is not None else 0.0
-        s = summarize(self.cycles, seconds)
+        s = summary(self.cycles, self.request)
+        seconds, drafts, prefill = s["seconds"], s["drafts"], s["prefill"]
         mode = modes.MODES[self.settings.mode]
-        drafts = modes.draft_counts(self.cycles)
-        prefill = self.request.prefill if self.request is not None else (0, 0.0)
         return {
             "mode": self.settings.mode,
             "block": (("auto" if self.request.auto else self.request.block)
                       if self.request is not None and mode.width == "block" else None),
-            "widths": planner.widths_histogram(self.cycles),
+            "widths": s["widths"],
             "draft_k": self.settings.draft_k if mode.width == "draft_k" else None,
             "lookup": (self.request.lookup if self.request is not None else self.settings.lookup) if mode.lookup else None,
             "drafts": {src: {"drafted": n, "accepted": a} for src, (n, a) in drafts.items()},
