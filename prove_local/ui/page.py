@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import gradio as gr
 
 from prove_local import sampling
-from prove_local.engine import Settings, summarize
+from prove_local.answer import summary
+from prove_local.engine import Settings
 from prove_local.modes import MODES, draft_counts
 
 from . import runtime as rt
@@ -37,7 +38,7 @@ def live_stats(t):
     """The finished answer's statistics, or those of the cycles so far while it streams."""
     if t.stats or not t.view.cycles:
         return t.stats
-    return summarize(list(t.view.cycles), t.decode_seconds)
+    return summary(list(t.view.cycles), t.request)
 
 
 def default_cycle(turn) -> int:

@@ -1,16 +1,17 @@
 """What the UI holds between requests: the models (loaded once, from the command line), a pool of
-engines on them (`prove_local.pool`), and per-browser-session conversations. Decoding is the
-runtime's (`Engine.generate`); this module only drives it and records the events. A session
+engines on them (`prove_local.pool`), and per-browser-session conversations. An answer is the
+answer pipeline's (`prove_local.answer`: the generation and its statistics); this module only drives
+it and records the events. A session
 prefers the engine it used last, whose caches still hold its conversation.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
+from prove_local.answer import Answer, summary
 from prove_local.chat import Conversation
-from prove_local.engine import DEFAULT_BLOCK, Settings, summarize
+from prove_local.engine import DEFAULT_BLOCK, Settings
 from prove_local.errors import ContextFull, LlamaError, ModeError, TemplateMissing
 from prove_local.loading import EMBEDDED_PROPOSER, Loaded, load_models
 from prove_local.modes import MODES
@@ -177,11 +178,11 @@ def run_turn(runtime: Runtime, sess: Session, user: str, settings: Settings):
     try:
         with runtime.engine(sess.engine_hint) as (idx, engine):
             sess.engine_hint = idx
-            gen = engine.generate(prompt, settings)
-            turn.seed, turn.request = gen.request.seed, gen.request
-            with contextlib.closing(gen):
-                for cycle in gen:
-                    turn.view.add(cycle)
+            answer = Answer(engine, runtime.proposer, prompt, settings)
+            turn.seed, turn.request = answer.request.seed, answer.request
+            with answer:
+                for piece in answer:
+                    turn.view.add(piece.cycle)
                     if sess.stop_requested:
                         turn.note = "stopped"
                         break
@@ -203,7 +204,7 @@ def run_turn(runtime: Runtime, sess: Session, user: str, settings: Settings):
     turn.running = False
     cycles = turn.view.cycles
     if cycles:
-        turn.stats = summarize(cycles, turn.decode_seconds)
+        turn.stats = summary(cycles, turn.request)
         if sess.stop_requested:
             turn.stats["stop"] = "stopped"
     if error:
@@ -240,12 +241,13 @@ def compare_with_ar(runtime: Runtime, sess: Session, turn_index: int = -1) -> di
     try:
         with runtime.engine(sess.engine_hint) as (idx, engine):
             sess.engine_hint = idx
-            gen = engine.generate(turn.prompt, settings)
-            cycles = list(gen)
+            with Answer(engine, runtime.proposer, turn.prompt, settings) as answer:
+                for _ in answer:
+                    pass
     except (LlamaError, ModeError) as e:
         raise UIError(_error_text(e, runtime)) from e
-    ar_stats = summarize(cycles, gen.request.decode_seconds)
-    ar_text = runtime.reply_text([t for c in cycles for t in c.committed])
+    ar_stats = answer.summary()
+    ar_text = runtime.reply_text(answer.tokens)
     mode_stats = turn.stats
     speedup = (mode_stats["tokens_per_second"] / ar_stats["tokens_per_second"]
                if mode_stats and ar_stats["tokens_per_second"] > 0 else None)
