@@ -19,6 +19,8 @@ PKG = ROOT / "prove_local"
 DEFERRED = {
     ("prove_local.server.cli", "prove_local.server.app"):
         "the FastAPI app imports fastapi at its top (the `server` extra): loaded only when `serve` runs",
+    ("prove_local.entry", "prove_local.cli"):
+        "the console script imports the command line inside its Ctrl-C handler: an interrupt during the start-up imports is one line",
     ("prove_local.ui.app", "prove_local.ui.page"):
         "the page imports gradio at its top (the `ui` extra): loaded only when `ui` runs",
 }
