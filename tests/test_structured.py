@@ -22,7 +22,7 @@ BLOCK = 8
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("structured")
-    s = Server(["--threads", "1", "--ctx", "1024", "--block", str(BLOCK), "--lookup", "0", "--kv-type", "f32"],
+    s = Server(["embedded", "--threads", "1", "--ctx", "1024", "--block", str(BLOCK), "--lookup", "0", "--kv-type", "f32"],
                d / "server.log")
     yield s
     s.stop()
