@@ -48,21 +48,28 @@ def _skip_literal(text: str, i: int, close: str) -> int:
     return i + 1
 
 
+def _past_non_code(text: str, i: int) -> int | None:
+    """If text[i] opens a literal, a character class or a comment, the index after it; else None."""
+    c = text[i]
+    if c == '"':
+        return _skip_literal(text, i, '"')
+    if c == "[":
+        return _skip_literal(text, i, "]")
+    if c == "#":
+        j = text.find("\n", i)
+        return len(text) if j < 0 else j
+    return None
+
+
 def nesting(text: str) -> int:
     """The deepest parenthesis nesting of GBNF text (outside literals, classes and comments)."""
     depth = deepest = 0
     i, n = 0, len(text)
     while i < n:
         c = text[i]
-        if c == '"':
-            i = _skip_literal(text, i, '"')
-            continue
-        if c == "[":
-            i = _skip_literal(text, i, "]")
-            continue
-        if c == "#":
-            j = text.find("\n", i)
-            i = n if j < 0 else j
+        j = _past_non_code(text, i)
+        if j is not None:
+            i = j
             continue
         if c == "(":
             depth += 1
@@ -154,15 +161,9 @@ def _rules(text: str) -> dict[str, str]:
     i, n = 0, len(text)
     while i < n:
         c = text[i]
-        if c == '"':
-            i = _skip_literal(text, i, '"')
-            continue
-        if c == "[":
-            i = _skip_literal(text, i, "]")
-            continue
-        if c == "#":
-            j = text.find("\n", i)
-            i = n if j < 0 else j
+        j = _past_non_code(text, i)
+        if j is not None:
+            i = j
             continue
         if (c.isalnum() or c in "_-") and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] in "_-")):
             m = _DEF.match(text, i)

@@ -299,3 +299,17 @@ def test_shipped_adapter_lossless_equals_stock_greedy_on_quantized_weights(quant
                 logits = ctx.eval(prompt + want[:i])[0]
                 ctx.close()
                 assert abs(float(logits[want[i]] - logits[got[i]])) < 1.0, (q, i)
+
+
+def test_the_cost_model_prices_gated_cycles_as_they_run():
+    """A gated cycle's verify pass re-feeds the pending token and tests slot 1 (not free): the widths
+    the planner prices and the tokens it expects, against a MARS fine-tune's."""
+    from prove_local.modes import GATED, MODES, Plan
+    m = MODES["lossless"]
+    plan = Plan("lossless", 8, verify=8)
+    assert m.widths({"proposer": 1}, plan) == {"proposer": [8, 8]}
+    assert m.widths({"proposer": 1, GATED: 1}, plan) == {"proposer": [8, 9]}
+    assert m.widths({"proposer": 1, GATED: 1}, Plan("lossless", 8, verify=0, lookup=3)) == {"proposer": [11, 5]}
+    rates = [0.5, 0.5]
+    assert m.expected_tokens(rates, 2) == [2.0, 2.0, 2.5]            # slot 1 free, then the correction
+    assert m.expected_tokens(rates, 2, gated=True) == [1.0, 1.5, 1.75]

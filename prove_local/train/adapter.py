@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from ..chat import Conversation
 from ..llama import Model, greedy_batched
+from .distill import _fields
 
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -64,16 +65,6 @@ class Shape:
 ARCHS = {"llama": False, "qwen2": True}       # architecture -> RoPE on halves (NEOX)
 
 
-def _kv(reader) -> dict:
-    out = {}
-    for k, f in reader.fields.items():
-        try:
-            out[k] = f.contents()
-        except Exception:  # pragma: no cover - fields gguf-py cannot decode are not needed here
-            pass
-    return out
-
-
 class StockLM:
     """A llama/qwen2 GGUF's weights, dequantized to F32 with gguf-py, and its forward pass (frozen)."""
 
@@ -82,7 +73,7 @@ class StockLM:
 
         self.path = Path(path)
         r = gguf.GGUFReader(str(self.path))
-        self.meta = meta = _kv(r)
+        self.meta = meta = _fields(r)
         arch = meta.get("general.architecture")
         if arch not in ARCHS:
             raise ValueError(f"{path}: architecture {arch!r}; the adapter trainer knows {', '.join(ARCHS)}")
