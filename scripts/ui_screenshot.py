@@ -1,11 +1,12 @@
 """Screenshot of the chat UI for the README: a real answer with the cycle inspector open.
 
-    python scripts/ui_screenshot.py                       # the embedded models
+    python scripts/ui_screenshot.py                       # SmolLM2 + its MARS adapter, lossless, block 8
+    python scripts/ui_screenshot.py embedded --mode prove --block 0 --question "..."   # the embedded pair
     python scripts/ui_screenshot.py MODEL.gguf --verifier V.gguf --mode prove
     python scripts/ui_screenshot.py --tiny                # random-weight test models (gibberish text)
 
 Starts the UI in this process on a free port, drives it in Debian's chromium (Playwright with
-`executable_path`), sends a GSM8K-style question, opens the inspector on one cycle, runs
+`executable_path`), sends a question, opens the inspector on one cycle, runs
 "Compare with AR", and saves the page to docs/ui-screenshot.png (or --out).
 """
 from __future__ import annotations
@@ -19,19 +20,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-            "How many clips did Natalia sell altogether in April and May?")
+QUESTION = "Tell me about the planet Mars in three sentences."
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", nargs="?", help="proposer GGUF (default: the embedded proposer)")
+    ap.add_argument("model", nargs="?", help="model GGUF, or 'embedded' (default: SmolLM2 + its MARS adapter)")
+    ap.add_argument("--adapter", help="MARS adapter GGUF for MODEL")
     ap.add_argument("--verifier", help="verifier GGUF")
     ap.add_argument("--draft", help="draft GGUF")
     ap.add_argument("--tiny", action="store_true", help="use tiny random-weight test models")
-    ap.add_argument("--mode", help="decoding mode to select (default: the page's default)")
+    ap.add_argument("--mode", default="lossless", help="decoding mode to select (default: lossless)")
+    ap.add_argument("--block", type=int, default=8,
+                    help="the block slider's value (default 8: a fixed block shows MARS blocks even where the "
+                         "planner would pick ar on this CPU; 0: auto)")
+    ap.add_argument("--lookup", type=int, default=0, help="lookup drafts (default 0: MARS blocks only; -1: auto)")
     ap.add_argument("--question", default=QUESTION)
     ap.add_argument("-n", "--max-new", type=int, default=160)
     ap.add_argument("--threads", type=int, default=1,
@@ -51,13 +56,14 @@ def main() -> int:
         from tests.tiny import tiny_gguf
         d = Path(tempfile.mkdtemp(prefix="ui-shot-"))
         model, verifier = str(tiny_gguf(d, seed=0)), str(tiny_gguf(d, seed=1, hidden=32, role="verifier"))
-    args = Namespace(model=model, verifier=verifier, draft=a.draft, ctx=4096, threads=a.threads, kv_type=None,
+    args = Namespace(model=model, verifier=verifier, draft=a.draft, adapter=a.adapter, ctx=4096, threads=a.threads, kv_type=None,
                      flash_attn=False, n_gpu_layers=None, mask_token=None, parallel=1, system=None)
     runtime = Runtime.from_args(args)
     if runtime.error:
         print(f"error: {runtime.error}", file=sys.stderr)
         return 1
-    demo = build_app(runtime, max_new=a.max_new)
+    demo = build_app(runtime, max_new=a.max_new, block=a.block or "auto",
+                     lookup="auto" if a.lookup < 0 else a.lookup)
     _, url, _ = launch(demo, runtime, port=0, prevent_thread_lock=True, quiet=True)     # a free port
     try:
         with sync_playwright() as p:

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from prove_local import rules  # noqa: E402
+from prove_local import modes, rules  # noqa: E402
 from prove_local.engine import Engine, Settings  # noqa: E402
 from prove_local.errors import LlamaError  # noqa: E402
 from prove_local.llama import Adapter, Context, Model  # noqa: E402
@@ -105,6 +105,35 @@ def smol_f32(tmp_path_factory):
     from prove_local.convert.dequantize import dequantize_gguf
     dequantize_gguf(src, out)
     return out
+
+
+def test_dequantize_to_f16_keeps_vectors_f32_and_rounds_matrices(tiny, tmp_path):
+    """--outtype f16 (the F16 point of a pass-cost curve): matrices are the F32 values rounded to
+    F16, 1-D tensors (norms) stay F32, and llama.cpp runs the file close to the F32 original."""
+    import gguf
+
+    from prove_local.convert.dequantize import dequantize_gguf
+    out = dequantize_gguf(tiny["path"], tmp_path / "f16.gguf", outtype="f16")
+    src = {t.name: t for t in gguf.GGUFReader(str(tiny["path"])).tensors}
+    got = gguf.GGUFReader(str(out))
+    assert got.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_F16)
+    kinds = set()
+    for t in got.tensors:
+        ref = np.asarray(src[t.name].data, dtype=np.float32)
+        if len(t.shape) > 1:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F16, t.name
+            assert np.array_equal(np.asarray(t.data), ref.astype(np.float16).reshape(np.asarray(t.data).shape)), t.name
+        else:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32, t.name
+            assert np.array_equal(np.asarray(t.data), ref.reshape(-1)), t.name
+        kinds.add(len(t.shape) > 1)
+    assert kinds == {True, False}
+    tokens = [1, 5, 9, 2, 7]
+    with Model(out) as m16, Model(tiny["path"]) as m32:
+        a, b = (Context(m, **F32).eval(tokens, rows=[len(tokens) - 1])[0] for m in (m16, m32))
+    assert np.abs(a - b).max() <= 0.05 * np.abs(b).max() and not np.array_equal(a, b)
+    with pytest.raises(ValueError, match="outtype 'q8_0'"):
+        dequantize_gguf(tiny["path"], tmp_path / "x.gguf", outtype="q8_0")
 
 
 def test_llama_architecture_parity_on_smollm2(smol_f32, tmp_path):
@@ -211,7 +240,7 @@ def test_gated_cycles_count_slot_one_as_a_draft(tiny):
     with Model(tiny["path"]) as m:
         eng = Engine.load(m, adapter=Adapter(m, tiny["random"]), **F32)
         cycles = list(eng.generate([5, 17, 42, 99, 7], Settings(mode="lossless", max_new=12, block=4, lookup=0)))
-    proposing = [c for c in cycles if c.plan.proposes]
+    proposing = [c for c in cycles if modes.proposes(c.plan)]
     assert proposing and all(c.source == ["adapter"] * 4 for c in proposing)
     counts = draft_counts(cycles)
     assert counts["adapter"][0] == 4 * len(proposing)

@@ -92,8 +92,11 @@ class Runtime:
         return [m for m in MODES if m not in self.mode_errors] if self.error is None else []
 
     def names(self) -> dict[str, str]:
+        """File names by role; a MARS adapter on the stock model is listed as `adapter`."""
+        adapter = self.loaded.adapter if self.loaded is not None else None
         return {role: m.path.name for role, m in
-                (("proposer", self.proposer), ("verifier", self.verifier), ("draft", self.draft)) if m is not None}
+                (("proposer", self.proposer), ("adapter", adapter), ("verifier", self.verifier), ("draft", self.draft))
+                if m is not None}
 
     def engine(self, prefer: int | None = None):
         """(index, engine) from the pool, exclusively for the duration of the block."""
