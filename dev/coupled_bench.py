@@ -17,6 +17,7 @@ from prove_local.chat import Conversation
 from prove_local.engine import Engine, Settings
 from prove_local.llama import Model
 from prove_local.loading import EMBEDDED_PROPOSER, EMBEDDED_VERIFIER
+from prove_local.modes import proposes
 
 
 def ratio_se(pairs) -> float:
@@ -65,7 +66,7 @@ def main() -> None:
                             toks += len(c.committed)
                             cycles += 1
                             accepted += c.n_accepted
-                            proposed_cycles += c.plan.proposes
+                            proposed_cycles += proposes(c.plan)
                         if cycles > c_before:
                             per_gen.append((toks - t_before, cycles - c_before))
                 res[sampler] = {"tokens_per_cycle": toks / cycles, "cycles": cycles, "se": ratio_se(per_gen),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import codecs
 import secrets
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Iterator
 
 
@@ -18,7 +18,7 @@ from .calibrate import calibrate, recheck_threads
 from .errors import ContextFull, EngineBusy, ModeError
 from .llama import Adapter, Context, Model
 from .lookup import NgramIndex
-from .modes import AR_PLAN, DEFAULT_BLOCK, DEFAULT_DRAFT_K, LOOKUP, MODES, Plan
+from .modes import AR_PLAN, DEFAULT_BLOCK, DEFAULT_DRAFT_K, LOOKUP, MODES, NO_HOOKS, Hooks, Plan
 from .planner import Costs, Planner
 
 
@@ -225,27 +225,29 @@ class Engine:
         if s.sampler not in sampling.SAMPLERS:
             raise ModeError(f"sampler must be one of {', '.join(sampling.SAMPLERS)}, not {s.sampler!r}")
 
-    def plan(self, req: "Request") -> Plan:
+    def plan(self, req: "Request") -> tuple[Plan, Hooks]:
         """The widths of the next cycle: the planner's (planner.py) for an auto request, else the
-        request's fixed settings; cut to the room left in the context."""
+        request's fixed settings; cut to the room left in the context. With the hooks its cycle calls:
+        the planner's verify width choice, the lookup index's drafting (modes.Hooks)."""
         room = self.n_ctx - len(self.tokens)
         offer = None
         if req.lookup and room > 2:            # "auto" or K: the index's match at the end of the tokens
             self.index.sync(self.tokens)
             if req.lookup != "auto":           # --lookup K: a K-token draft wherever there is a match
                 if self.index.match() is not None:
-                    return Plan(LOOKUP, lookup=min(req.lookup, room - 1),
-                                propose_lookup=self._committable(self.index.propose, req))
+                    return (Plan(LOOKUP, lookup=min(req.lookup, room - 1)),
+                            Hooks(propose_lookup=self._committable(self.index.propose, req)))
             else:                              # the planner's: only what the n-gram statistics back
                 offer = self.index.offer       # looked up only if the planner may use it
         if req.auto:
-            plan = self.planner.plan(req.settings.mode, self._pending(), req.block, room, key=req.key, lookup=offer)
-            return replace(plan, propose_lookup=self._committable(self.index.propose_supported, req)) \
-                if plan.lookup else plan
+            plan, choose = self.planner.plan_cycle(req.settings.mode, self._pending(), req.block, room, key=req.key,
+                                                   lookup=offer)
+            draft = self._committable(self.index.propose_supported, req) if plan.lookup else None
+            return plan, Hooks(choose_verify=choose, propose_lookup=draft)
         if req.block < 1:                      # no mask token: no MARS proposal
-            return AR_PLAN
+            return AR_PLAN, NO_HOOKS
         k = req.settings.draft_k if req.settings.draft_k != "auto" else DEFAULT_DRAFT_K
-        return MODES[req.settings.mode].plan(max(1, min(req.block, room)), max(0, min(k, room)))
+        return MODES[req.settings.mode].plan(max(1, min(req.block, room)), max(0, min(k, room))), NO_HOOKS
 
     def _committable(self, propose, req: "Request"):
         """A lookup drafting function cut to what the request can still commit: at most the tokens
@@ -343,7 +345,8 @@ class Engine:
             self._sync()                      # no cache may hold the forbidden tokens
             self.tokens = saved
         if req.settings.logprobs is not None:
-            cycle.logprobs = req.watch.logprobs(cycle.committed, cycle.plan.kind in ("prove", "mars"), req.sampler)
+            # a lossy mode commits its proposal's slots: their logprobs are the proposal rows'
+            cycle.logprobs = req.watch.logprobs(cycle.committed, not modes.of(cycle.plan).exact, req.sampler)
         return dead
 
     def _release(self, req: "Request") -> None:
@@ -380,9 +383,10 @@ class Engine:
             n_gen = len(self.tokens) - req.n_prompt
             before = {r: (c.n_decode, c.decode_seconds) for r, c in self.contexts.items()}
             t0 = time.perf_counter()        # the planner's time counts as the cycle's
-            plan = self.plan(req)
+            plan, hooks = self.plan(req)
             contexts = self.contexts if req.watch is None else req.watch.begin(self.tokens)
-            cycle = modes.of(plan).cycle(contexts, self.tokens, plan, s, self.mask_token, sampler=req.sampler)
+            cycle = modes.of(plan).cycle(contexts, self.tokens, plan, s, self.mask_token, sampler=req.sampler,
+                                         hooks=hooks)
             cycle.seconds = time.perf_counter() - t0
             # the passes, recorded here only: the llama_decode calls made during this cycle (the rule records
             # the widths it fed; a pass wider than n_batch is several calls)

@@ -37,17 +37,50 @@ class Mode:
     correction: bool                # commits the target's own token after the accepted run
     verify_choice: bool             # the verify pass reads a chosen number of the proposed tokens
     # run one cycle (the named *_cycle functions below): (contexts by role, committed tokens, plan, settings,
-    # mask token, sampler) -> Cycle
+    # mask token, sampler, hooks) -> Cycle
     cycle: Callable
     # widths of its passes per role, given the tokens pending in each context: {role: [n, ...]} (*_widths)
     widths: Callable[[dict, Plan], dict]
+    # the Plan field that is a cycle's width (the planner's options, `plan_width`): "block", "draft_k", "lookup"
+    width_field: str
+    # a cycle's label for people, from its plan's fields ({block}, {verify}: the verified slots, {draft_k},
+    # {lookup}); a filled proposal's lookup tokens go in front ("L=2+B=8 v=4")
+    label_text: str
     lookup: bool = False            # takes lookup drafts (lookup.py), verified exactly: needs no mask token
-    source: str | None = None       # where its proposed slots come from: "mask", "draft", "lookup" (Cycle.source)
+    source: str | None = None       # where its proposed slots come from: "mask", "draft", "lookup" (Cycle.source);
+                                    # None: its cycles propose nothing (ar)
 
     @property
     def partner(self) -> str | None:
         """The second model's role ("verifier", "draft"), if the mode needs one."""
         return self.roles[1] if len(self.roles) > 1 else None
+
+    @property
+    def proposes(self) -> bool:
+        """Whether this kind's cycles propose tokens (False: a plain ar cycle)."""
+        return self.source is not None
+
+    def width_of(self, plan: Plan) -> int:
+        """A plan's width: k for spec, the lookup draft for lookup, the block otherwise."""
+        return getattr(plan, self.width_field)
+
+    def filled(self, plan: Plan) -> bool:
+        """Whether the plan is a MARS proposal whose first slots lookup tokens fill (lossless_fill_cycle)."""
+        return self.source == "mask" and plan.lookup > 0
+
+    def tested(self, plan: Plan) -> int:
+        """Proposed tokens up for acceptance: the drafted ones (spec, lookup), or the block's verified
+        slots (the whole block in prove and mars) after a filled proposal's lookup tokens."""
+        if self.width_field != "block":
+            return self.width_of(plan)
+        return plan.lookup + (plan.block if plan.verify is None else plan.verify)
+
+    def label(self, plan: Plan) -> str:
+        """'ar', 'B=4 v=2' (lossless), 'B=4' (prove, mars), 'k=3' (spec), 'L=3' (lookup),
+        'L=3+B=4 v=2' (a filled proposal)."""
+        fill = f"L={plan.lookup}+" if self.filled(plan) else ""
+        v = plan.block if plan.verify is None else plan.verify
+        return fill + self.label_text.format(block=plan.block, verify=v, draft_k=plan.draft_k, lookup=plan.lookup)
 
     def plan(self, block: int, draft_k: int) -> Plan:
         """The plan of a cycle at fixed widths."""
@@ -75,10 +108,32 @@ class Mode:
         return out
 
 
-# The cycle of each mode: (contexts by role, committed tokens, plan, settings, mask token, sampler) -> Cycle,
-# and the widths of its passes: (tokens pending per role, plan) -> {role: [tokens fed per pass]}.
+@dataclass(frozen=True)
+class Hooks:
+    """What a cycle calls back into, next to its plan (which is data): the engine's and the planner's
+    decisions that need the cycle's own figures or the committed tokens."""
+    # p̃ -> the verify width of a MARS block, called between its two passes (the planner's marginal
+    # choice); None: the plan's `verify`
+    choose_verify: Callable | None = None
+    # k -> (tokens, scores): a lookup draft of at most k tokens from the engine's index, synced to the
+    # committed tokens; None: no lookup draft
+    propose_lookup: Callable | None = None
 
-def ar_cycle(c, t, plan, s, mask, sampler=None):
+
+NO_HOOKS = Hooks()
+
+
+# The cycle of each mode: (contexts by role, committed tokens, plan, settings, mask token, sampler, hooks)
+# -> Cycle, and the widths of its passes: (tokens pending per role, plan) -> {role: [tokens fed per pass]}.
+
+def _lookup_draft(plan: Plan, hooks: Hooks) -> tuple[list, list]:
+    """The lookup draft a plan asks for (none: ([], []))."""
+    if plan.lookup and hooks.propose_lookup is not None:
+        return hooks.propose_lookup(plan.lookup)
+    return [], []
+
+
+def ar_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
     return rules.ar_cycle(c["proposer"], t, sampler=sampler)
 
 
@@ -86,15 +141,14 @@ def ar_widths(pend: dict, plan: Plan) -> dict:
     return {"proposer": [pend["proposer"]]}
 
 
-def lossless_cycle(c, t, plan, s, mask, sampler=None):
+def lossless_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
     """A MARS block verified by its own model; a proposal filled by lookup tokens where the plan has them
     and the index drafts some (the lookup's draft, else a plain block)."""
-    verify = plan.choose_verify if plan.choose_verify is not None else plan.verify
-    if plan.lookup and plan.propose_lookup is not None:
-        draft, scores = plan.propose_lookup(plan.lookup)
-        if draft:
-            return rules.lossless_fill_cycle(c["proposer"], t, draft, scores, plan.block, mask, verify=verify,
-                                             sampler=sampler)
+    verify = hooks.choose_verify if hooks.choose_verify is not None else plan.verify
+    draft, scores = _lookup_draft(plan, hooks)
+    if draft:
+        return rules.lossless_fill_cycle(c["proposer"], t, draft, scores, plan.block, mask, verify=verify,
+                                         sampler=sampler)
     return rules.lossless_cycle(c["proposer"], t, plan.block, mask, verify=verify, sampler=sampler)
 
 
@@ -113,7 +167,7 @@ def lossless_widths(pend: dict, plan: Plan) -> dict:
     return {"proposer": [first, v] if v else [first]}
 
 
-def prove_cycle(c, t, plan, s, mask, sampler=None):
+def prove_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
     return rules.prove_cycle(c["proposer"], c["verifier"], t, plan.block, mask, s.theta, sampler=sampler)
 
 
@@ -121,7 +175,7 @@ def prove_widths(pend: dict, plan: Plan) -> dict:
     return {"proposer": [pend["proposer"] + plan.block - 1], "verifier": [pend["verifier"] + plan.block - 1]}
 
 
-def mars_cycle(c, t, plan, s, mask, sampler=None):
+def mars_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
     return rules.mars_cycle(c["proposer"], t, plan.block, mask, s.tau, sampler=sampler)
 
 
@@ -129,7 +183,7 @@ def mars_widths(pend: dict, plan: Plan) -> dict:
     return {"proposer": [pend["proposer"] + plan.block - 1]}
 
 
-def spec_cycle(c, t, plan, s, mask, sampler=None):
+def spec_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
     return rules.spec_cycle(c["proposer"], c["draft"], t, plan.draft_k, sampler=sampler)
 
 
@@ -139,9 +193,9 @@ def spec_widths(pend: dict, plan: Plan) -> dict:
             "proposer": [pend["proposer"] + plan.draft_k]}
 
 
-def lookup_cycle(c, t, plan, s, mask, sampler=None):
+def lookup_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
     """The index's draft verified in one pass (no draft: a plain ar cycle)."""
-    draft, scores = plan.propose_lookup(plan.lookup) if plan.lookup and plan.propose_lookup else ([], [])
+    draft, scores = _lookup_draft(plan, hooks)
     return rules.lookup_cycle(c["proposer"], t, draft, scores, sampler=sampler)
 
 
@@ -157,7 +211,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          ("proposer",), needs_mask=False, exact=True, width=None, gate=None,
          gate_text="no gate: one token per cycle", q_text="no verifier", free_first=True, correction=False,
          verify_choice=False,
-         cycle=ar_cycle, widths=ar_widths),
+         cycle=ar_cycle, widths=ar_widths, width_field="block", label_text="ar"),
     Mode("lossless", "ProVe-lossless",
          "ProVe-lossless: the proposer verifies its own block (and lookup drafts); output identical to ar "
          "(sampled: the same text for the seed)",
@@ -165,31 +219,31 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          gate_text="gate: proposed token = the proposer's greedy token (verify pass)",
          q_text="q: the proposer's own probability of the token in its verify pass",
          free_first=True, correction=True, verify_choice=True, cycle=lossless_cycle, widths=lossless_widths,
-         lookup=True, source="mask"),
+         width_field="block", label_text="B={block} v={verify}", lookup=True, source="mask"),
     Mode("prove", "ProVe", "ProVe: a stock verifier gates the block, commit while p*q >= theta (lossy)",
          ("proposer", "verifier"), needs_mask=True, exact=False, width="block", gate="theta",
          gate_text="gate: p̃·q ≥ θ = {theta:g}", q_text="q: the verifier's probability of the token, teacher-forced",
          free_first=True, correction=False, verify_choice=False, cycle=prove_cycle, widths=prove_widths,
-         source="mask"),
+         width_field="block", label_text="B={block}", source="mask"),
     Mode("mars", "MARS rule", "MARS confidence rule, commit while p >= tau (lossy)",
          ("proposer",), needs_mask=True, exact=False, width="block", gate="tau",
          gate_text="gate: p̃ ≥ τ = {tau:g}", q_text="no verifier: the rule looks at p̃ only",
          free_first=True, correction=False, verify_choice=False, cycle=mars_cycle, widths=mars_widths,
-         source="mask"),
+         width_field="block", label_text="B={block}", source="mask"),
     Mode("spec", "speculative", "speculative decoding with a draft model (and lookup drafts); output identical to ar "
          "(sampled: the same text for the seed)",
          ("proposer", "draft"), needs_mask=False, exact=True, width="draft_k", gate=None,
          gate_text="gate: drafted token = the target's greedy token",
          q_text="p̃: the draft's confidence; q: the target's probability of the drafted token",
          free_first=False, correction=True, verify_choice=False, cycle=spec_cycle, widths=spec_widths,
-         lookup=True, source="draft"),
+         width_field="draft_k", label_text="k={draft_k}", lookup=True, source="draft"),
     Mode(LOOKUP, "lookup", "lookup drafts alone: continuations copied from the prompt and the answer (n-gram "
          "matches), verified in one pass; any GGUF; output identical to ar (sampled: the same text for the seed)",
          ("proposer",), needs_mask=False, exact=True, width=None, gate=None,
          gate_text="gate: drafted token = the model's greedy token (one verify pass)",
          q_text="p̃: the lookup's score m/(m+1) (m tokens matched); q: the model's probability of the drafted token",
          free_first=False, correction=True, verify_choice=False, cycle=lookup_cycle, widths=lookup_widths,
-         lookup=True, source="lookup"),
+         width_field="lookup", label_text="L={lookup}", lookup=True, source="lookup"),
 )}
 
 NAMES = tuple(MODES)
@@ -199,7 +253,7 @@ def sources(cycle) -> list[str]:
     """Where each proposed slot of a cycle came from (Cycle.source, else its kind's Mode.source)."""
     if cycle.source is not None:
         return cycle.source
-    if not cycle.plan.proposes:
+    if not proposes(cycle.plan):
         return []
     return [of(cycle.plan).source or "mask"] * len(cycle.proposed)
 
@@ -214,7 +268,7 @@ def drafted_slots(cycle) -> list[tuple[int, str]]:
     counts only drafted tokens in draft_n and `llamacpp:spec_decode_*`, and so do we. A rule whose
     slot 1 is not read from the model's own next-token row (a proposal through a gated adapter) is
     a draft there and must not label it "mask". The planner's plain ar cycles propose nothing."""
-    if not cycle.plan.proposes:
+    if not proposes(cycle.plan):
         return []
     out, seen_mask = [], False
     for i, src in enumerate(sources(cycle)):
@@ -273,6 +327,33 @@ def get(name: str) -> Mode:
 def of(plan: Plan) -> Mode:
     """The mode a plan runs (an "ar" plan: a plain ar cycle, whatever the request's mode)."""
     return MODES[plan.kind]
+
+
+# What a plan means, from its kind's row of the table (Mode.proposes, width_of, filled, tested, label).
+
+def proposes(plan: Plan) -> bool:
+    """Whether the plan's cycle proposes tokens (False: a plain ar cycle)."""
+    return of(plan).proposes
+
+
+def plan_width(plan: Plan) -> int:
+    """The plan's width: k for spec, the lookup draft for lookup, the block otherwise."""
+    return of(plan).width_of(plan)
+
+
+def filled(plan: Plan) -> bool:
+    """Whether the plan is a MARS proposal whose first slots lookup tokens fill."""
+    return of(plan).filled(plan)
+
+
+def tested(plan: Plan) -> int:
+    """Proposed tokens up for acceptance in the plan's cycle (Mode.tested)."""
+    return of(plan).tested(plan)
+
+
+def label(plan: Plan) -> str:
+    """The plan for people: 'ar', 'B=4 v=2', 'B=4', 'k=3', 'L=3', 'L=3+B=4 v=2' (Mode.label)."""
+    return of(plan).label(plan)
 
 
 def cycle_cost(t: Callable[[str, int], float], pending: dict, plan: Plan) -> float:

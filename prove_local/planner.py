@@ -33,11 +33,12 @@ import math
 import random
 from collections import Counter
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from .lookup import MAX_MATCH
-from .modes import GATED, LOOKUP, MODES, cycle_cost
+from .modes import GATED, LOOKUP, MODES, cycle_cost, filled, label, plan_width, tested
 from .rules import AR_PLAN, Plan
 
 N_SLOTS = 64
@@ -347,7 +348,7 @@ class Planner:
             if self._displaced is not None:
                 self._account(cycle)
         plan = cycle.plan
-        kind, b = plan.kind, plan.width
+        kind, b = plan.kind, plan_width(plan)
         if kind == "ar":
             # an ar cycle has no acceptance to learn; its cost and overhead are sampled (1 in
             # AR_SAMPLE), which keeps the planner's own time per ar cycle near nothing (a 0.35 ms
@@ -372,12 +373,12 @@ class Planner:
             ok = min(cycle.n_accepted, n_l)
             self._lookup_cap = min(LOOKUP_K_MAX, max(self._lookup_cap, 2 * n_l)) if ok == n_l \
                 else max(LOOKUP_START, ok + 1)
-            if plan.filled and plan.verify:
+            if filled(plan) and plan.verify:
                 self.stats_for(key or kind).record(cycle.p[n_l:], 1, plan.verify, cycle.n_accepted - n_l)
         else:
             # a free first slot teaches nothing; a gated adapter's slot 1 is tested like the others
             lo = 1 if MODES[kind].free_first and not (cycle.source and cycle.source[0] == "adapter") else 0
-            self.stats_for(key or kind).record(cycle.p, lo, plan.tested, cycle.n_accepted)
+            self.stats_for(key or kind).record(cycle.p, lo, tested(plan), cycle.n_accepted)
         decode = sum(cycle.decode_seconds.values())
         over = max(0.0, cycle.seconds - decode)
         for key in (kind, (kind, b)):      # per kind, and per kind and width (wider blocks cost more Python)
@@ -474,7 +475,7 @@ class Planner:
             for role, (idx, ns) in by_role.items():
                 uniq, inv = np.unique(np.asarray(ns, dtype=int), return_inverse=True)
                 passes[role] = (np.asarray(idx, dtype=int), uniq, inv)
-            lay = _Layout(np.array([p.width for p in plans]), np.array([p.tested for p in plans]),
+            lay = _Layout(np.array([plan_width(p) for p in plans]), np.array([tested(p) for p in plans]),
                           np.array(starts), passes)
             if len(self._layouts) > 64:
                 self._layouts.clear()
@@ -484,23 +485,31 @@ class Planner:
     # ---------------------------------------------------------------------- the plan
     def plan(self, mode: str, pending: dict, block_max: int, room: int, key: str | None = None,
              lookup=None) -> Plan:
+        """The plan of the next cycle of `mode` (`plan_cycle`'s plan)."""
+        return self.plan_cycle(mode, pending, block_max, room, key, lookup)[0]
+
+    def plan_cycle(self, mode: str, pending: dict, block_max: int, room: int, key: str | None = None,
+                   lookup=None) -> tuple[Plan, Callable | None]:
         """The plan of the next cycle of `mode` (pending: committed tokens not yet in each context;
         key: as for `observe`; lookup: the lookup index's match at the end of the committed tokens
-        (lookup.Match), offered where the mode takes lookup drafts). While ar is the choice, runs of ar cycles
-        up to the next exploration draw or replan are returned without any other work (a quiet run:
-        ~0.3 us per cycle instead of ~3). A lookup offer is judged first, every cycle, from a table per
-        match length (`_lookup_plan`)."""
+        (lookup.Match), offered where the mode takes lookup drafts), and its verify width chooser: p̃
+        -> v, for the cycle to call between its two passes (`verify_width` at the rate of the choice
+        it runs: modes.Hooks.choose_verify), or None where the plan's own verify width holds. While ar
+        is the choice, runs of ar cycles up to the next exploration draw or replan are returned
+        without any other work (a quiet run: ~0.3 us per cycle instead of ~3). A lookup offer is
+        judged first, every cycle, from a table per match length (`_lookup_plan`); a MARS proposal it
+        fills chooses its verify width at the table's rate."""
         key = key or mode
         if lookup is not None:
             lp = self._lookup_plan(mode, key, pending, block_max, room, lookup)
             if lp is not None:
-                return lp
+                return lp, (self._chooser(mode, pending, lp.block, self._ltables[key].rate, key) if filled(lp) else None)
         if MODES[mode].width is None or block_max < 1:
-            return AR_PLAN     # the lookup mode, or lossless without a mask token: ar where no lookup draft pays
+            return AR_PLAN, None   # the lookup mode, or lossless without a mask token: ar where no lookup draft pays
         q = self._quiet.get(key)
         if q:
             self._quiet[key] = q - 1
-            return AR_PLAN
+            return AR_PLAN, None
         block_max = min(block_max, N_SLOTS)
         cap = max(1, min(block_max, room))
         kcap = max(0, min(self.k_max, room - 1))
@@ -511,7 +520,7 @@ class Planner:
             if self._worth_exploring(ex, mode, key):
                 self._displaced = cur.rate if cur is not None else None
                 self._after = 0                    # (its own window starts when it is observed)
-                return ex
+                return ex, None
         age = self.age.get(key, 0)
         if cur is None or age >= self._replan_after(cur):
             self._bin_rates = None                 # refreshed by the next verify_width
@@ -534,13 +543,18 @@ class Planner:
         age = self.age[key] = self.age.get(key, 0) + 1
         if cur.kind == "ar":
             self._quiet_run(key, age)
-            return AR_PLAN
+            return AR_PLAN, None
         m = MODES[mode]
         plan = m.plan(min(cur.width, cap), min(cur.width, kcap))
         if m.verify_choice and plan.block > 1:
-            rate, costs = cur.rate, self._verify_costs(mode, pending, plan.block)
-            return Plan(mode, plan.block, choose_verify=lambda p: self.verify_width(p, rate, costs, key))
-        return plan
+            return plan, self._chooser(mode, pending, plan.block, cur.rate, key)
+        return plan, None
+
+    def _chooser(self, mode: str, pending: dict, block: int, rate: float, key: str) -> Callable:
+        """The verify width chooser of a `block`-slot proposal run at `rate` (tokens/s of the choice
+        it runs): p̃ -> `verify_width`, priced by this cycle's costs per verify width."""
+        costs = self._verify_costs(mode, pending, block)
+        return lambda p: self.verify_width(p, rate, costs, key)
 
     # ---------------------------------------------------------------------- lookup drafts
     def _lookup_plan(self, mode: str, key: str, pending: dict, block_max: int, room: int, lookup) -> Plan | None:
@@ -579,7 +593,7 @@ class Planner:
             plan = Plan(LOOKUP, lookup=k)
         if plan.lookup > self._lookup_cap:       # slow start: no longer than the request has earned
             k = self._lookup_cap
-            if not exploring and not plan.filled and tab.rates[m, k - 1] <= tab.rate * (1.0 + self.lookup_margin):
+            if not exploring and not filled(plan) and tab.rates[m, k - 1] <= tab.rate * (1.0 + self.lookup_margin):
                 return None                      # the shorter draft does not pay: the current choice runs
             plan = Plan(plan.kind, plan.block, verify=plan.verify, lookup=k)
         if plan.lookup + plan.block > room:      # near the end of the context: what still fits
@@ -587,10 +601,6 @@ class Planner:
             if k < 1:
                 return None
             plan = Plan(plan.kind, plan.block, verify=plan.verify, lookup=k)
-        if plan.filled:
-            rate, costs = tab.rate, self._verify_costs(mode, pending, plan.block)
-            return Plan(mode, plan.block, lookup=plan.lookup,
-                        choose_verify=lambda p: self.verify_width(p, rate, costs, key))
         return plan
 
     def _plan_costs(self, pend: dict, plans: list[Plan]) -> np.ndarray:
@@ -681,7 +691,7 @@ class Planner:
         if tab is None:
             return None
         return {"rate": round(tab.rate, 2),
-                "plans": {m: (p.label() if p is not None else "no") for m, p in enumerate(tab.rows) if m},
+                "plans": {m: (label(p) if p is not None else "no") for m, p in enumerate(tab.rows) if m},
                 "best_k": {m: k for m, (k, _) in enumerate(tab.best) if m}}
 
     def _verify_costs(self, mode: str, pending: dict, block: int) -> list[float]:
@@ -747,7 +757,7 @@ class Planner:
         if not self.explore_by_rate or not options:
             return True
         best = max(o.rate for o in options)
-        want = (ex.kind, ex.width if ex.kind != "ar" else 1)
+        want = (ex.kind, plan_width(ex))           # (an ar plan: width 1)
         rate = next((o.rate for o in options if (o.kind, o.width) == want), best)
         return self.rng.random() * best < rate
 
@@ -790,7 +800,7 @@ class Planner:
         speed = best.rate / ar.rate
         why = (f"{speed:.2f}x ar's speed" if speed < 1.0 else
                f"{speed:.2f}x ar's speed, short of the {self.ar_margin:.0%} a width must win by")
-        return (f"auto chose ar: on this machine a {plan.label()} {m.title} cycle costs {best.seconds / ar.seconds:.1f} "
+        return (f"auto chose ar: on this machine a {label(plan)} {m.title} cycle costs {best.seconds / ar.seconds:.1f} "
                 f"one-token passes and is expected to commit {best.tokens:.1f} tokens, {why}. To watch {m.title} "
                 f"cycles anyway, fix the width ({how}: about {speed:.2f}x ar's tokens/s)")
 
@@ -824,4 +834,4 @@ def projection(curve: dict[int, float], slot_rates, block_max: int = 16, overhea
 
 def widths_histogram(cycles) -> dict:
     """How often each plan was run (`Plan.label`: 'ar', 'B=4 v=2', 'k=3'), most frequent first."""
-    return dict(Counter(c.plan.label() for c in cycles).most_common())
+    return dict(Counter(label(c.plan) for c in cycles).most_common())

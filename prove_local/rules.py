@@ -23,8 +23,6 @@ speculative sampling, distributed exactly as `ar` sampling).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
 import numpy as np
 
 from .logits import greedy_and_prob, prob_of, top1
@@ -37,67 +35,23 @@ __all__ = ["AR_PLAN", "Cycle", "Plan", "accept_n", "ar_cycle", "gated", "gated_l
 
 @dataclass(frozen=True)
 class Plan:
-    """The widths of one cycle: what the engine asks a rule to run (from the request's fixed settings
-    or the planner), and, recorded in `Cycle.plan`, what the rule ran.
-    `kind` names the rule ("ar": a plain one-token cycle, the planner's fallback in any mode);
-    `block`: proposal slots (lossless, prove, mars); `draft_k`: drafted tokens (spec);
-    `verify` (lossless): proposed tokens fed to the verify pass, 1..block (None: all of them).
-    `choose_verify`, on a plan handed to a rule only, picks the verify width from the slot
-    confidences p̃ between the two passes (the planner's marginal choice); the recorded plan holds
-    the width it picked in `verify`.
+    """The widths of one cycle, as plain data: what the engine asks a rule to run (from the request's
+    fixed settings or the planner), and, recorded in `Cycle.plan`, what the rule ran.
+    `kind` names the rule: a mode's name, or "ar" (a plain one-token cycle, the planner's fallback in
+    any mode); `block`: proposal slots (lossless, prove, mars); `draft_k`: drafted tokens (spec);
+    `verify` (lossless): proposed tokens fed to the verify pass, 1..block (None: all of them; a
+    planner may instead choose it between the two passes, modes.Hooks.choose_verify, and the
+    recorded plan holds the width it picked).
     `lookup`: tokens drafted by lookup (lookup.py: copied from the request's own tokens). A "lookup"
     plan verifies them in one pass; a lossless plan with `lookup` > 0 is a *filled* proposal: the
     lookup tokens go in front of the masks of its proposal pass (`lossless_fill_cycle`), and
     `verify` = 0 records that the second pass was skipped (a lookup token was rejected).
-    `propose_lookup(k) -> (tokens, scores)`, on a plan handed to a rule only, drafts them (the
-    engine's index, synced to the committed tokens)."""
+    What a plan means for its kind (its width, the tokens it tests, its label) is its mode's: modes.Mode."""
     kind: str = "ar"
     block: int = 1
     draft_k: int = 0
     verify: int | None = None
-    choose_verify: Callable | None = field(default=None, compare=False, repr=False)
     lookup: int = 0
-    propose_lookup: Callable | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def proposes(self) -> bool:
-        """Whether the cycle proposed tokens (False: a plain ar cycle)."""
-        return self.kind != "ar"
-
-    @property
-    def width(self) -> int:
-        """The value of the mode's width parameter: k for spec, the lookup draft for lookup, the block otherwise."""
-        if self.kind == "lookup":
-            return self.lookup
-        return self.draft_k if self.kind == "spec" else self.block
-
-    @property
-    def filled(self) -> bool:
-        """A MARS proposal whose first slots were filled by lookup tokens (lossless_fill_cycle)."""
-        return self.lookup > 0 and self.kind != "lookup"
-
-    @property
-    def tested(self) -> int:
-        """Proposed tokens up for acceptance: verified (lossless), drafted (spec, lookup), or the block;
-        a filled proposal's lookup tokens plus its verified slots."""
-        if self.kind == "spec":
-            return self.draft_k
-        if self.kind == "lookup":
-            return self.lookup
-        return self.lookup + (self.block if self.verify is None else self.verify)
-
-    def label(self) -> str:
-        """'ar', 'B=4 v=2' (lossless), 'B=4' (prove, mars), 'k=3' (spec), 'L=3' (lookup),
-        'L=3+B=4 v=2' (a filled proposal)."""
-        if self.kind == "ar":
-            return "ar"
-        if self.kind == "spec":
-            return f"k={self.draft_k}"
-        if self.kind == "lookup":
-            return f"L={self.lookup}"
-        fill = f"L={self.lookup}+" if self.lookup else ""
-        v = self.block if self.verify is None else self.verify
-        return fill + (f"B={self.block} v={v}" if self.kind == "lossless" else f"B={self.block}")
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "block": self.block, "draft_k": self.draft_k, "verify": self.verify,

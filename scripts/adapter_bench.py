@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     from prove_local.engine import Engine, Settings
     from prove_local.llama import Adapter, Context, Model
     from prove_local.loading import DEFAULT_ADAPTER, smollm2_path
+    from prove_local.modes import proposes
 
     model_path = Path(a.model) if a.model else smollm2_path()
     adapter_path = Path(a.adapter) if a.adapter else DEFAULT_ADAPTER
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
                         first = min(len(ids), len(ref))
                     r = {"equal": ids == ref, "first_difference": first, "cycles": len(cycles),
                          "tokens_per_cycle": len(ids) / max(1, len(cycles)), "decode_s": dec,
-                         "proposing_cycles": sum(c.plan.proposes for c in cycles)}
+                         "proposing_cycles": sum(proposes(c.plan) for c in cycles)}
                     if isinstance(b, int):       # unconditional slot match against the stock greedy path
                         hits, seen = [0] * b, [0] * b
                         for c in cycles:

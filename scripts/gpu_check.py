@@ -226,6 +226,7 @@ def run_modes(engine, prompts: list[list[int]], runs: list[tuple[str, object]], 
     """Each (name, Settings) run on every prompt after a warm-up: wall-clock seconds, tokens, passes,
     the widths the planner chose, and whether the exact modes equal ar."""
     from prove_local.engine import summarize
+    from prove_local.modes import label
 
     out, ar_tokens = {}, None
     for name, settings in runs:
@@ -251,7 +252,7 @@ def run_modes(engine, prompts: list[list[int]], runs: list[tuple[str, object]], 
             for k, v in s["n_passes"].items():
                 passes[k] = passes.get(k, 0) + v
             for c in cyc:
-                lab = c.plan.label()
+                lab = label(c.plan)
                 widths[lab] = widths.get(lab, 0) + 1
             outputs.append([t for c in cyc for t in c.committed])
         out[name] = {"mode": settings.mode, "seconds": round(seconds, 4), "tokens": tokens, "cycles": cycles,

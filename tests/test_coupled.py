@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from scipy import stats as sst
 
-from prove_local import rules
+from prove_local import modes, rules
 from prove_local.engine import Engine, Settings
 from prove_local.planner import Costs, Planner
 from prove_local.sampling import CoupledSampler, Row, Sampler, gumbel, uniform
@@ -270,7 +270,7 @@ def test_sampled_exact_modes_equal_sampled_ar_on_llama_cpp(pair, engine, T, extr
             for label, kw in WIDTHS:
                 gen = engine.generate(prompt, Settings(max_new=N_NEW, temperature=T, seed=seed, **kw, **extra))
                 cycles = list(gen)
-                planned |= {c.plan.label() for c in cycles}
+                planned |= {modes.label(c.plan) for c in cycles}
                 if [t for c in cycles for t in c.committed] != ar:
                     bad.append((question[:8], seed, label))
     assert bad == []

@@ -258,7 +258,7 @@ def test_forced_lookups_of_every_length_equal_ar(models, references, k):
                     # end-of-generation token
                     n = len(c.proposed)
                     assert n == min(k, 48 - c.start - 1) or (n < k and model.is_eog(c.proposed[-1])), (k, c.start, n)
-                    assert c.plan.label() == f"L={n}"
+                    assert modes.label(c.plan) == f"L={n}"
                     assert c.source == ["lookup"] * len(c.proposed) and c.passes == {"proposer": 1}
                     assert c.committed[:c.n_accepted] == c.proposed[:c.n_accepted]
         assert n_lookup >= 5, (mode, block, k)
@@ -372,10 +372,10 @@ def test_passes_measured_equal_declared(models, plan):
     for _ in range(12):
         ix.reset(tokens)
         pending = {"proposer": len(tokens) - ctx.n_past}
-        run_plan = modes.Plan(plan.kind, plan.block, lookup=plan.lookup, propose_lookup=ix.propose)
         before = ctx.n_decode
-        c = modes.of(run_plan).cycle(e.contexts, tokens, run_plan, Settings(), e.mask_token)
-        if c.plan.proposes:                        # (no match: a plain ar cycle)
+        c = modes.of(plan).cycle(e.contexts, tokens, plan, Settings(), e.mask_token,
+                                 hooks=modes.Hooks(propose_lookup=ix.propose))
+        if modes.proposes(c.plan):                        # (no match: a plain ar cycle)
             assert c.widths == modes.of(c.plan).widths(pending, c.plan), c.plan
             assert ctx.n_decode - before == len(c.widths["proposer"])
         tokens += c.committed
@@ -454,8 +454,8 @@ def test_the_planner_fills_mars_proposals_where_passes_are_flat():
     for _ in range(20):                                # replans: the current choice becomes a MARS block
         pl.plan("lossless", {"proposer": 1}, 16, 4000)
     assert pl.current["lossless"].kind == "lossless"
-    plan = pl.plan("lossless", {"proposer": 1}, 16, 4000, lookup=lambda: Match(10, 1))
-    assert plan.filled and plan.lookup == 2 and plan.block > 8 and plan.choose_verify is not None, plan
+    plan, choose_verify = pl.plan_cycle("lossless", {"proposer": 1}, 16, 4000, lookup=lambda: Match(10, 1))
+    assert modes.filled(plan) and plan.lookup == 2 and plan.block > 8 and choose_verify is not None, plan
 
 
 # ------------------------------------------------------------------ sampling
@@ -707,4 +707,4 @@ def test_lookup_drafts_stop_at_the_end_of_generation_and_at_max_new():
     for max_new in (5, 10, 13):
         cycles = list(e.generate([1, 2, 3, 4, 5, 6, 7, 8] * 2, Settings(mode="lossless", lookup=16, max_new=max_new)))
         assert [t for c in cycles for t in c.committed] == ([1, 2, 3, 4, 5, 6, 7, 8] * 3)[:max_new]
-        assert [len(c.proposed) for c in cycles] == [max_new - 1], [c.plan.label() for c in cycles]
+        assert [len(c.proposed) for c in cycles] == [max_new - 1], [modes.label(c.plan) for c in cycles]

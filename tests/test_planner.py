@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prove_local import calibrate
+from prove_local import calibrate, modes
 from prove_local.engine import Engine, Settings
 from prove_local.llama import Context, Model
 from prove_local.planner import Costs, Planner, SlotStats, projection
@@ -71,7 +71,7 @@ def test_every_planner_branch_is_exact_on_real_contexts(models, ar_outputs, cach
                               ("lossless", {"block": "auto"}, "lookup")):
             cycles, out = run(engine, prop.tokenize(p), mode=mode, **kw)
             assert out == ar_outputs[p], (mode, p)
-            seen[key].update((c.plan.kind, c.plan.width, c.plan.tested) for c in cycles)
+            seen[key].update((c.plan.kind, modes.plan_width(c.plan), modes.tested(c.plan)) for c in cycles)
             for role, ctx in engine.contexts.items():      # caches hold committed tokens only
                 assert ctx.n_past <= len(engine.tokens)
     widths = {b for kind, b, v in seen["lossless"] if kind == "lossless"}
@@ -103,7 +103,7 @@ def test_greedy_planner_choices_on_real_contexts_are_exact(models, ar_outputs, c
         # draft at a match is rightly preferred to a block, and would crowd the labels)
         cycles, out = run(engine, prop.tokenize(p), mode="lossless", block="auto", lookup=0)
         assert out == ar_outputs[p]
-        labels += [c.plan.label() for c in cycles]
+        labels += [modes.label(c.plan) for c in cycles]
     # the first cycles plan from the prior; the choice then holds (hysteresis), widths cut at the end
     assert max(set(labels), key=labels.count).startswith(expect), labels
 
@@ -662,6 +662,6 @@ def test_engine_explains_an_auto_request_that_ran_ar(models):
     engine = Engine.load(prop, **F32)
     engine.planner = Planner(Costs({"proposer": {1: 1.0, 2: 3.0, 64: 200.0}}), explore=0.0)
     cycles, _ = run(engine, prop.tokenize(PROMPTS[0]), mode="lossless", block="auto")
-    assert all(not c.plan.proposes for c in cycles)
+    assert all(not modes.proposes(c.plan) for c in cycles)
     assert engine.explain(Settings(mode="lossless", block="auto")).startswith("auto chose ar")
     assert engine.explain(Settings(mode="lossless", block=4)) is None       # fixed widths: nothing to explain

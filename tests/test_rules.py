@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from prove_local import rules
+from prove_local import modes, rules
 from prove_local.engine import Engine, ModeError, Settings
 from tests.fakes import (EOS, MASK, PROMPT, V, FakeContext, ar_model, greedy, make_engine, onehot, proposer, run,
                          successor, verifier)
@@ -243,11 +243,11 @@ def test_each_rule_records_its_plan_and_its_gate_per_slot():
     from prove_local.rules import AR_PLAN, Plan
     c = rules.lossless_cycle(FakeContext(proposer(wrong={3}), V), PROMPT, block=5, mask=MASK)
     assert c.plan == Plan("lossless", 5, verify=5) and c.gate == [True, True, False, None, None]
-    assert c.plan.label() == "B=5 v=5" and c.residual
+    assert modes.label(c.plan) == "B=5 v=5" and c.residual
     # a verify width chosen between the passes (as the planner does) is recorded as a number
     c = rules.lossless_cycle(FakeContext(proposer(), V), PROMPT, block=5, mask=MASK, verify=lambda p: 2)
     assert c.plan == Plan("lossless", 5, verify=2) and c.gate == [True, True, None, None, None]
-    assert c.committed == [6, 7, 8] and not c.residual and c.plan.tested == 2
+    assert c.committed == [6, 7, 8] and not c.residual and modes.tested(c.plan) == 2
     # prove evaluates its threshold on every slot: slot 3 fails, slot 4 passes after it
     c = rules.prove_cycle(FakeContext(proposer(), V), FakeContext(verifier(low_at={5}), V), PROMPT, block=4,
                           mask=MASK, theta=0.05)
@@ -260,6 +260,6 @@ def test_each_rule_records_its_plan_and_its_gate_per_slot():
     def bad_draft(prefix):
         return onehot(V, 25 if len(prefix) == 4 else successor(prefix))
     c = rules.spec_cycle(FakeContext(ar_model(), V), FakeContext(bad_draft, V), PROMPT, k=3)
-    assert c.plan == Plan("spec", draft_k=3) and c.gate == [True, False, None] and c.plan.label() == "k=3"
+    assert c.plan == Plan("spec", draft_k=3) and c.gate == [True, False, None] and modes.label(c.plan) == "k=3"
     c = rules.ar_cycle(FakeContext(ar_model(), V), PROMPT)
-    assert c.plan == AR_PLAN and c.plan.label() == "ar" and c.gate == [True]
+    assert c.plan == AR_PLAN and modes.label(c.plan) == "ar" and c.gate == [True]

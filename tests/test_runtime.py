@@ -143,7 +143,7 @@ def test_passes_measured_equal_declared(models, mode, n_batch):
     while True:
         # the prefill (inside the first next()) leaves one prompt token pending in every context
         pending = {r: max(1, len(e.tokens) - e.contexts[r].n_past) if n else 1 for r in mode_.roles}
-        plan = e.plan(gen.request)
+        plan, _ = e.plan(gen.request)
         try:
             c = next(gen)
         except StopIteration:

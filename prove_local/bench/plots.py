@@ -5,7 +5,7 @@ import io
 from pathlib import Path
 
 from ..files import write_atomic
-from ..modes import MODES
+from ..modes import MODES, proposes
 from . import stats
 from .runner import BenchData
 
@@ -142,7 +142,7 @@ def roc_data(data: BenchData, res: dict) -> dict | None:
         for i in range(len(data.prompts)):
             g, ref = by.get((i, name)), by.get((i, ref_name))
             if g and ref:
-                labels += stats.slot_labels([c for c in g.cycles if c.plan.proposes and not c.plan.lookup],
+                labels += stats.slot_labels([c for c in g.cycles if proposes(c.plan) and not c.plan.lookup],
                                             g.tokens, ref.tokens)
         if not labels:
             continue

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..engine import Settings, tokens_per_second
 from ..files import write_atomic
-from ..modes import MODES, draft_counts
+from ..modes import MODES, draft_counts, proposes
 from ..planner import projection as project, widths_histogram
 from ..rules import Cycle, Plan
 from . import stats
@@ -225,7 +225,7 @@ def greedy_path_analyses(ix: Index, name: str, run, entry: dict, bins: int) -> t
         if g.prompt in ix.ref:
             # the planner's plain ar cycles propose nothing, and lookup drafts are not the proposer's
             # (their record is the run's "drafts"): both are left out of these analyses
-            proposing = [c for c in g.cycles if c.plan.proposes and not c.plan.lookup]
+            proposing = [c for c in g.cycles if proposes(c.plan) and not c.plan.lookup]
             labels += stats.slot_labels(proposing, g.tokens, ix.ref[g.prompt])
             mruns += stats.matched_runs(proposing, g.tokens, ix.ref[g.prompt])
     n_slots = max((len(c.proposed) for c in cycles if not c.plan.lookup), default=0)

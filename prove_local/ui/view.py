@@ -16,7 +16,7 @@ import html
 from dataclasses import dataclass, field
 
 from prove_local.engine import TextStream
-from prove_local.modes import MODES
+from prove_local.modes import MODES, filled, label, proposes, tested
 
 # a threshold gate's quantity and threshold symbol, by the setting it reads (Mode.gate)
 GATE_SYMBOLS = {"theta": ("p̃·q", "θ"), "tau": ("p̃", "τ")}
@@ -128,7 +128,7 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
     k, na = len(d), cycle.n_accepted
     sources = list(cycle.source or []) + [m.source] * (k - len(cycle.source or []))
     gate = list(cycle.gate or []) + [None] * (k - len(cycle.gate or []))
-    n_checked = cycle.plan.tested                  # the planner's verify width (lossless)
+    n_checked = tested(cycle.plan)                  # the planner's verify width (lossless)
     extra = cycle.committed[na:]
     sampled = cycle.accept_prob is not None
     who = "proposer's" if m.partner is None else "target's"
@@ -167,7 +167,7 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
                 if lookup_slot:
                     verdict = (f"copied by lookup, accepted (probability p(x) = {_fmt(a)}: the draft is a point mass)"
                                if sampled else f"copied by lookup, = the {who} {greedy}")
-                elif m.free_first and i == 0 or (cycle.plan.filled and i == cycle.plan.lookup):
+                elif m.free_first and i == 0 or (filled(cycle.plan) and i == cycle.plan.lookup):
                     verdict = ("slot 1 is an exact sample of the target: always accepted" if sampled
                                else "slot 1 is the AR token: always matches")
                 else:
@@ -319,8 +319,8 @@ def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: 
                 + ("with probability p(x) (the draft is a point mass)" if sampled else
                    "when it is the model's coupled sample" if getattr(cycle, "coupled", False)
                    else "when it is the model's greedy token")
-                + (". After the copied run: the MARS slots, verified as usual" if cycle.plan.filled else ""))
-    if not cycle.plan.proposes and (MODES[mode].width is not None or MODES[mode].lookup):
+                + (". After the copied run: the MARS slots, verified as usual" if filled(cycle.plan) else ""))
+    if not proposes(cycle.plan) and (MODES[mode].width is not None or MODES[mode].lookup):
         gate = ("no proposal in this cycle: the planner (--block auto) ran a plain ar cycle, because on this "
                 "machine a proposal is expected to cost more than it commits. "
                 + (planner_note + "." if planner_note else "Fix the block length to watch proposals."))
@@ -335,7 +335,7 @@ def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: 
             f'<div class="insp-head"><b>answer {turn + 1}, cycle {cycle.index + 1} of {n_cycles}</b> · '
             f'{esc(title(mode))} · {summary} · passes: {esc(passes)} · '
             f'<span class="widths" title="tokens fed per pass (the planner picks them with --block auto)">'
-            f'widths: {esc(widths or "—")} ({esc(cycle.plan.label())})</span> · '
+            f'widths: {esc(widths or "—")} ({esc(label(cycle.plan))})</span> · '
             f'{cycle.seconds * 1000:.1f} ms</div>{ctx}'
             f'<div class="insp-table"><table>{table}</table></div>'
             f'<div class="insp-foot">{esc(gate)} · {esc(m.q_text)}</div>'
