@@ -168,3 +168,53 @@ def test_the_ui_runtime_closes_its_pool_then_its_models(tiny):
             assert len([t for c in e.generate(prompt, Settings(mode="ar", max_new=2)) for t in c.committed]) == 2
         ctx = e.contexts["proposer"]
     assert e.closed and ctx._ctx is None and loaded.proposer._model is None
+
+
+def test_the_server_closes_its_pool_then_its_models_at_shutdown(tiny):
+    """The app's lifespan: at shutdown the open generations stop, the engines close, then the models."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from prove_local.loading import Loaded
+    from prove_local.server import State
+    from prove_local.server.app import create_app
+
+    loaded = Loaded(Model(tiny), context_options=dict(OPTS))
+    state = State()
+    state.pool = EnginePool(loaded, parallel=2)
+    with state.pool.engine() as (_, e):
+        prompt = loaded.proposer.tokenize("hi", add_special=True)
+        assert len([t for c in e.generate(prompt, Settings(mode="ar", max_new=2)) for t in c.committed]) == 2
+    ctx = e.contexts["proposer"]
+    with TestClient(create_app(state), base_url="http://127.0.0.1") as client:
+        assert client.get("/health").status_code == 200
+        assert not e.closed and loaded.proposer._model
+    assert state.closing and e.closed and ctx._ctx is None and loaded.proposer._model is None
+
+
+def test_the_server_keeps_its_models_while_an_engine_is_still_busy():
+    """An engine still held when the pool's wait runs out stays open, and so do the models under it."""
+    class Models(FakeLoaded):
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    from prove_local.server.state import State
+    loaded = Models()
+    state = State(pool=EnginePool(loaded, parallel=1))
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with state.pool.engine():
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert held.wait(10)
+    assert state.close(timeout=0.05) is False and state.closing
+    assert not loaded.made[0].closed and not loaded.closed
+    release.set()
+    t.join(10)
+    assert state.close() is True and loaded.made[0].closed and loaded.closed

@@ -31,6 +31,7 @@ def create_app(state: State) -> FastAPI:
     async def lifespan(app):
         yield
         state.shutdown()                     # open generations stop at their next cycle
+        await asyncio.to_thread(state.close)  # then the engines, then the models (the pool may wait)
 
     app = FastAPI(title="prove-local", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app, state)

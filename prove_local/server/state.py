@@ -1,5 +1,6 @@
 """What the app serves: the engine pool once the models are loaded, the server's defaults, the API
-keys, the counters and the open generations."""
+keys, the counters and the open generations; at shutdown it stops the generations and frees the
+engines, then the models (`close`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -55,6 +56,8 @@ class State:
         self.created = int(Path(loaded.proposer.path).stat().st_mtime) if Path(loaded.proposer.path).exists() else 0
         self.defaults = defaults
         self.pool = pool                         # last: /health turns 200 now
+        if self.closing:                         # the server stopped while the models loaded
+            self.close()
 
     def _name_models(self, loaded) -> None:
         """The model ids of /v1/models: the file names, made unique when two roles use like-named files."""
@@ -72,6 +75,20 @@ class State:
         return self.model_ids.get("proposer", "prove-local")
 
     def shutdown(self) -> None:
+        """Stop the open generations at their next cycle; new requests are refused."""
         self.closing = True
         for job in list(self.jobs):
             job.cancel.set()
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """At the server's shutdown (the app's lifespan): stop the open generations, free the engines
+        (the pool waits up to `timeout` seconds for the requests holding them), then the models. With an
+        engine still busy after that the models stay loaded (the process is ending). Whether all was freed."""
+        self.shutdown()
+        pool = self.pool
+        if pool is None:                         # still loading (load closes what it loads) or failed
+            return True
+        if not pool.close(timeout):
+            return False
+        pool.loaded.close()
+        return True
