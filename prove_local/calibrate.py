@@ -7,6 +7,13 @@ costs up to 2x more and settles over a few passes; decoding repeats the same sha
 shuffled per repetition so that drift spreads over all of them, and the whole measurement stops at a
 time budget (the target: well under a second for the embedded pair).
 
+Each width's t is the median of its timed passes (the fastest where it has fewer than MIN_SAMPLES),
+and the curve is checked before it is trusted (`suspects`: a pass never gets cheaper with more
+tokens, costs at most ~n one-token passes, and the widest width does not jump past what the others
+extrapolate to): suspect widths are measured again, and what is still suspect is repaired (`repair`).
+A cached curve is checked when it is read, and one that fails is measured again and replaced; so is
+one the engine's passes keep disagreeing with (`recalibrate`, from planner.Costs' `flagged`).
+
 The planner needs the *shape* of the curve, t(n)/t(1), more than its scale (it rescales online from
 the passes it sees), so a short, noisy measurement is enough; it is cached on disk keyed by the model
 file (path, size, mtime), the context configuration (threads, GPU layers, flash attention, KV types)
@@ -28,10 +35,11 @@ import random
 import sys
 import time
 from pathlib import Path
+from collections import Counter
 from statistics import median
 
 from .files import write_atomic
-from .llama import Context, default_threads
+from .llama import Context, default_threads, flash_attn_setting
 
 CACHE_VERSION = 2
 DEFAULT_NS = tuple(range(1, 17)) + (20, 24, 32)
@@ -65,10 +73,10 @@ def model_key(model) -> str:
 
 
 def config_key(model, options: dict, threads: int) -> str:
+    type_k, type_v = options.get("type_k", "f16"), options.get("type_v", "f16")
     return json.dumps({"threads": threads, "n_gpu_layers": getattr(model, "n_gpu_layers", 0),
-                       "flash_attn": bool(options.get("flash_attn", False)),
-                       "type_k": options.get("type_k", "f16"), "type_v": options.get("type_v", "f16")},
-                      sort_keys=True)
+                       "flash_attn": flash_attn_setting(options.get("flash_attn", "auto"), type_k, type_v),
+                       "type_k": type_k, "type_v": type_v}, sort_keys=True)
 
 
 def _load_cache(path: Path) -> dict:
@@ -101,19 +109,120 @@ def _save_cache(path: Path, data: dict) -> None:
         print(f"prove-local: note: could not write the calibration cache {path}: {e}", file=sys.stderr)
 
 
+# ------------------------------------------------------------------------------- checking a curve
+# A pass-cost curve is checked before it is trusted (measured now, or read from the cache): one stall
+# of the machine during a calibration (a browser, a laptop waking up) once cached SmolLM2's t(4) as
+# 11,651 ms beside t(32) = 568 ms, and every later run priced 4-token passes out for good.
+RISE_TOL = 0.10       # t(n) may exceed a wider width's t by this share (noise) before one of them is suspect
+LINEAR_TOL = 1.5      # a pass of n tokens costs at most n one-token passes (x this share, for noise)
+SPIKE = 2.0           # the widest width's t over what the widths before it extrapolate to
+MIN_SAMPLES = 3       # timed passes per width before its median is taken (fewer: the fastest)
+REMEASURE_ROUNDS = 2  # rounds of re-measuring the suspect widths before the curve is repaired
+
+
+def _chain_levels(ns: list[int], ts: list[float]) -> tuple[list[int], list[int]]:
+    """Longest weakly rising chains (a step may fall by RISE_TOL): per width, the longest chain
+    ending there (f) and starting there (g)."""
+    k = len(ns)
+    ok = [[ts[i] <= ts[j] * (1.0 + RISE_TOL) for j in range(k)] for i in range(k)]
+    f = [1] * k
+    for j in range(k):
+        f[j] = 1 + max([f[i] for i in range(j) if ok[i][j]], default=0)
+    g = [1] * k
+    for i in reversed(range(k)):
+        g[i] = 1 + max([g[j] for j in range(i + 1, k) if ok[i][j]], default=0)
+    return f, g
+
+
+def _extrapolated(ns: list[int], ts: list[float]) -> float:
+    """t at the widest width as the widths before it predict: the last segment's slope or the curve's
+    mean slope, whichever is steeper, from the second-widest width on."""
+    (n0, t0), (n1, t1), (n2, _) = (ns[0], ts[0]), (ns[-2], ts[-2]), (ns[-1], ts[-1])
+    last = (ts[-2] - ts[-3]) / (ns[-2] - ns[-3])
+    mean = (t1 - t0) / (n1 - n0) if n1 > n0 else 0.0
+    return t1 + max(0.0, last, mean) * (n2 - n1)
+
+
+def suspects(curve: dict[int, float]) -> list[int]:
+    """The widths whose t(n) the rest of the curve contradicts (an empty list: the curve is plausible):
+      * not on every longest weakly rising chain of the curve (a pass never gets cheaper with more
+        tokens; the widths off the longest chain are the fewest whose removal leaves a rising curve,
+        and where two chains tie, both candidates are suspect);
+      * above LINEAR_TOL x n x t(1) (n tokens in one pass cost at most n one-token passes);
+      * the widest width above SPIKE x what the widths before it extrapolate to (a stall there breaks
+        no rise: nothing wider contradicts it)."""
+    ns = sorted(int(n) for n in curve)
+    ts = [float(curve[n]) for n in ns]
+    if any(not (t > 0.0) or t != t or t == float("inf") for t in ts):
+        return [n for n, t in zip(ns, ts) if not (0.0 < t < float("inf"))]
+    if len(ns) < 2:
+        return []
+    f, g = _chain_levels(ns, ts)
+    longest = max(f)
+    on = [i for i in range(len(ns)) if f[i] + g[i] - 1 == longest]
+    level_count = Counter(f[i] for i in on)
+    bad = {ns[i] for i in range(len(ns)) if i not in on or level_count[f[i]] > 1}
+    if ns[0] == 1 and 1 not in bad:
+        bad |= {n for n, t in zip(ns, ts) if t > LINEAR_TOL * n * ts[0]}
+    if len(ns) >= 3 and ts[-1] > SPIKE * _extrapolated(ns, ts):
+        bad.add(ns[-1])
+    return sorted(bad)
+
+
+def repair(curve: dict[int, float]) -> dict[int, float]:
+    """The closest curve that passes `suspects`, for what re-measuring could not fix: timings only err
+    upwards (a stall adds time, nothing removes it), so each t(n) becomes the least of itself and every
+    wider width's t (a measured t(m) bounds the true t(n) <= t(m) from above), then at most LINEAR_TOL x
+    n x t(1), and the widest at most SPIKE x its extrapolation."""
+    ns = sorted(int(n) for n in curve)
+    ts = [float(curve[n]) for n in ns]
+    for i in range(len(ts) - 2, -1, -1):
+        ts[i] = min(ts[i], ts[i + 1])
+    if ns and ns[0] == 1:
+        ts = [min(t, LINEAR_TOL * n * ts[0]) for n, t in zip(ns, ts)]
+    if len(ns) >= 3:
+        ts[-1] = min(ts[-1], SPIKE * _extrapolated(ns, ts))
+    return dict(zip(ns, ts))
+
+
+def _value(samples: list[float]) -> float:
+    """A width's t from its timed passes: the median of MIN_SAMPLES or more (one stall cannot move
+    it), else the fastest."""
+    return median(samples) if len(samples) >= MIN_SAMPLES else min(samples)
+
+
 # ------------------------------------------------------------------------------- measuring
 def measure_context(ctx, fill: list[int], *, ns=DEFAULT_NS, budget_s: float = 0.5, reps: int = 3,
-                    settle: int = 2, timed: int = 2, seed: int = 0) -> tuple[dict, dict, dict]:
-    """(fastest, median, mean) seconds inside llama_decode of one pass of n tokens (logits on every row) on
-    `ctx` (passes are appended at ctx.n_past and cut back; the context is returned as it was). The
-    first repetition goes through the widths in increasing order (the narrow ones matter most on a
-    CPU), later ones shuffled; it stops after `budget_s` once every n has a timed sample, and at twice
-    the budget in any case (a stalling machine: the widths measured so far are kept)."""
+                    settle: int = 2, timed: int = 2, seed: int = 0, clock=time.perf_counter,
+                    report: dict | None = None) -> tuple[dict, dict, dict]:
+    """(curve, median, mean) seconds inside llama_decode of one pass of n tokens (logits on every row)
+    on `ctx` (passes are appended at ctx.n_past and cut back; the context is returned as it was).
+    The first repetition goes through the widths in increasing order (the narrow ones matter most on
+    a CPU), later ones shuffled; it stops after `budget_s` once every n has a timed sample, and at
+    twice the budget in any case (a stalling machine: the widths measured so far are kept).
+    Then the curve is checked (`suspects`): the suspect widths are measured again (settling passes,
+    then MIN_SAMPLES timed ones that replace their samples), up to REMEASURE_ROUNDS rounds within
+    another `budget_s`, and what is still suspect is repaired (`repair`). `curve`: the checked
+    curve, each width's median (`_value`); `median`, `mean`: of each width's final samples.
+    `clock`: the time budget's clock (tests pass a fake one). `report`, if given, gets the widths
+    re-measured ("remeasured") and those repaired ("repaired")."""
     base = ctx.n_past
     tokens = (list(fill) * (max(ns) // max(1, len(fill)) + 2))[:max(ns)] if fill else [0] * max(ns)
     times: dict[int, list[float]] = {n: [] for n in ns}
     rng = random.Random(seed)
-    t_end = time.perf_counter() + budget_s
+    t_end = clock() + budget_s
+
+    def passes(n: int, count: int, keep_from: int) -> list[float]:
+        out = []
+        for k in range(count):
+            before = ctx.decode_seconds
+            ctx.eval(tokens[:n], rows=list(range(n)))
+            if k >= keep_from:
+                out.append(ctx.decode_seconds - before)
+            ctx.truncate(base)
+        return out
+
+    remeasured: list[int] = []
     try:
         ctx.eval(tokens[:8], rows=list(range(8)))      # warm-up
         ctx.truncate(base)
@@ -122,29 +231,40 @@ def measure_context(ctx, fill: list[int], *, ns=DEFAULT_NS, budget_s: float = 0.
             if rep:
                 rng.shuffle(order)
             for n in order:
-                now = time.perf_counter()
+                now = clock()
                 if (rep and now > t_end) or (times[min(ns)] and now > t_end + budget_s):
                     break
-                for k in range(settle + timed):
-                    before = ctx.decode_seconds
-                    ctx.eval(tokens[:n], rows=list(range(n)))
-                    if k >= settle:
-                        times[n].append(ctx.decode_seconds - before)
-                    ctx.truncate(base)
+                times[n] += passes(n, settle + timed, settle)
+        t_fix = clock() + budget_s
+        for _ in range(REMEASURE_ROUNDS):
+            kept = {n: _value(t) for n, t in times.items() if t}
+            bad = suspects(kept)
+            if not bad:
+                break
+            for n in bad:
+                if clock() > t_fix:
+                    break
+                times[n] = passes(n, settle + MIN_SAMPLES, settle)
+                remeasured.append(n)
     finally:
         if ctx.n_past > base:
             ctx.truncate(base)
-    # the fastest sample gives the curve's shape with the least noise from other processes; the
-    # mean keeps what stalls cost (it judges the thread count)
     kept = {n: t for n, t in times.items() if t}
-    return ({n: min(t) for n, t in kept.items()}, {n: median(t) for n, t in kept.items()},
+    raw = {n: _value(t) for n, t in kept.items()}
+    bad = suspects(raw)
+    curve = repair(raw) if bad else raw
+    if report is not None:
+        report["remeasured"] = sorted(set(remeasured))
+        report["repaired"] = [n for n in bad if curve[n] != raw[n]] if bad else []
+    return (curve, {n: median(t) for n, t in kept.items()},
             {n: sum(t) / len(t) for n, t in kept.items()})
 
 
 def measure(model, options: dict, fill: list[int] | None = None, *, ns=DEFAULT_NS, n_fill: int = 128,
-            budget_s: float = 0.5, threads: int | None = None, reps: int = 3, seed: int = 0) -> tuple[dict, dict, dict]:
-    """(fastest, median, mean) t(n) on a fresh context of `model` with the context options of decoding (`Context`'s keyword
-    arguments), after a context of `n_fill` tokens."""
+            budget_s: float = 0.5, threads: int | None = None, reps: int = 3, seed: int = 0,
+            **check) -> tuple[dict, dict, dict]:
+    """(curve, median, mean) t(n) on a fresh context of `model` with the context options of decoding (`Context`'s keyword
+    arguments), after a context of `n_fill` tokens: `measure_context` (`check`: its clock and report)."""
     opts = dict(options)
     opts["n_ctx"] = n_fill + max(ns) + 16
     opts["n_batch"] = max(512, max(ns))
@@ -154,7 +274,7 @@ def measure(model, options: dict, fill: list[int] | None = None, *, ns=DEFAULT_N
         fill = list(fill) if fill else [int(t) % max(1, min(model.n_vocab, 256)) for t in range(7, 7 + n_fill)]
         fill = (fill * (n_fill // len(fill) + 1))[:n_fill]
         ctx.eval(fill, rows=[])
-        return measure_context(ctx, fill, ns=ns, budget_s=budget_s, reps=reps, seed=seed)
+        return measure_context(ctx, fill, ns=ns, budget_s=budget_s, reps=reps, seed=seed, **check)
 
 
 def _score(mean: dict[int, float]) -> float:
@@ -183,8 +303,31 @@ def _complete(entry: dict, model, options: dict, ns, budget_s: float, threads: i
         if n in curve:
             entry["curve"][str(n)] = curve[n] * k
             entry.setdefault("mean", {})[str(n)] = med[n] * k
+    # two measurements side by side: checked together (the cached part was checked when it was read)
+    whole = {int(n): float(t) for n, t in entry["curve"].items()}
+    if suspects(whole):
+        entry["curve"] = {str(n): t for n, t in repair(whole).items()}
     entry["when"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     return True
+
+
+def _entry(model, options: dict, ns, budget_s: float, threads: int, why: str | None = None) -> dict:
+    """A cache entry measured now (`why`: the reason a cached one was replaced, kept in the entry)."""
+    t0 = time.perf_counter()
+    report: dict = {}
+    curve, _, mean = measure(model, options, ns=ns, budget_s=budget_s, threads=threads, report=report)
+    entry = {"curve": {str(n): t for n, t in curve.items()}, "mean": {str(n): t for n, t in mean.items()},
+             "seconds": round(time.perf_counter() - t0, 3), "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             "model": str(model.path), "threads": threads,
+             "remeasured": report.get("remeasured", []), "repaired": report.get("repaired", [])}
+    if why:
+        entry["replaced"] = why
+    return entry
+
+
+def entry_key(model, options: dict, threads: int) -> str:
+    """The cache key of `model` with the context `options` and `threads`."""
+    return f"{model_key(model)}|{config_key(model, options, threads)}|{build_id()}"
 
 
 def calibrate(model, options: dict, *, refresh: bool = False, budget_s: float = 0.8, ns=DEFAULT_NS,
@@ -192,27 +335,31 @@ def calibrate(model, options: dict, *, refresh: bool = False, budget_s: float = 
     """The cached calibration of `model` with `options`, measuring it when missing (or `refresh`).
     Returns {"threads": chosen, "curves": {threads: {n: seconds}}, "measured": bool}.
     Threads are chosen by measurement only when options["n_threads"] is None and the model is small
-    (llama.default_threads would give it 1 thread); otherwise the configured count is measured."""
+    (llama.default_threads would give it 1 thread); otherwise the configured count is measured.
+    A cached curve is checked before it is used (`suspects`: a width that costs more than a wider
+    one, more than n one-token passes, or a spike at the widest): one that fails is measured again
+    and replaced, not trusted (the entry says why: "replaced")."""
     fixed = options.get("n_threads")
     candidates = [fixed] if fixed else sorted({default_threads(model), cores()} if default_threads(model) == 1
                                               else {default_threads(model)})
     path = cache_path()
     cache = _load_cache(path)
-    mkey = model_key(model)
-    build = build_id()
     curves, medians, measured = {}, {}, False
     for th in candidates:
-        key = f"{mkey}|{config_key(model, options, th)}|{build}"
+        key = entry_key(model, options, th)
         entry = cache["entries"].get(key)
-        if entry is None or refresh:
-            t0 = time.perf_counter()
-            curve, _, med = measure(model, options, ns=ns, budget_s=budget_s / len(candidates), threads=th)
-            entry = {"curve": {str(n): t for n, t in curve.items()}, "mean": {str(n): t for n, t in med.items()}, "seconds": round(time.perf_counter() - t0, 3),
-                     "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": str(model.path), "threads": th}
-            cache["entries"][key] = entry
+        cached = {int(n): float(t) for n, t in entry["curve"].items()} if entry is not None else {}
+        bad = suspects(cached)
+        if entry is None or refresh or bad:
+            why = None if refresh or not bad else (
+                "the cached curve failed its check at n = " + ", ".join(map(str, bad)) + " (t(n) in ms: "
+                + ", ".join(f"{n}: {cached[n] * 1e3:.1f}" for n in bad) + "; t(1) "
+                + (f"{cached[1] * 1e3:.1f}" if 1 in cached else "not measured") + ")")
+            entry = cache["entries"][key] = _entry(model, options, ns, budget_s / len(candidates), th, why)
             measured = True
-            if verbose:
-                print(f"calibrated {Path(model.path).name} with {th} thread(s) in {entry['seconds']} s", file=sys.stderr)
+            if verbose or why:
+                print(f"prove-local: calibrated {Path(model.path).name} with {th} thread(s) in {entry['seconds']} s"
+                      + (f": {why}" if why else ""), file=sys.stderr)
         elif len(entry["curve"]) < len(ns):
             measured |= _complete(entry, model, options, ns, budget_s / len(candidates), th)
         curves[th] = {int(n): float(t) for n, t in entry["curve"].items()}
@@ -221,6 +368,20 @@ def calibrate(model, options: dict, *, refresh: bool = False, budget_s: float = 
         _save_cache(path, cache)
     best = min(curves, key=lambda th: _score(medians[th]))
     return {"threads": best, "curves": curves, "measured": measured}
+
+
+def recalibrate(model, options: dict, threads: int, why: str, *, budget_s: float = 0.8,
+                ns=DEFAULT_NS) -> dict[int, float]:
+    """Measure the curve of `model` with `options` and `threads` again and replace its cache entry
+    (the engine's call when the passes it runs keep disagreeing with the cached curve: planner.Costs'
+    `disputed`); `why` is kept in the entry. Returns the new curve."""
+    path = cache_path()
+    cache = _load_cache(path)
+    entry = cache["entries"][entry_key(model, options, threads)] = _entry(model, options, ns, budget_s, threads, why)
+    _save_cache(path, cache)
+    print(f"prove-local: calibrated {Path(model.path).name} again with {threads} thread(s) in {entry['seconds']} s: {why}",
+          file=sys.stderr)
+    return {int(n): float(t) for n, t in entry["curve"].items()}
 
 
 def recheck_threads(ctx, candidates: list[int], *, reps: int = 5) -> int:

@@ -22,7 +22,7 @@ from .files import read_limited
 from .grammar import MAX_GRAMMAR_FILE, Grammar, GrammarError
 from .llama import Model, gpu_offload_supported
 from .loading import (EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, GPU_LAYERS, KV_TYPES, MAX_NEW, TAU, THETA, THREADS,
-                      add_model_args, add_width_args, finite_float, load_engine)
+                      add_flash_attn_arg, add_model_args, add_width_args, finite_float, load_engine)
 from .pull import add_parser as add_pull
 from .rpc import add_parser as add_rpc_server
 from .server import add_parser as add_serve      # FastAPI is imported only when `serve` runs
@@ -256,7 +256,7 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--threads", type=THREADS, help="CPU threads (default: chosen by measurement for small models)")
     p.add_argument("--n-gpu-layers", type=GPU_LAYERS,
                    help="layers to offload (default: all when llama.cpp has a GPU backend)")
-    p.add_argument("--flash-attn", action="store_true")
+    add_flash_attn_arg(p)
     p.add_argument("--kv-type", choices=KV_TYPES, help="KV cache type (default: f32 for F32 models, else f16)")
     p.add_argument("--json", action="store_true", help="print the curves as JSON")
     p.set_defaults(func=cmd_calibrate)

@@ -14,7 +14,7 @@ from typing import Iterator
 
 
 from . import constrain, modes, rules, sampling
-from .calibrate import calibrate, recheck_threads
+from .calibrate import calibrate, recalibrate, recheck_threads
 from .errors import ContextFull, EngineBusy, ModeError
 from .llama import Adapter, Context, Model
 from .lookup import NgramIndex
@@ -23,6 +23,7 @@ from .planner import Costs, Planner
 
 
 MAX_LOGPROBS = 20                 # alternatives per token (OpenAI's top_logprobs limit)
+MAX_RECALIBRATIONS = 2            # per role and engine: curves measured again because the passes disputed them
 
 
 @dataclass
@@ -114,6 +115,7 @@ class Engine:
         # lookup drafts: the n-gram index of the committed tokens (always a prefix of self.tokens)
         self.index = NgramIndex()
         self._thread_curves: dict[str, dict] = {}
+        self._recalibrated: dict[str, int] = {}     # per role: curves measured again (_recalibrate)
         self.closed = False
 
     def close(self) -> None:
@@ -185,6 +187,23 @@ class Engine:
             if len(options) > 1:
                 th = recheck_threads(ctx, options)
                 self.planner.set_curve(role, self._thread_curves[role][th])
+
+    def _recalibrate(self) -> None:
+        """The passes of a role keep disagreeing with its cached curve (planner.Costs.flagged): measure
+        it again (calibrate.recalibrate: a fresh context, the cache entry replaced, the reason kept in
+        it) and hand the planner the new curve. At most MAX_RECALIBRATIONS times per role and engine:
+        a machine whose load keeps changing is not measured over and over."""
+        costs = self.planner.costs
+        for role, why in list(costs.flagged.items()):
+            ctx = self.contexts.get(role)
+            done = self._recalibrated.get(role, 0)
+            if self.context_options is None or ctx is None or done >= MAX_RECALIBRATIONS:
+                costs.dismiss(role)
+                continue
+            self._recalibrated[role] = done + 1
+            curve = recalibrate(ctx.model, self.context_options, ctx.n_threads, why)
+            self._thread_curves.setdefault(role, {})[ctx.n_threads] = curve
+            self.planner.set_curve(role, curve)
 
     def explain(self, s: Settings, fix: str = "{flag} {width}") -> str | None:
         """Why the planner is running plain ar cycles for these settings, in one line (None if it is
@@ -408,6 +427,8 @@ class Engine:
             if mode.width is not None or req.lookup:  # acceptance statistics and costs, every cycle
                 if self.planner.observe(cycle, req.key, planned=req.auto):   # (plain ar: nothing to learn)
                     self._recheck_threads()          # passes far slower than calibrated
+                if self.planner.costs is not None and self.planner.costs.flagged:
+                    self._recalibrate()              # passes keep disagreeing with the cached curve
             run, stop = cycle.committed, None
             for i, tok in enumerate(run):
                 if self.is_eog(tok):

@@ -57,6 +57,23 @@ def _last_log(n: int = 3) -> str:
 
 GGML_TYPES = {"f32": ll.GGML_TYPE_F32, "f16": ll.GGML_TYPE_F16, "q8_0": ll.GGML_TYPE_Q8_0,
               "q4_0": ll.GGML_TYPE_Q4_0}
+FLASH_ATTN = ("auto", "on", "off")
+
+
+def flash_attn_setting(flash_attn, type_k: str = "f16", type_v: str = "f16") -> str:
+    """What a context's flash attention option comes to: "on", "off", or "auto" (llama.cpp's
+    LLAMA_FLASH_ATTN_TYPE_AUTO: on where the backend has it for the KV type, as llama.cpp's own
+    tools default to). `flash_attn`: "auto" (the default), "on" / True, "off" / False. Under "auto" an
+    F32 KV cache gets "off": with flash attention an F32 cache decodes slower here (SmolLM2 Q4_1,
+    2 threads: 51 tokens/s against 61-64 without; docs/run.md), and F32 weights with F32 KV are the
+    configuration the exactness tests compare token for token."""
+    if flash_attn is True or flash_attn == "on":
+        return "on"
+    if flash_attn is False or flash_attn == "off":
+        return "off"
+    if flash_attn != "auto":
+        raise LlamaError(f"flash attention must be one of {', '.join(FLASH_ATTN)}, not {flash_attn!r}")
+    return "off" if "f32" in (type_k, type_v) else "auto"
 
 
 def gpu_offload_supported() -> bool:
@@ -342,10 +359,11 @@ class Context:
     """
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_threads: int | None = None,
-                 n_batch: int = 512, flash_attn: bool = False, type_k: str = "f16", type_v: str = "f16",
+                 n_batch: int = 512, flash_attn: bool | str = "auto", type_k: str = "f16", type_v: str = "f16",
                  adapter: "Adapter | None" = None):
         """adapter: a gated MARS adapter (Adapter) on the same model: on only for the passes that
-        ask for it (`eval_view(..., adapter=True)`, the MARS proposal pass), off for every other."""
+        ask for it (`eval_view(..., adapter=True)`, the MARS proposal pass), off for every other.
+        flash_attn: "auto" (default), "on" or "off" (True / False too): `flash_attn_setting`."""
         self.model = model
         if adapter is not None and adapter.model is not model:
             raise LlamaError(f"{adapter.path}: loaded for {adapter.model.path}, not for {model.path}")
@@ -357,7 +375,9 @@ class Context:
         params.n_seq_max = 1
         threads = n_threads or default_threads(model)
         params.n_threads = params.n_threads_batch = threads
-        params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.flash_attn = flash_attn_setting(flash_attn, type_k, type_v)
+        params.flash_attn_type = {"on": ll.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": ll.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+                                  "auto": ll.LLAMA_FLASH_ATTN_TYPE_AUTO}[self.flash_attn]
         try:
             params.type_k, params.type_v = GGML_TYPES[type_k], GGML_TYPES[type_v]
         except KeyError as e:

@@ -13,7 +13,7 @@ from . import rpc
 from .engine import Engine
 from .errors import UsageError
 from .modes import MODES
-from .llama import Adapter, Model, gpu_offload_supported
+from .llama import FLASH_ATTN, Adapter, Model, gpu_offload_supported
 from .memory import Offload, check_fits
 
 EMBEDDED = Path(__file__).parent / "models"
@@ -122,11 +122,18 @@ def add_model_args(p: argparse.ArgumentParser, *, positional: bool = True) -> No
     p.add_argument("--ctx", type=CTX, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("--n-gpu-layers", type=GPU_LAYERS,
                    help="layers to offload (default: all when llama.cpp has a GPU backend, else 0)")
-    p.add_argument("--flash-attn", action="store_true", help="use flash attention")
+    add_flash_attn_arg(p)
     p.add_argument("--kv-type", choices=KV_TYPES,
                    help="KV cache type (default: f32 for F32 models, so that batched and one-token "
                         "evaluation agree exactly; f16 otherwise)")
     add_rpc_args(p)
+
+
+def add_flash_attn_arg(p: argparse.ArgumentParser) -> None:
+    """--flash-attn [auto|on|off] (llama.cpp's -fa): auto by default; the flag alone means on."""
+    p.add_argument("--flash-attn", nargs="?", const="on", default="auto", choices=FLASH_ATTN,
+                   help="flash attention: auto (default, as llama.cpp: on where the backend has it for the KV "
+                        "type, off with an F32 KV cache, where it is slower), on, off; the flag alone: on")
 
 
 def add_rpc_args(p: argparse.ArgumentParser) -> None:
@@ -246,10 +253,12 @@ def load_models(args, *, parallel: int = 1, want_verifier: bool | None = None,
         prop_ngl = -1 if args.n_gpu_layers is None else args.n_gpu_layers
         offload = Offload(proposer, max(1, parallel), prop_ngl, [(d.label, d.memory()[0]) for d in devices], split,
                           [d.endpoint is None for d in devices])
-        check_fits([verifier, draft] * max(1, parallel), args.ctx, args.kv_type, ngl, flash_attn=args.flash_attn,
+        check_fits([verifier, draft] * max(1, parallel), args.ctx, args.kv_type, ngl,
+                   flash_attn=args.flash_attn == "on",
                    offload=offload)
     else:
-        check_fits([proposer, verifier, draft] * max(1, parallel), args.ctx, args.kv_type, ngl, flash_attn=args.flash_attn)
+        check_fits([proposer, verifier, draft] * max(1, parallel), args.ctx, args.kv_type, ngl,
+                   flash_attn=args.flash_attn == "on")   # (auto may run without it: the scores counted)
     loaded: dict[Path, Model] = {}
 
     def load(path: Path | None, **where):

@@ -81,6 +81,16 @@ class Costs:
     # shape = measured ratio / SHAPE_NOISE where that exceeds 1 (SmolLM2's 1.4-1.8 at widths 9-14
     # are kept at 1.2-1.5; a 1.09 at width 2 is not kept)
     SHAPE_NOISE = 1.2
+    # a cached curve the passes keep disagreeing with is measured again, not trusted (the engine does
+    # it: `flagged`): a width whose cost relative to width 1 is off its calibration by more than the
+    # shape can learn (above DISPUTE_HI, below 1 / DISPUTE_LO: the shape is never below 1), or a scale
+    # past DISPUTE_SCALE either way, for DISPUTE_OBSERVATIONS observations in a row. (A calibration that
+    # one stall poisoned cached SmolLM2's t(4) at 1,000 one-token passes; priced so, 4-token passes
+    # never ran, and nothing the cycles saw could fix it.)
+    DISPUTE_HI = SHAPE_HI * SHAPE_NOISE * 1.25          # 3.0
+    DISPUTE_LO = 1.5
+    DISPUTE_SCALE = 4.0
+    DISPUTE_OBSERVATIONS = 32
 
     def __init__(self, curves: dict[str, dict[int, float]], n_max: int = 160):
         self.n_max = n_max
@@ -88,6 +98,9 @@ class Costs:
         self.scale: dict[str, float] = {}
         self.dev: dict[str, dict[int, list]] = {}           # per role, width: [mean log deviation, count]
         self.shape: dict[str, np.ndarray | None] = {}       # per role: the learned shape over 0..n_max
+        self._off: dict[str, dict[int, float]] = {}         # per role: widths off the calibration beyond the shape's reach
+        self._disputes: dict[str, int] = {}                 # per role: observations in a row while disputed
+        self.flagged: dict[str, str] = {}                   # per role: why its curve should be measured again
         for role, curve in curves.items():
             self.set_curve(role, curve)
 
@@ -110,6 +123,9 @@ class Costs:
         self.scale[role] = 1.0
         self.dev[role] = {}
         self.shape[role] = None
+        self._off[role] = {}
+        self._disputes[role] = 0
+        self.flagged.pop(role, None)
 
     def t(self, role: str, n: int) -> float:
         b = self.base[role]
@@ -143,7 +159,47 @@ class Costs:
         # log space, clipped: one stalled pass must not swing the scale by orders of magnitude
         step = max(-1.0, min(1.0, math.log(ratio)))
         self.scale[role] *= math.exp(alpha * step)
+        sc = self.scale[role]
+        if self._off[role] or not 1.0 / self.DISPUTE_SCALE <= sc <= self.DISPUTE_SCALE:
+            self._disputes[role] += 1
+            if self._disputes[role] >= self.DISPUTE_OBSERVATIONS and role not in self.flagged:
+                self.flagged[role] = self._dispute_reason(role)
+        else:
+            self._disputes[role] = 0
         return ratio
+
+    def dismiss(self, role: str) -> None:
+        """The caller will not measure `role` again now: its flag goes, and the count starts over."""
+        self.flagged.pop(role, None)
+        self._disputes[role] = 0
+
+    def _dispute_reason(self, role: str) -> str:
+        """Why the passes of `role` disagree with its calibrated curve, in words (for the cache entry and stderr)."""
+        n = self.DISPUTE_OBSERVATIONS
+        off = self._off[role]
+        if off:
+            widths = ", ".join(f"t({w}) {r:.2g}x" for w, r in sorted(off.items()))
+            return (f"for {n} passes in a row, passes cost other multiples of a one-token pass than the cached "
+                    f"curve says (measured / calibrated, relative to width 1: {widths})")
+        return f"for {n} passes in a row, passes cost {self.scale[role]:.2g}x the cached curve"
+
+    def _check_off(self, role: str, w: int) -> None:
+        """Whether width w (every width, when w is 1) is off its calibration beyond the shape's reach."""
+        devs, off = self.dev[role], self._off[role]
+        one = devs.get(1)
+        if one is None or one[1] < self.SHAPE_MIN:
+            off.clear()
+            return
+        hi, lo = math.log(self.DISPUTE_HI), -math.log(self.DISPUTE_LO)
+        for x in (devs if w == 1 else (w,)):
+            d = devs.get(x)
+            if x == 1 or d is None or d[1] < self.SHAPE_MIN:
+                continue
+            rel = d[0] - one[0]
+            if rel > hi or rel < lo:
+                off[x] = math.exp(rel)
+            else:
+                off.pop(x, None)
 
     def _observe_shape(self, role: str, w: int, dev: float) -> None:
         """One pass of width w cost exp(dev) times its calibrated t(w). The deviations are kept against
@@ -157,6 +213,7 @@ class Costs:
         # clipped around the width's mean: one stalled pass moves it by at most SHAPE_ALPHA
         d[0] += self.SHAPE_ALPHA * (max(d[0] - 1.0, min(d[0] + 1.0, dev)) - d[0])
         d[1] += 1
+        self._check_off(role, w)
         one = self.dev[role].get(1)
         seen = sorted(x for x, (_, c) in self.dev[role].items() if c >= self.SHAPE_MIN and x > 1)
         if one is None or one[1] < self.SHAPE_MIN or not seen:

@@ -25,8 +25,8 @@ from ..engine import Engine
 from ..errors import MissingExtra, UsageError
 from ..llama import Adapter, Model, gpu_offload_supported
 from ..loading import (CTX, EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, GPU_LAYERS, KV_TYPES, MAX_NEW, TAU, THETA, THREADS,
-                       TOKEN_ID, add_rpc_args, draft_width_arg, int_in, lookup_arg, placement_note, rpc_devices,
-                       width_arg)
+                       TOKEN_ID, add_flash_attn_arg, add_rpc_args, draft_width_arg, int_in, lookup_arg, placement_note,
+                       rpc_devices, width_arg)
 from ..modes import MODES
 from . import runner
 from .data import DataError, load_prompts
@@ -76,7 +76,7 @@ def canonical_command(args) -> str:
     parts = ["prove-local", "bench"]
     for opt in ("proposer", "adapter", "verifier", "draft", "modes", "limit", "max_new", "theta", "tau", "block", "draft_k", "lookup",
                 "temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed", "sampler", "samples",
-                "mask_token", "threads", "ctx", "n_gpu_layers", "kv_type", "warmup", "pass_cost_reps", "pass_cost_max",
+                "mask_token", "threads", "ctx", "n_gpu_layers", "kv_type", "flash_attn", "warmup", "pass_cost_reps", "pass_cost_max",
                 "llama_spec",
                 "bins", "system", "out"):
         v = getattr(args, opt, None)
@@ -86,7 +86,7 @@ def canonical_command(args) -> str:
         parts += ["--llama-spec-args", args.llama_spec_args]
     for d in args.data:
         parts += ["--data", str(d)]
-    for flag in ("raw", "flash_attn", "no_pass_cost", "no_plots", "oracle"):
+    for flag in ("raw", "no_pass_cost", "no_plots", "oracle"):
         if getattr(args, flag, False):
             parts.append("--" + flag.replace("_", "-"))
     return " ".join(shlex.quote(p) for p in parts)
@@ -148,7 +148,7 @@ def add_parser(sub) -> None:
                    help="CPU threads (default: for small models 1 or all cores, whichever calibration measures faster; else all cores)")
     p.add_argument("--ctx", type=CTX, default=4096, help="context size (default 4096)")
     p.add_argument("--n-gpu-layers", type=GPU_LAYERS, help="layers to offload (default: all when llama.cpp has a GPU backend)")
-    p.add_argument("--flash-attn", action="store_true")
+    add_flash_attn_arg(p)
     add_rpc_args(p)     # --rpc, --tensor-split: the proposer on `prove-local rpc-server`s
     p.add_argument("--kv-type", choices=KV_TYPES,
                    help="KV cache type (default: f32 for an F32 proposer, so the exact modes can match ar exactly; f16 otherwise)")

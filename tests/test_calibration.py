@@ -1,0 +1,258 @@
+"""The pass-cost calibration against stalls (calibrate.py) and a cached curve the passes dispute
+(planner.Costs, Engine._recalibrate), on fake contexts with a fake clock: every pass costs what the
+test scripts, so nothing here depends on how fast or busy this machine is.
+
+The poisoned curve is the issue's: SmolLM2's curve measured during one ordinary `run` was cached with
+t(4) = 11,651 ms beside t(32) = 568 ms, and every later run priced 4-token passes out."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from prove_local import calibrate, engine as engine_module
+from prove_local.llama import flash_attn_setting
+from prove_local.planner import Costs
+from tests.fakes import make_engine, run
+
+# SmolLM2-135M Q4_1, 2 threads: t(n)/t(1) 1.89 at 2, 2.64 at 4, 4.94 at 8 (docs/lookup.md), the rest on
+# that shape, at the level the issue's t(32) = 568 ms gives
+SHAPE = {1: 1.0, 2: 1.89, 3: 2.3, 4: 2.64, 5: 3.2, 6: 3.8, 7: 4.4, 8: 4.94, 9: 5.4, 10: 5.9, 11: 6.4,
+         12: 6.9, 13: 7.4, 14: 7.9, 15: 8.4, 16: 8.9, 20: 11.0, 24: 13.0, 32: 26.0}
+T1 = 0.568 / SHAPE[32]
+POISONED = {n: T1 * r for n, r in SHAPE.items()} | {4: 11.651}
+
+
+def line(n: int) -> float:
+    """A clean curve: 1 ms a pass plus 0.5 ms a token."""
+    return 1e-3 + 0.5e-3 * n
+
+
+class TimedContext:
+    """A context whose pass of n tokens costs cost(n) + stall(n, k) seconds of fake time (k: the
+    pass's index among the passes of width n, the warm-up included), which `clock` reads."""
+
+    def __init__(self, cost=line, stall=lambda n, k: 0.0, n_past: int = 0):
+        self.cost, self.stall = cost, stall
+        self.n_past, self.decode_seconds, self.now = n_past, 0.0, 0.0
+        self.calls: Counter = Counter()
+
+    def clock(self) -> float:
+        return self.now
+
+    def eval(self, tokens, rows=None):
+        n = len(tokens)
+        dt = self.cost(n) + self.stall(n, self.calls[n])
+        self.calls[n] += 1
+        self.decode_seconds += dt
+        self.now += dt
+        self.n_past += n
+
+    def truncate(self, n: int) -> None:
+        assert 0 <= n <= self.n_past
+        self.n_past = n
+
+
+def measured(ctx: TimedContext, **kw):
+    report: dict = {}
+    curve, med, mean = calibrate.measure_context(ctx, list(range(50)), clock=ctx.clock, report=report, **kw)
+    return curve, report
+
+
+# ------------------------------------------------------------------ checking a curve
+def test_the_issues_poisoned_curve_is_suspect_at_its_stalled_width_only():
+    clean = {n: T1 * r for n, r in SHAPE.items()}
+    assert calibrate.suspects(clean) == []
+    assert calibrate.suspects(POISONED) == [4]
+    fixed = calibrate.repair(POISONED)
+    assert calibrate.suspects(fixed) == []
+    assert fixed[4] == pytest.approx(clean[5])          # no wider pass is cheaper: the least wider t
+    assert {n: t for n, t in fixed.items() if n != 4} == pytest.approx({n: t for n, t in clean.items() if n != 4})
+
+
+def test_suspects_a_pass_dearer_than_n_one_token_passes_and_a_spike_at_the_widest():
+    clean = {n: line(n) for n in calibrate.DEFAULT_NS}
+    assert calibrate.suspects(clean) == []
+    # rising, but t(32) is 568 ms beside t(1) = 10.9 ms: more than 32 one-token passes
+    smol = {n: 10.9e-3 * r for n, r in SHAPE.items()} | {32: 0.568}
+    assert calibrate.suspects(smol) == [32]
+    # a stall at the widest width breaks no rise: caught against the widths before it
+    spike = clean | {32: 8 * clean[32]}
+    assert calibrate.suspects(spike) == [32]
+    assert calibrate.suspects(calibrate.repair(spike)) == []
+    # two widths out of order: both are suspect (which one stalled is not known)
+    swapped = clean | {8: clean[9] * 1.3}
+    assert set(calibrate.suspects(swapped)) >= {8}
+    # noise within RISE_TOL is not
+    assert calibrate.suspects(clean | {8: clean[9] * 1.05}) == []
+    assert calibrate.suspects({4: float("nan"), 8: 1.0}) == [4]
+    assert calibrate.suspects({1: 1.0}) == []
+
+
+# ------------------------------------------------------------------ measuring
+def test_one_stalled_sample_does_not_move_a_median():
+    # width 8's passes: the warm-up (k = 0), then 2 settling and 2 timed ones per repetition: k = 3 is timed
+    ctx = TimedContext(stall=lambda n, k: 10.0 if (n, k) == (8, 3) else 0.0)
+    curve, report = measured(ctx, budget_s=1e9)
+    assert curve == pytest.approx({n: line(n) for n in calibrate.DEFAULT_NS})
+    assert report == {"remeasured": [], "repaired": []}
+    assert ctx.n_past == 0                                  # the context is left as it was
+
+
+def test_a_width_stalled_throughout_the_first_measurement_is_measured_again():
+    # the four passes of width 4 in the first repetition stall by 10 s each; the budget (25 fake seconds)
+    # then stops the repetitions after the first, so width 4 has only its two stalled samples
+    ctx = TimedContext(stall=lambda n, k: 10.0 if n == 4 and k < 4 else 0.0)
+    curve, report = measured(ctx, budget_s=25.0)
+    assert report["remeasured"] == [4] and report["repaired"] == []
+    assert curve == pytest.approx({n: line(n) for n in calibrate.DEFAULT_NS})
+    assert calibrate.suspects(curve) == []
+
+
+def test_a_width_that_keeps_stalling_is_repaired_not_kept():
+    ctx = TimedContext(stall=lambda n, k: 10.0 if n == 4 else 0.0)
+    curve, report = measured(ctx, budget_s=1e9)
+    assert report["remeasured"] == [4] and report["repaired"] == [4]
+    assert curve[4] == pytest.approx(line(5))
+    assert calibrate.suspects(curve) == []
+    assert ctx.calls[4] == 3 * (2 + 2) + calibrate.REMEASURE_ROUNDS * (2 + calibrate.MIN_SAMPLES)   # 3 reps, 2 rounds
+
+
+# ------------------------------------------------------------------ the cache
+class FakeModel:
+    n_vocab, n_params, n_gpu_layers = 256, 1_000_000, 0
+
+    def __init__(self, path):
+        self.path = path
+
+
+@pytest.fixture
+def fake_llama(tmp_path, monkeypatch):
+    """calibrate() on a fake model file whose contexts' passes cost `line(n)`."""
+    monkeypatch.setenv("PROVE_LOCAL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibrate, "build_id", lambda: "fake build")
+    made = []
+
+    class FakeContext(TimedContext):
+        def __init__(self, model, **opts):
+            super().__init__()
+            made.append(opts)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(calibrate, "Context", FakeContext)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF")
+    return FakeModel(path), made
+
+
+def test_a_cached_poisoned_curve_is_measured_again_not_trusted(fake_llama, capsys):
+    model, made = fake_llama
+    opts = dict(n_threads=2, type_k="f16", type_v="f16")
+    key = calibrate.entry_key(model, opts, 2)
+    cache = {"version": calibrate.CACHE_VERSION,
+             "entries": {key: {"curve": {str(n): t for n, t in POISONED.items()}, "threads": 2}}}
+    calibrate.cache_path().parent.mkdir(parents=True)
+    calibrate.cache_path().write_text(json.dumps(cache))
+    cal = calibrate.calibrate(model, opts)
+    assert cal["measured"] and len(made) == 1
+    assert cal["curves"][2] == pytest.approx({n: line(n) for n in calibrate.DEFAULT_NS})
+    entry = json.loads(calibrate.cache_path().read_text())["entries"][key]
+    assert "n = 4" in entry["replaced"] and "11651.0" in entry["replaced"]
+    assert "11651.0" in capsys.readouterr().err              # said once, on stderr
+    again = calibrate.calibrate(model, opts)                  # the new entry passes its check
+    assert not again["measured"] and len(made) == 1
+
+
+def test_recalibrate_replaces_the_entry_and_keeps_why(fake_llama):
+    model, made = fake_llama
+    opts = dict(n_threads=2, type_k="f16", type_v="f16")
+    calibrate.calibrate(model, opts)
+    curve = calibrate.recalibrate(model, opts, 2, "passes disagreed")
+    assert curve == pytest.approx({n: line(n) for n in calibrate.DEFAULT_NS}) and len(made) == 2
+    entry = json.loads(calibrate.cache_path().read_text())["entries"][calibrate.entry_key(model, opts, 2)]
+    assert entry["replaced"] == "passes disagreed"
+
+
+def test_flash_attention_auto_is_keyed_as_what_it_comes_to(fake_llama):
+    model, _ = fake_llama
+    key = lambda **o: calibrate.config_key(model, o, 2)      # noqa: E731
+    assert key(flash_attn="auto", type_k="f32", type_v="f32") == key(flash_attn="off", type_k="f32", type_v="f32")
+    assert key(flash_attn=False, type_k="f32", type_v="f32") == key(type_k="f32", type_v="f32")
+    assert key(flash_attn="auto") == key() != key(flash_attn="off") != key(flash_attn=True)
+    assert key(flash_attn="on") == key(flash_attn=True)
+
+
+def test_flash_attention_setting():
+    assert flash_attn_setting("auto", "f16", "f16") == "auto"
+    assert flash_attn_setting("auto", "q8_0", "q8_0") == "auto"
+    assert flash_attn_setting("auto", "f32", "f32") == "off"
+    assert flash_attn_setting("auto", "f16", "f32") == "off"
+    assert flash_attn_setting(True, "f32", "f32") == "on" and flash_attn_setting("on") == "on"
+    assert flash_attn_setting(False) == "off" and flash_attn_setting("off", "q8_0", "q8_0") == "off"
+    with pytest.raises(Exception, match="flash attention must be one of auto, on, off, not 'yes'"):
+        flash_attn_setting("yes")
+
+
+def test_flash_attention_option_on_the_command_lines():
+    import argparse
+
+    from prove_local.loading import add_flash_attn_arg
+    p = argparse.ArgumentParser()
+    add_flash_attn_arg(p)
+    assert p.parse_args([]).flash_attn == "auto"
+    assert p.parse_args(["--flash-attn"]).flash_attn == "on"
+    assert p.parse_args(["--flash-attn", "off"]).flash_attn == "off"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--flash-attn", "maybe"])
+
+
+# ------------------------------------------------------------------ the passes dispute a cached curve
+def test_costs_flag_a_curve_whose_passes_keep_disagreeing():
+    """Width 4 calibrated at 10x what it costs (relative to width 1: beyond the shape's reach, which never
+    prices a width below its calibration): after DISPUTE_OBSERVATIONS passes in a row, flagged."""
+    curve = {n: line(n) for n in (1, 2, 4, 8, 16)}
+    costs = Costs({"target": curve | {4: 10 * line(4)}})
+    for i in range(200):
+        costs.observe("target", [1], line(1))
+        costs.observe("target", [4], line(4))
+        if costs.flagged:
+            break
+    assert "t(4) 0.1x" in costs.flagged["target"]
+    # what the shape can learn (a width 1.5x dearer than calibrated) is no dispute
+    calm = Costs({"target": curve})
+    for _ in range(500):
+        calm.observe("target", [1], line(1))
+        calm.observe("target", [4], 1.5 * line(4))
+    assert not calm.flagged
+    # the whole curve 6x off its level: the scale leaves [1/4, 4], then 32 passes later it is flagged
+    slow = Costs({"target": curve})
+    n = next(i for i in range(1000) if slow.observe("target", [2], 6 * line(2)) and slow.flagged)
+    assert 32 <= n <= 80 and "x the cached curve" in slow.flagged["target"]
+    slow.set_curve("target", curve)                      # a new curve: nothing flagged, counts start over
+    assert not slow.flagged and slow._disputes["target"] == 0
+
+
+def test_engine_measures_a_disputed_curve_again_at_most_twice(monkeypatch):
+    eng = make_engine(n_ctx=256)
+    eng.calibrate()                                        # fakes: t(n) proportional to n
+    calls = []
+
+    def fake_recalibrate(model, options, threads, why):
+        calls.append(why)
+        return {1: 2e-3, 64: 64e-3}
+
+    monkeypatch.setattr(engine_module, "recalibrate", fake_recalibrate)
+    eng.context_options = {}
+    role, ctx = next(iter(eng.contexts.items()))           # the model that proposes and verifies
+    ctx.model, ctx.n_threads = object(), 1
+    for k in range(4):
+        eng.planner.costs.flagged[role] = f"dispute {k}"
+        run(eng, [1, 2, 3], mode="lossless", block="auto", max_new=4)
+    assert calls == ["dispute 0", "dispute 1"]             # then dismissed: MAX_RECALIBRATIONS
+    assert eng.planner.costs.base[role][1] == pytest.approx(2e-3) and not eng.planner.costs.flagged
