@@ -36,7 +36,7 @@ def load(folder: str) -> dict:
 def side(res: dict) -> dict:
     o, m = res["oracle"], res["modes"]
     return {
-        "proposer": res["models"]["proposer"]["path"],
+        "target": res["models"]["target"]["path"],
         "oracle_slot_match": o["slot_match_rate"],
         "conditional_slot_rate": o["conditional_slot_rate"],
         "positional_B16": res["position_match_rate"]["lossless@B16"]["rate"],
@@ -68,7 +68,7 @@ def _pct(xs, n=8):
 def markdown(c: dict, names=("old", "new")) -> str:
     o, n = c["old"], c["new"]
     L = [f"# Proposer comparison ({c['n_prompts']} GSM8K dev questions, ≤ {c['max_new']} new tokens, greedy)", "",
-         f"- {names[0]}: `{o['proposer']}`", f"- {names[1]}: `{n['proposer']}`", "",
+         f"- {names[0]}: `{o['target']}`", f"- {names[1]}: `{n['target']}`", "",
          "| figure | " + " | ".join(names) + " |", "|---|---:|---:|"]
     L.append(f"| slot 2 = greedy token (oracle: a full proposal at every position of `ar`'s answers) | "
              f"{100 * o['oracle_slot_match'][1]:.1f} % | {100 * n['oracle_slot_match'][1]:.1f} % |")

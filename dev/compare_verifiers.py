@@ -32,9 +32,9 @@ def load(folder: str) -> dict:
 
 def rho(res: dict) -> float | None:
     pc = res.get("pass_cost") or {}
-    if "proposer" not in pc or "verifier" not in pc:
+    if "target" not in pc or "verifier" not in pc:
         return None
-    return pc["verifier"]["seconds"][0] / pc["proposer"]["seconds"][0]
+    return pc["verifier"]["seconds"][0] / pc["target"]["seconds"][0]
 
 
 def compare(old: dict, new: dict) -> dict:

@@ -171,14 +171,14 @@ class Watch:
     def logprobs(self, committed: list[int], slot_rows: bool, sampler=None) -> list:
         """(token, logprob, [(id, logprob), ... the N most likely]) per committed token, from the
         row it was chosen from: the target's row after T + committed[:k] (ar and the exact modes:
-        the row ar reads at that position), or, `slot_rows` (prove, mars), the proposer's row of
+        the row ar reads at that position), or, `slot_rows` (prove, mars), the target's proposal row of
         slot k+1, whose argmax (or draw) the rule committed. The distribution is the processed one
         when sampling (temperature > 0: the sampler chain, tokens outside it have no entry), else the
         softmax of the row (after the grammar's mask and a repetition penalty)."""
         out = []
         for k, tok in enumerate(committed):
             key = (self.mask_token,) * k if slot_rows else tuple(committed[:k])
-            row = self._recorded.get(("proposer", key))
+            row = self._recorded.get(("target", key))
             if row is None:
                 raise RuntimeError(f"no row recorded for committed token {k} (a decoding rule read it elsewhere)")
             window = _window(sampler, self.tokens, committed, k)

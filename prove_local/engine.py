@@ -1,4 +1,4 @@
-"""The engine: contexts for one proposer (+ verifier, + draft), and a generator of cycles.
+"""The engine: contexts for one target model (+ verifier, + draft), and a generator of cycles.
 
 The engine knows token ids only. `generate` streams `Cycle` events; stopping (end-of-generation
 tokens, max new tokens, context full), KV reuse across requests and clean-up after an interrupted
@@ -93,13 +93,13 @@ def seed_note(s: Settings) -> str | None:
 
 
 class Engine:
-    """Decoding over a set of contexts ("proposer", optionally "verifier" and "draft") that share
+    """Decoding over a set of contexts ("target", optionally "verifier" and "draft") that share
     one committed token sequence. `Engine.load` builds it from GGUF models; tests pass fakes.
     The engine is long-lived (it owns the contexts and their caches); each `generate` call makes
     a `Request` that holds everything about that one generation."""
 
     def __init__(self, contexts: dict, *, is_eog, mask_token: int | None, n_ctx: int,
-                 block_size: int | None = None, name: str = "the proposer"):
+                 block_size: int | None = None, name: str = "the target"):
         self.contexts = contexts
         self.is_eog = is_eog
         self.mask_token = mask_token
@@ -140,26 +140,26 @@ class Engine:
         self.close()
 
     @classmethod
-    def load(cls, proposer: Model, verifier: Model | None = None, draft: Model | None = None, *,
+    def load(cls, target: Model, verifier: Model | None = None, draft: Model | None = None, *,
              mask_token: int | None = None, adapter: Adapter | None = None, **context_options) -> "Engine":
         """Contexts on the given models (options as for `Context`); checks that the verifier and
-        draft share the proposer's vocabulary and that the mask token is in range. `adapter`: a gated
-        MARS adapter on the proposer (a stock model): its mask token and block are the adapter's."""
-        models = {"proposer": proposer, "verifier": verifier, "draft": draft}
+        draft share the target's vocabulary and that the mask token is in range. `adapter`: a gated
+        MARS adapter on the target (a stock model): its mask token and block are the adapter's."""
+        models = {"target": target, "verifier": verifier, "draft": draft}
         for role in ("verifier", "draft"):
             if models[role] is not None:
-                proposer.check_same_vocab(models[role])
+                target.check_same_vocab(models[role])
         if adapter is not None and adapter.mask_token is None and mask_token is None:
             raise ModeError(f"{adapter.path}: the adapter names no mask token (prove.mask_token_id); pass --mask-token ID")
-        own = adapter.mask_token if adapter is not None else proposer.mask_token
+        own = adapter.mask_token if adapter is not None else target.mask_token
         mask = own if mask_token is None else mask_token
-        if mask is not None and not 0 <= mask < proposer.n_vocab:
-            raise ModeError(f"mask token id {mask} is outside the vocabulary of {proposer.path} (0..{proposer.n_vocab - 1})")
-        contexts = {role: Context(m, adapter=adapter if role == "proposer" else None, **context_options)
+        if mask is not None and not 0 <= mask < target.n_vocab:
+            raise ModeError(f"mask token id {mask} is outside the vocabulary of {target.path} (0..{target.n_vocab - 1})")
+        contexts = {role: Context(m, adapter=adapter if role == "target" else None, **context_options)
                     for role, m in models.items() if m is not None}
-        block = adapter.block_size if adapter is not None else proposer.block_size
-        engine = cls(contexts, is_eog=proposer.is_eog, mask_token=mask, n_ctx=contexts["proposer"].n_ctx,
-                     block_size=block, name=str(proposer.path) + (f" + {adapter.path.name}" if adapter else ""))
+        block = adapter.block_size if adapter is not None else target.block_size
+        engine = cls(contexts, is_eog=target.is_eog, mask_token=mask, n_ctx=contexts["target"].n_ctx,
+                     block_size=block, name=str(target.path) + (f" + {adapter.path.name}" if adapter else ""))
         engine.context_options = dict(context_options)
         return engine
 
@@ -287,7 +287,7 @@ class Engine:
     def _pending(self) -> dict[str, int]:
         """Tokens each context will be fed before its new ones (at least the last: rules._pending)."""
         out = {r: max(1, len(self.tokens) - c.n_past) for r, c in self.contexts.items()}
-        if rules.gated(self.contexts["proposer"]):
+        if rules.gated(self.contexts["target"]):
             out[modes.GATED] = 1                # the lossless passes' widths differ (modes.lossless_widths)
         return out
 
@@ -384,12 +384,12 @@ class Engine:
         s = req.settings
         t0 = time.perf_counter()
         n_pre = 0
-        # prompt tokens the proposer's cache holds already (llama-server's timings.prompt_n leaves them out)
-        req.n_cached = min(self.contexts["proposer"].n_past, len(self.tokens) - 1)
+        # prompt tokens the target's cache holds already (llama-server's timings.prompt_n leaves them out)
+        req.n_cached = min(self.contexts["target"].n_past, len(self.tokens) - 1)
         # prefill: all but the last token, in the contexts the mode uses; under the planner only the
-        # proposer's (its partner catches up in its first cycle: a planner that stays with ar never
+        # target's (its partner catches up in its first cycle: a planner that stays with ar never
         # pays for a verifier's or draft's prefill)
-        for role in (("proposer",) if req.auto else mode.roles):
+        for role in (("target",) if req.auto else mode.roles):
             ctx = self.contexts[role]
             n_pre += max(0, len(self.tokens) - 1 - ctx.n_past)
             if ctx.n_past < len(self.tokens) - 1:
@@ -464,7 +464,7 @@ class Request:
     block: int                                  # fixed width, or the widest an auto request may use
     auto: bool = False                          # the planner picks widths (--block auto)
     prefill: tuple[int, float] = (0, 0.0)      # (prompt tokens evaluated, seconds)
-    n_cached: int = 0                          # prompt tokens reused from the proposer's cache
+    n_cached: int = 0                          # prompt tokens reused from the target's cache
     n_tokens: int = 0
     n_cycles: int = 0
     passes: dict = field(default_factory=dict)

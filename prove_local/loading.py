@@ -181,7 +181,7 @@ def add_width_args(p: argparse.ArgumentParser) -> None:
 @dataclass
 class Loaded:
     """Models loaded once (a model given twice is loaded once) and the options of their contexts."""
-    proposer: object
+    target: object
     verifier: object | None = None
     draft: object | None = None
     context_options: dict = field(default_factory=dict)
@@ -189,12 +189,12 @@ class Loaded:
     adapter: object | None = None
 
     def engine(self):
-        return Engine.load(self.proposer, self.verifier, self.draft, mask_token=self.mask_token,
+        return Engine.load(self.target, self.verifier, self.draft, mask_token=self.mask_token,
                            adapter=self.adapter, **self.context_options)
 
     def close(self) -> None:
         """Free the models (each closes its contexts and adapter first)."""
-        for m in {id(m): m for m in (self.proposer, self.verifier, self.draft) if m is not None}.values():
+        for m in {id(m): m for m in (self.target, self.verifier, self.draft) if m is not None}.values():
             m.close()
 
     def __enter__(self) -> "Loaded":
@@ -220,7 +220,7 @@ def model_paths(args, *, want_verifier: bool | None = None) -> tuple[Path, Path 
     """Proposer, verifier, draft and adapter paths. Without a model (or with 'smollm2'): SmolLM2 and
     its MARS adapter (default_pair). With 'embedded': the embedded proposer, and the embedded verifier
     when `want_verifier` (None: when it is installed)."""
-    model = getattr(args, "model", None) or getattr(args, "proposer", None)
+    model = getattr(args, "model", None) or getattr(args, "target", None)
     adapter = Path(args.adapter) if getattr(args, "adapter", None) else None
     embedded = model == EMBEDDED_NAME
     if model in (None, DEFAULT_NAME):
@@ -314,4 +314,4 @@ def load_engine(args):
     partner = MODES[mode].partner if mode else None
     loaded = load_models(args, want_verifier=partner == "verifier", verifier_required=partner == "verifier",
                          draft_required=partner == "draft")
-    return loaded.engine(), loaded.proposer
+    return loaded.engine(), loaded.target

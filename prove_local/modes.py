@@ -25,7 +25,7 @@ class Mode:
     name: str
     title: str                      # for people: "ProVe-lossless"
     summary: str
-    roles: tuple[str, ...]          # contexts the mode decodes with; "proposer" first
+    roles: tuple[str, ...]          # contexts the mode decodes with; "target" first
     needs_mask: bool
     exact: bool                     # greedy output equals ar's token for token; sampled output too, for
                                     # the seed (coupled sampler), or in distribution (rejection sampler)
@@ -33,7 +33,7 @@ class Mode:
     gate: str | None                # the setting its gate reads: "theta", "tau", or None (an equality test)
     gate_text: str                  # the gate, for people ({theta}/{tau} filled in)
     q_text: str                     # what p̃ and q are in this mode, for people
-    free_first: bool                # slot 1 is the proposer's own AR token: always committed
+    free_first: bool                # slot 1 is the target's own AR token: always committed
     correction: bool                # commits the target's own token after the accepted run
     verify_choice: bool             # the verify pass reads a chosen number of the proposed tokens
     # run one cycle (the named *_cycle functions below): (contexts by role, committed tokens, plan, settings,
@@ -134,11 +134,11 @@ def _lookup_draft(plan: Plan, hooks: Hooks) -> tuple[list, list]:
 
 
 def ar_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
-    return rules.ar_cycle(c["proposer"], t, sampler=sampler)
+    return rules.ar_cycle(c["target"], t, sampler=sampler)
 
 
 def ar_widths(pend: dict, plan: Plan) -> dict:
-    return {"proposer": [pend["proposer"]]}
+    return {"target": [pend["target"]]}
 
 
 def lossless_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
@@ -147,12 +147,12 @@ def lossless_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
     verify = hooks.choose_verify if hooks.choose_verify is not None else plan.verify
     draft, scores = _lookup_draft(plan, hooks)
     if draft:
-        return rules.lossless_fill_cycle(c["proposer"], t, draft, scores, plan.block, mask, verify=verify,
+        return rules.lossless_fill_cycle(c["target"], t, draft, scores, plan.block, mask, verify=verify,
                                          sampler=sampler)
-    return rules.lossless_cycle(c["proposer"], t, plan.block, mask, verify=verify, sampler=sampler)
+    return rules.lossless_cycle(c["target"], t, plan.block, mask, verify=verify, sampler=sampler)
 
 
-GATED = "gated"             # a key of the pending counts: the proposer proposes through a gated adapter
+GATED = "gated"             # a key of the pending counts: the target proposes through a gated adapter
 
 
 def lossless_widths(pend: dict, plan: Plan) -> dict:
@@ -161,46 +161,46 @@ def lossless_widths(pend: dict, plan: Plan) -> dict:
     (`pend[GATED]`: rules.gated_lossless_cycle) the verify pass re-feeds the pending and lookup tokens
     and tests every slot; it always runs (pass 1 runs the adapter and cannot judge lookup tokens)."""
     v = plan.block if plan.verify is None else plan.verify
-    first = pend["proposer"] + plan.lookup + plan.block - 1
+    first = pend["target"] + plan.lookup + plan.block - 1
     if pend.get(GATED):
-        return {"proposer": [first, pend["proposer"] + plan.lookup + max(1, v)]}
-    return {"proposer": [first, v] if v else [first]}
+        return {"target": [first, pend["target"] + plan.lookup + max(1, v)]}
+    return {"target": [first, v] if v else [first]}
 
 
 def prove_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
-    return rules.prove_cycle(c["proposer"], c["verifier"], t, plan.block, mask, s.theta, sampler=sampler)
+    return rules.prove_cycle(c["target"], c["verifier"], t, plan.block, mask, s.theta, sampler=sampler)
 
 
 def prove_widths(pend: dict, plan: Plan) -> dict:
-    return {"proposer": [pend["proposer"] + plan.block - 1], "verifier": [pend["verifier"] + plan.block - 1]}
+    return {"target": [pend["target"] + plan.block - 1], "verifier": [pend["verifier"] + plan.block - 1]}
 
 
 def mars_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
-    return rules.mars_cycle(c["proposer"], t, plan.block, mask, s.tau, sampler=sampler)
+    return rules.mars_cycle(c["target"], t, plan.block, mask, s.tau, sampler=sampler)
 
 
 def mars_widths(pend: dict, plan: Plan) -> dict:
-    return {"proposer": [pend["proposer"] + plan.block - 1]}
+    return {"target": [pend["target"] + plan.block - 1]}
 
 
 def spec_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
-    return rules.spec_cycle(c["proposer"], c["draft"], t, plan.draft_k, sampler=sampler)
+    return rules.spec_cycle(c["target"], c["draft"], t, plan.draft_k, sampler=sampler)
 
 
 def spec_widths(pend: dict, plan: Plan) -> dict:
     """k one-token draft passes (the first also feeds the draft's pending tokens) and one target pass."""
     return {"draft": ([pend["draft"]] + [1] * (plan.draft_k - 1)) if plan.draft_k else [],
-            "proposer": [pend["proposer"] + plan.draft_k]}
+            "target": [pend["target"] + plan.draft_k]}
 
 
 def lookup_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
     """The index's draft verified in one pass (no draft: a plain ar cycle)."""
     draft, scores = _lookup_draft(plan, hooks)
-    return rules.lookup_cycle(c["proposer"], t, draft, scores, sampler=sampler)
+    return rules.lookup_cycle(c["target"], t, draft, scores, sampler=sampler)
 
 
 def lookup_widths(pend: dict, plan: Plan) -> dict:
-    return {"proposer": [pend["proposer"] + plan.lookup]}
+    return {"target": [pend["target"] + plan.lookup]}
 
 
 LOOKUP = "lookup"           # the kind of a lookup-verify cycle, and the planner's statistics key of lookup drafts
@@ -208,40 +208,40 @@ LOOKUP = "lookup"           # the kind of a lookup-verify cycle, and the planner
 
 MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("ar", "AR (greedy)", "plain decoding (greedy, or sampled), one token per pass",
-         ("proposer",), needs_mask=False, exact=True, width=None, gate=None,
+         ("target",), needs_mask=False, exact=True, width=None, gate=None,
          gate_text="no gate: one token per cycle", q_text="no verifier", free_first=True, correction=False,
          verify_choice=False,
          cycle=ar_cycle, widths=ar_widths, width_field="block", label_text="ar"),
     Mode("lossless", "ProVe-lossless",
-         "ProVe-lossless: the proposer verifies its own block (and lookup drafts); output identical to ar "
+         "ProVe-lossless: the target verifies its own MARS block (and lookup drafts); output identical to ar "
          "(sampled: the same text for the seed)",
-         ("proposer",), needs_mask=True, exact=True, width="block", gate=None,
-         gate_text="gate: proposed token = the proposer's greedy token (verify pass)",
-         q_text="q: the proposer's own probability of the token in its verify pass",
+         ("target",), needs_mask=True, exact=True, width="block", gate=None,
+         gate_text="gate: proposed token = the target's greedy token (verify pass)",
+         q_text="p̃: the MARS slot's confidence; q: the target's own probability of the token in its verify pass",
          free_first=True, correction=True, verify_choice=True, cycle=lossless_cycle, widths=lossless_widths,
          width_field="block", label_text="B={block} v={verify}", lookup=True, source="mask"),
     Mode("prove", "ProVe", "ProVe: a stock verifier gates the block, commit while p*q >= theta (lossy)",
-         ("proposer", "verifier"), needs_mask=True, exact=False, width="block", gate="theta",
-         gate_text="gate: p̃·q ≥ θ = {theta:g}", q_text="q: the verifier's probability of the token, teacher-forced",
+         ("target", "verifier"), needs_mask=True, exact=False, width="block", gate="theta",
+         gate_text="gate: p̃·q ≥ θ = {theta:g}", q_text="p̃: the MARS slot's confidence; q: the verifier's probability of the token, teacher-forced",
          free_first=True, correction=False, verify_choice=False, cycle=prove_cycle, widths=prove_widths,
          width_field="block", label_text="B={block}", source="mask"),
     Mode("mars", "MARS rule", "MARS confidence rule, commit while p >= tau (lossy)",
-         ("proposer",), needs_mask=True, exact=False, width="block", gate="tau",
+         ("target",), needs_mask=True, exact=False, width="block", gate="tau",
          gate_text="gate: p̃ ≥ τ = {tau:g}", q_text="no verifier: the rule looks at p̃ only",
          free_first=True, correction=False, verify_choice=False, cycle=mars_cycle, widths=mars_widths,
          width_field="block", label_text="B={block}", source="mask"),
     Mode("spec", "speculative", "speculative decoding with a draft model (and lookup drafts); output identical to ar "
          "(sampled: the same text for the seed)",
-         ("proposer", "draft"), needs_mask=False, exact=True, width="draft_k", gate=None,
+         ("target", "draft"), needs_mask=False, exact=True, width="draft_k", gate=None,
          gate_text="gate: drafted token = the target's greedy token",
          q_text="p̃: the draft's confidence; q: the target's probability of the drafted token",
          free_first=False, correction=True, verify_choice=False, cycle=spec_cycle, widths=spec_widths,
          width_field="draft_k", label_text="k={draft_k}", lookup=True, source="draft"),
     Mode(LOOKUP, "lookup", "lookup drafts alone: continuations copied from the prompt and the answer (n-gram "
          "matches), verified in one pass; any GGUF; output identical to ar (sampled: the same text for the seed)",
-         ("proposer",), needs_mask=False, exact=True, width=None, gate=None,
-         gate_text="gate: drafted token = the model's greedy token (one verify pass)",
-         q_text="p̃: the lookup's score m/(m+1) (m tokens matched); q: the model's probability of the drafted token",
+         ("target",), needs_mask=False, exact=True, width=None, gate=None,
+         gate_text="gate: drafted token = the target's greedy token (one verify pass)",
+         q_text="p̃: the lookup's score m/(m+1) (m tokens matched); q: the target's probability of the drafted token",
          free_first=False, correction=True, verify_choice=False, cycle=lookup_cycle, widths=lookup_widths,
          width_field="lookup", label_text="L={lookup}", lookup=True, source="lookup"),
 )}

@@ -486,7 +486,7 @@ class Planner:
         t = self.costs.t
         # a partner that fell behind during ar cycles catches up once, in its next pass: a one-off,
         # not the steady cost of proposing with it, or ar would never be left again
-        pend = {r: (pending.get(r, 1) if r == "proposer" else min(pending.get(r, 1), CATCH_UP)) for r in m.roles}
+        pend = {r: (pending.get(r, 1) if r == "target" else min(pending.get(r, 1), CATCH_UP)) for r in m.roles}
         if pending.get(GATED):
             pend[GATED] = 1
         t_ar = max(1e-12, cycle_cost(t, pend, AR_PLAN) + self._oh("ar"))
@@ -626,7 +626,7 @@ class Planner:
         cur = self.current.get(key)
         local = self._lookup_local.n_cycles
         if (tab is None or tab.cur is not cur or st.n_cycles - tab.made_at >= LOOKUP_REFRESH
-                or tab.pend != pending.get("proposer", 1) or tab.local > local
+                or tab.pend != pending.get("target", 1) or tab.local > local
                 or (local < LOOKUP_LOCAL_EAGER and local != tab.local)):
             tab = self._ltables[key] = self._lookup_table(mode, key, pending, block_max)
         explore = False
@@ -686,7 +686,7 @@ class Planner:
         filled plan's when all k are accepted (proposal and verify pass), else the proposal pass alone
         (verify = 0). A row gets the best plan if its rate beats the current choice's by lookup_margin."""
         st = self.stats_for(LOOKUP)
-        pend = {"proposer": pending.get("proposer", 1)}
+        pend = {"target": pending.get("target", 1)}
         if pending.get(GATED):
             pend[GATED] = 1
         cur = self.current.get(key)
@@ -724,7 +724,7 @@ class Planner:
         ok = best_r > base * (1.0 + self.lookup_margin)
         rows = [r if good and m else None for m, (r, good) in enumerate(zip(rows, ok))]
         bests = [(int(ks[i]), float(rate[m, i])) for m, i in enumerate(best_i)]
-        return _LookupTable(rows, bests, base, st.n_cycles, cur, pend["proposer"], any(r is not None for r in rows),
+        return _LookupTable(rows, bests, base, st.n_cycles, cur, pend["target"], any(r is not None for r in rows),
                             self._lookup_local.n_cycles, rate)
 
     def _lookup_rates(self, scores: np.ndarray) -> np.ndarray:
@@ -876,14 +876,14 @@ def projection(curve: dict[int, float], slot_rates, block_max: int = 16, overhea
     """Expected lossless tokens per one-token pass cost for every block width B (verify = B) and
     the planner's prior choice, from a pass-cost curve and per-slot acceptance rates: the projection
     table of the bench (a flat curve, as on a GPU, must make the planner pick the full block)."""
-    planner = Planner(Costs({"proposer": curve}), explore=0.0)
+    planner = Planner(Costs({"target": curve}), explore=0.0)
     st = planner.stats_for("lossless")
     rates = np.asarray(list(slot_rates) + [0.0] * N_SLOTS, dtype=float)[:N_SLOTS]
     st.tested[:] = [1e12] * N_SLOTS                   # the given rates, as if from endless data
     st.accepted[:] = (rates * 1e12).tolist()
     planner.overhead = {"ar": overhead, "lossless": overhead}
-    t1 = planner.costs.t("proposer", 1)
-    options = planner.rates("lossless", {"proposer": 1}, block_max)
+    t1 = planner.costs.t("target", 1)
+    options = planner.rates("lossless", {"target": 1}, block_max)
     best = max(options, key=lambda ch: ch.rate)
     return [{"kind": o.kind, "width": o.width, "tokens_per_t1": round(o.rate * t1, 4),
              "chosen": (o.kind, o.width) == (best.kind, best.width)} for o in options]

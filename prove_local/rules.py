@@ -12,7 +12,7 @@ appends.
 Sampling: every cycle takes an optional `sampler` (sampling.Sampler: the request's sampler chain and
 its randomness); None is greedy decoding, run as the sampler interface's zero-noise case
 (sampling.GREEDY, on argmax fast paths). Each rule asks the sampler for what it decides with:
-`sample` (ar's token), `slots` (a proposal's tokens drawn from their processed distributions q_i at
+`sample` (ar's token), `slots` (a proposal's tokens drawn from their processed distributions p_i at
 their absolute positions, len(prefix), and their probabilities p̃), `probs` (a verifier's
 probabilities) and, in every exact rule, the one verify step `accept_n` (llama.cpp's
 common_sampler_sample_and_accept_n): the target's rows after each drafted prefix decide the accepted
@@ -64,10 +64,19 @@ AR_PLAN = Plan()
 @dataclass
 class Cycle:
     """What one cycle did. `committed[:n_accepted]` are accepted proposals; a further token
-    (lossless/spec) is the model's own correction, or the bonus token after a full match."""
+    (lossless/spec) is the target's own correction, or the bonus token after a full match.
+
+    Roles and letters, as everywhere in this project (docs/design.md): the *target* is the model whose
+    text is decoded (ar's model; in lossless, prove and mars it also proposes the MARS blocks), the
+    *draft* is spec's draft model, the *verifier* prove's stock gate model. `p` (p̃) is the proposing
+    side's probability of each proposed token: a MARS slot's confidence, the draft model's, a lookup
+    draft's score; `q` the checking side's: the target's in the exact modes (its verify pass), the
+    verifier's in prove. When sampling, p is the proposal's distribution the token was drawn from
+    and q the target's, so a slot is accepted with min(1, q/p̃) and a rejection draws from
+    norm(max(0, q - p)) (the speculative sampling papers swap the letters)."""
     proposed: list[int]
-    p: list[float]                # proposer (or draft) confidence per slot
-    q: list[float] | None         # verifier probability of each proposed token (None: no verifier)
+    p: list[float]                # p̃: the proposal's probability (score) of each proposed token
+    q: list[float] | None         # the target's (prove: the verifier's) probability of it; None: no check
     committed: list[int]
     n_accepted: int
     # forward passes per model: the llama_decode calls the engine counted during the cycle (a pass wider
@@ -80,9 +89,9 @@ class Cycle:
     index: int = 0                # set by the driver
     start: int = 0                # generated tokens before this cycle
     stop: str | None = None       # on the last cycle: "eog", "length" or "context"
-    # sampling (exact modes): min(1, p/q) of each verified slot (lossless slot 1: 1.0, an exact
+    # sampling (exact modes): min(1, q/p̃) of each verified slot (lossless slot 1: 1.0, an exact
     # sample of the target); None when greedy or coupled (the test is equality). `residual`: the token after
-    # the accepted run replaced a rejected proposal (drawn from norm(max(0, p - q)) when sampling,
+    # the accepted run replaced a rejected proposal (drawn from norm(max(0, q - p)) when sampling,
     # the target's argmax when greedy) rather than being the bonus token after a full match.
     accept_prob: list[float] | None = None
     residual: bool = False
@@ -170,9 +179,9 @@ def _joined(*parts) -> list | None:
     return None if any(x is None for x in parts) else [v for x in parts for v in x]
 
 
-def _rows(q, start: int, stop: int | None = None):
+def _rows(p, start: int, stop: int | None = None):
     """Rows start:stop of the distributions a proposal was drawn from (None: greedy, none)."""
-    return None if q is None else q[start:stop]
+    return None if p is None else p[start:stop]
 
 
 def _stacked(rows: list, vocab: int):
@@ -198,31 +207,31 @@ def _spec_plan(k: int) -> Plan:
 
 # ---------------------------------------------------------------------------------- the verify step
 
-def accept_n(ctx, logits: np.ndarray, drafted: list[int], prefix: list[int], sampler, q=None):
+def accept_n(ctx, logits: np.ndarray, drafted: list[int], prefix: list[int], sampler, p=None):
     """The verify step of every exact rule (llama.cpp's common_sampler_sample_and_accept_n). Row i of
     `logits` (ctx's pass) is the target after prefix + drafted[:i], one row more than drafted; the
     sampler (sampling.GREEDY or a Sampler) accepts the leading run of drafted that the target
     confirms and gives the target's token after it: the correction at the first rejection (greedy:
     the argmax; sampled: the coupled sample or the residual draw), or the bonus after a full match.
-    `q`: the distributions drafted was drawn from (None: point masses, drafts proposed without a
+    `p`: the distributions drafted was drawn from (None: point masses, drafts proposed without a
     model). ctx keeps prefix + the accepted run; the token after it stays pending. Returns
-    (n, committed = drafted[:n] + [next], the target's probability of each drafted token, min(1, p/q)
+    (n, committed = drafted[:n] + [next], the target's probability q of each drafted token, min(1, q/p)
     per draft or None, whether the next token replaced a rejected draft)."""
-    n, nxt, target, accept, residual = sampler.sample_and_accept_n(logits, drafted, prefix, q)
+    n, nxt, target, accept, residual = sampler.sample_and_accept_n(logits, drafted, prefix, p)
     ctx.truncate(len(prefix) + n)
     return n, list(drafted[:n]) + [nxt], target, accept, residual
 
 
-def _verify_block(ctx, prefix: list[int], d: list[int], conf, q_rest, block: int, verify, sampler):
+def _verify_block(ctx, prefix: list[int], d: list[int], conf, p_rest, block: int, verify, sampler):
     """The verify pass of a MARS block d whose slot 1 is the model's own token after prefix (the last
     row of the proposal pass, before any mask: causal attention, the masks after it are unseen):
     feed d[:v]; row i is the target after prefix + d[:i+1], so d[1:v] go through `accept_n`
-    (`q_rest`: their distributions) and slot 1 is accepted as it is. Returns (v, n accepted with slot 1,
+    (`p_rest`: their distributions) and slot 1 is accepted as it is. Returns (v, n accepted with slot 1,
     committed, the target's probability per verified slot, acceptance probabilities, residual)."""
     v = _width(verify, conf, block)
     logits = _logits(ctx, d[:v], rows=list(range(v)))
     n, committed, target, accept, residual = accept_n(ctx, logits, d[1:v], prefix + d[:1], sampler,
-                                                      _rows(q_rest, 0, v - 1))
+                                                      _rows(p_rest, 0, v - 1))
     return v, n + 1, d[:1] + committed, [float(conf[0])] + target, _joined([1.0], accept), residual
 
 
@@ -233,16 +242,16 @@ def ar_cycle(ctx, tokens: list[int], sampler=None) -> Cycle:
     s = sampler or GREEDY
     pending = _pending(ctx, tokens)
     x, p = s.sample(_logits(ctx, pending), tokens)
-    return Cycle([x], [p], None, [x], 1, widths={"proposer": [len(pending)]}, plan=AR_PLAN, gate=[True])
+    return Cycle([x], [p], None, [x], 1, widths={"target": [len(pending)]}, plan=AR_PLAN, gate=[True])
 
 
 def lossless_cycle(ctx, tokens: list[int], block: int, mask: int, verify=None, sampler=None) -> Cycle:
-    """ProVe-lossless: the proposer verifies its own block in a second pass.
+    """ProVe-lossless: the target proposes a MARS block and verifies it in a second pass.
     Row i of the verify pass is the target after tokens + d[:i+1]; d[i+1] is accepted while the
     verify step confirms it (greedy: it equals that row's argmax). Slot 1 is read from the ordinary
     next-token row (the greedy token; sampled: an exact sample of the target, accepted with
     probability 1), so >= 1 token is accepted, and the target's token at the first rejection (or
-    after a full match) is committed too: every token is ar's. Sampled, the slots d_i ~ q_i are drawn
+    after a full match) is committed too: every token is ar's. Sampled, the slots d_i ~ p_i are drawn
     from the processed MARS slot distributions (penalties over tokens + d[:i-1]).
     `verify` < block feeds only d[:verify] to the second pass (the rest of the proposal is dropped
     unread: a narrower pass is cheaper where width costs time, as on a CPU). It may be a function
@@ -251,9 +260,9 @@ def lossless_cycle(ctx, tokens: list[int], block: int, mask: int, verify=None, s
         return gated_lossless_cycle(ctx, tokens, [], [], block, mask, verify=verify, sampler=sampler)
     s = sampler or GREEDY
     pending = len(_pending(ctx, tokens))
-    d, conf, q = s.slots(proposal_logits(ctx, tokens, block, mask), tokens)
-    v, n, committed, target, accept, residual = _verify_block(ctx, tokens, d, conf, _rows(q, 1), block, verify, s)
-    return Cycle(d, conf.tolist(), target, committed, n, widths={"proposer": [pending + block - 1, v]},
+    d, conf, dists = s.slots(proposal_logits(ctx, tokens, block, mask), tokens)
+    v, n, committed, target, accept, residual = _verify_block(ctx, tokens, d, conf, _rows(dists, 1), block, verify, s)
+    return Cycle(d, conf.tolist(), target, committed, n, widths={"target": [pending + block - 1, v]},
                  accept_prob=accept, residual=residual, plan=Plan("lossless", block, verify=v),
                  gate=_tested(n, residual, block))
 
@@ -261,9 +270,9 @@ def lossless_cycle(ctx, tokens: list[int], block: int, mask: int, verify=None, s
 def prove_cycle(ctx_prop, ctx_ver, tokens: list[int], block: int, mask: int, theta: float, sampler=None) -> Cycle:
     """ProVe: a stock AR verifier reads the block teacher-forced; q_i is its probability of d_i
     after d[:i]. Commit the longest leading run with p̃_i * q_i >= theta, at least slot 1 (the
-    proposer's own AR token). No correction token: the next cycle starts at the first failure.
+    target's own AR token). No correction token: the next cycle starts at the first failure.
     Sampled (lossy by design): the slot tokens are drawn from the processed slot distributions, and
-    p̃_i, q_i are the processed probabilities of the drawn token under the proposer and under the
+    p̃_i, q_i are the processed probabilities of the drawn token under the target's proposal and under the
     verifier with the same chain and prefix."""
     s = sampler or GREEDY
     width = len(_pending(ctx_prop, tokens)) + block - 1
@@ -274,7 +283,7 @@ def prove_cycle(ctx_prop, ctx_ver, tokens: list[int], block: int, mask: int, the
     ok = p * q >= theta
     n = max(1, leading_run(ok))
     ctx_ver.truncate(len(tokens) + n - 1)         # keep d[:n-1]; d[n-1] stays pending
-    return Cycle(d, p.tolist(), q.tolist(), d[:n], n, widths={"proposer": [width], "verifier": [len(feed)]},
+    return Cycle(d, p.tolist(), q.tolist(), d[:n], n, widths={"target": [width], "verifier": [len(feed)]},
                  plan=Plan("prove", block), gate=_gate(ok, block, block, False))
 
 
@@ -287,7 +296,7 @@ def mars_cycle(ctx, tokens: list[int], block: int, mask: int, tau: float, sample
     d, p, _ = s.slots(proposal_logits(ctx, tokens, block, mask), tokens)
     ok = p >= tau
     n = max(1, leading_run(ok))
-    return Cycle(d, p.tolist(), None, d[:n], n, widths={"proposer": [width]},
+    return Cycle(d, p.tolist(), None, d[:n], n, widths={"target": [width]},
                  plan=_mars_plan(block), gate=_gate(ok, block, block, False))
 
 
@@ -297,26 +306,26 @@ def spec_cycle(ctx_tgt, ctx_draft, tokens: list[int], k: int, sampler=None) -> C
     [pending, x_1..x_k] in one pass, and the verify step commits the accepted run plus the target's
     own next token."""
     s = sampler or GREEDY
-    x, px, qs, draft_widths = [], [], [], []
+    x, px, dists, draft_widths = [], [], [], []
     feed = _pending(ctx_draft, tokens)
     for _ in range(k):
-        (xj,), pj, qj = s.slots(_logits(ctx_draft, feed), tokens + x)
+        (xj,), pj, dj = s.slots(_logits(ctx_draft, feed), tokens + x)
         draft_widths.append(len(feed))
-        x.append(xj), px.append(float(pj[0])), qs.append(None if qj is None else qj[0])
+        x.append(xj), px.append(float(pj[0])), dists.append(None if dj is None else dj[0])
         feed = x[-1:]
     pending = _pending(ctx_tgt, tokens)
     logits = _logits(ctx_tgt, pending + x, rows=list(range(len(pending) - 1, len(pending) + k)))
-    n, committed, target, accept, residual = accept_n(ctx_tgt, logits, x, tokens, s, _stacked(qs, logits.shape[1]))
+    n, committed, target, accept, residual = accept_n(ctx_tgt, logits, x, tokens, s, _stacked(dists, logits.shape[1]))
     ctx_draft.truncate(min(ctx_draft.n_past, len(tokens) + n))
-    return Cycle(x, px, target, committed, n, widths={"draft": draft_widths, "proposer": [len(pending) + k]},
+    return Cycle(x, px, target, committed, n, widths={"draft": draft_widths, "target": [len(pending) + k]},
                  accept_prob=accept, residual=residual, plan=_spec_plan(k), gate=_tested(n, residual, k))
 
 
 # ---------------------------------------------------------------------------------- lookup drafts
 # Drafts copied from the request's own tokens (lookup.py) cost no pass: they are verified exactly in
-# the proposer's one pass, as spec's target verifies its draft. Sampled, the draft's distribution is
-# a point mass on the drafted token (q = one-hot: accept x with probability p(x); after a rejection
-# draw from norm(max(0, p - onehot(x))), i.e. p without x), so the output is distributed as ar's.
+# the target's one pass, as spec's target verifies its draft. Sampled, the draft's distribution is
+# a point mass on the drafted token (p = one-hot: accept x with probability q(x); after a rejection
+# draw from norm(max(0, q - onehot(x))), i.e. q without x), so the output is distributed as ar's.
 
 def lookup_cycle(ctx, tokens: list[int], draft: list[int], scores: list[float], sampler=None) -> Cycle:
     """Verify lookup-drafted tokens x_1..x_k in one pass of [pending..., x_1..x_k]: row j is the
@@ -331,7 +340,7 @@ def lookup_cycle(ctx, tokens: list[int], draft: list[int], scores: list[float], 
     pending = _pending(ctx, tokens)
     logits = _logits(ctx, pending + draft, rows=list(range(len(pending) - 1, len(pending) + k)))
     n, committed, target, accept, residual = accept_n(ctx, logits, draft, tokens, s)
-    return Cycle(draft, [float(x) for x in scores], target, committed, n, widths={"proposer": [len(pending) + k]},
+    return Cycle(draft, [float(x) for x in scores], target, committed, n, widths={"target": [len(pending) + k]},
                  accept_prob=accept, residual=residual, plan=Plan("lookup", lookup=k),
                  gate=_tested(n, residual, k), source=["lookup"] * k)
 
@@ -361,18 +370,18 @@ def lossless_fill_cycle(ctx, tokens: list[int], draft: list[int], scores: list[f
     ctx.truncate(len(tokens) + j)                # the masks go at once; x stays until it is judged
     n, committed, target_l, accept_l, residual = accept_n(ctx, logits[:j + 1], draft, tokens, s)
     if n < j:                                    # a lookup token was rejected: one pass, as lookup_cycle
-        return Cycle(draft, scores, target_l, committed, n, widths={"proposer": [width1]}, accept_prob=accept_l,
+        return Cycle(draft, scores, target_l, committed, n, widths={"target": [width1]}, accept_prob=accept_l,
                      residual=True, plan=Plan("lossless", block, verify=0, lookup=j), gate=_tested(n, True, j),
                      source=["lookup"] * j)
     prefix, first = tokens + draft, committed[-1]
     # slot 1: the token after x_j; slots 2..: the masks (their penalties see slot 1); read before the
     # verify pass reuses the rows
-    rest, conf_rest, q = s.slots(logits[j + 1:], prefix + [first])
+    rest, conf_rest, dists = s.slots(logits[j + 1:], prefix + [first])
     d = [first] + rest
     conf = np.concatenate([s.probs(logits[j:j + 1], prefix, [first]), conf_rest])
-    v, n2, committed, target, accept, residual = _verify_block(ctx, prefix, d, conf, q, block, verify, s)
+    v, n2, committed, target, accept, residual = _verify_block(ctx, prefix, d, conf, dists, block, verify, s)
     return Cycle(draft + d, scores + conf.tolist(), target_l + target, draft + committed, j + n2,
-                 widths={"proposer": [width1, v]}, accept_prob=_joined(accept_l, accept), residual=residual,
+                 widths={"target": [width1, v]}, accept_prob=_joined(accept_l, accept), residual=residual,
                  plan=Plan("lossless", block, verify=v, lookup=j), gate=[True] * j + _tested(n2, residual, block),
                  source=["lookup"] * j + ["mask"] * block)
 
@@ -398,17 +407,17 @@ def gated_lossless_cycle(ctx, tokens: list[int], draft: list[int], scores: list[
     P, start = len(pend), ctx.n_past
     logits = _logits(ctx, pend + draft + [mask] * (block - 1), rows=list(range(P + j - 1, P + j + block - 1)),
                      adapter=True)
-    d, conf, q = s.slots(logits, tokens + draft)
+    d, conf, dists = s.slots(logits, tokens + draft)
     ctx.truncate(start)                          # nothing of the adapter pass stays
     v = _width(verify, conf, block)
     feed = draft + d[:v]
     k = len(feed)
     logits2 = _logits(ctx, pend + feed, rows=list(range(P - 1, P + k)))   # row i: stock, after tokens + feed[:i]
-    qq = _rows(q, 0, v)
-    if qq is not None and j:
-        qq = np.concatenate([point_mass(draft, logits2.shape[1]), qq])
-    n, committed, target, accept, residual = accept_n(ctx, logits2, feed, tokens, s, qq)
+    fed = _rows(dists, 0, v)                     # the distributions feed was drawn from
+    if fed is not None and j:
+        fed = np.concatenate([point_mass(draft, logits2.shape[1]), fed])
+    n, committed, target, accept, residual = accept_n(ctx, logits2, feed, tokens, s, fed)
     return Cycle(draft + d, [float(x) for x in scores] + [float(x) for x in conf], target, committed, n,
-                 widths={"proposer": [P + j + block - 1, P + k]}, accept_prob=accept, residual=residual,
+                 widths={"target": [P + j + block - 1, P + k]}, accept_prob=accept, residual=residual,
                  plan=Plan("lossless", block, verify=v, lookup=j), gate=_tested(n, residual, j + block),
                  source=["lookup"] * j + ["adapter"] * block)     # every slot a draft (modes.drafted_slots)

@@ -9,14 +9,19 @@ logits processors (llama.cpp applies temperature after its filters; its defaults
 top_k 40, top_p 0.95, min_p 0.05, repeat_penalty 1.0 over 64 tokens, and the CTRL penalty rule
 logit/penalty if positive else logit*penalty, once per distinct token in the window).
 
+Letters as everywhere in this project (docs/design.md, rules.Cycle): p is the proposal's
+distribution (a MARS slot's, the draft model's, a point mass for a lookup draft) and p̃ = p(x) its
+probability of the proposed token x; q is the target's distribution after the same prefix and q(x)
+its probability of x. (The speculative sampling papers name them the other way round.)
+
 Why numpy and not llama.cpp's sampler API (llama_sampler_chain_*): exact rejection sampling needs
-the full processed p and q vectors (min(1, p(x)/q(x)) and the residual max(0, p - q)), and the
+the full processed q and p vectors (min(1, q(x)/p(x)) and the residual max(0, q - p)), and the
 tests need them to compare against closed forms. llama.cpp's chain mutates a candidate array in
 place and returns one token; it exposes no per-position distribution for an arbitrary prefix
 (its penalty ring buffer follows `accept` calls, not a hypothetical draft), and drafting with it
-would mean copying and rewinding sampler state per slot. Float64 because the ratio p/q of small
-probabilities must not underflow (a float16 q auto-accepts: lablup/mlxcel PR #992), and q must be
-the processed one the token was drawn from (raw q: HF transformers bug #47932, TV error 0.05).
+would mean copying and rewinding sampler state per slot. Float64 because the ratio q/p of small
+probabilities must not underflow (a float16 p auto-accepts: lablup/mlxcel PR #992), and p must be
+the processed one the token was drawn from (raw p: HF transformers bug #47932, TV error 0.05).
 
 Cost per row (a Qwen vocabulary's row is 600 kB): with top-k on, the row is read once (the maxima of strided groups,
 logits.top_candidates) and only the k candidates (k + the penalised tokens with a repetition
@@ -32,7 +37,7 @@ Random numbers, two samplers (`Settings.sampler`, `--sampler`):
   with g a Gumbel variate computed by hashing (seed, t, x) (`gumbel`: splitmix64, counter-based, O(surviving
   ids), never O(vocabulary)). Gumbel-max makes each draw exactly distributed as p_t; keying the noise
   by position makes every draw a function of (seed, prefix) only. A proposal (MARS slot, draft token)
-  at t is drawn with the same g(seed, t, .) from its own q_t, and verification is equality, as in
+  at t is drawn with the same g(seed, t, .) from its own distribution, and verification is equality, as in
   greedy decoding: accept while the proposed token equals the target's coupled sample, commit the
   target's coupled sample at the first mismatch. Every committed token is the token `ar` draws with
   that seed at that position, so `lossless`, `spec` and lookup drafts give ar's text token for token
@@ -44,7 +49,7 @@ Random numbers, two samplers (`Settings.sampler`, `--sampler`):
     2. verification: one uniform per accept test, in slot order, stopping at the first rejection;
     3. one uniform for the residual token (after a rejection) or the bonus token (after a full match).
   Exact in distribution (Leviathan et al. 2023), and it accepts a little more often than the
-  coupling (min(1, p/q) against P(argmax(log p + g) = argmax(log q + g)) >= (1 - TV)/(1 + TV)), but
+  coupling (min(1, q/p) against P(argmax(log p + g) = argmax(log q + g)) >= (1 - TV)/(1 + TV)), but
   the stream is consumed per cycle: a seed repeats a mode's text only at fixed widths, and different
   modes or widths give the same distribution, not the same text (engine.seed_note says so).
 """
@@ -204,8 +209,8 @@ def stack(rows: list, vocab: int):
     return np.array([np.asarray(r, dtype=np.float64) for r in rows]).reshape(len(rows), vocab)
 
 
-def _dense_pair(p, q):
-    return np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
+def _dense_pair(a, b):
+    return np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
 
 
 def leading_run(ok) -> int:
@@ -233,7 +238,7 @@ class Greedy:
     def probs(self, logits: np.ndarray, prefix, ids) -> np.ndarray:
         return prob_of(logits, ids)
 
-    def sample_and_accept_n(self, logits: np.ndarray, drafted, prefix, q=None) -> tuple[int, int, list[float], None, bool]:
+    def sample_and_accept_n(self, logits: np.ndarray, drafted, prefix, p=None) -> tuple[int, int, list[float], None, bool]:
         """Accept drafted[i] while it equals row i's argmax; the argmax of the first row that does not
         match (or of the bonus row after a full match) follows. See Sampler.sample_and_accept_n."""
         k = len(drafted)
@@ -261,7 +266,7 @@ class Sampler:
         self.top_k, self.top_p, self.min_p = int(top_k), float(top_p), float(min_p)
         self.repeat_penalty, self.repeat_last_n = float(repeat_penalty), int(repeat_last_n)
 
-    coupled = False                 # the test is a ratio (min(1, p/q)), not equality
+    coupled = False                 # the test is a ratio (min(1, q/p)), not equality
 
     @staticmethod
     def for_settings(s, seed: int) -> "Sampler | None":
@@ -375,7 +380,7 @@ class Sampler:
 
     def propose(self, logits: np.ndarray, prefix) -> tuple[list[int], Dists]:
         """Draw one token per row in order (slot tokens of a MARS block, or one draft token): row
-        i's processed distribution q_i sees the tokens drawn for rows < i. Returns (tokens, q)."""
+        i's processed distribution p_i sees the tokens drawn for rows < i. Returns (tokens, p)."""
         tokens: list[int] = []
         rows = []
         for i in range(len(logits)):
@@ -393,62 +398,64 @@ class Sampler:
 
     def slots(self, logits: np.ndarray, prefix) -> tuple[list[int], np.ndarray, Dists]:
         """A proposal (MARS slots, a draft token): the tokens `propose` draws, their processed
-        probabilities (p̃), and the distributions q they were drawn from."""
-        tokens, q = self.propose(logits, prefix)
-        return tokens, q[np.arange(len(tokens)), tokens], q
+        probabilities (p̃), and the distributions p they were drawn from."""
+        tokens, p = self.propose(logits, prefix)
+        return tokens, p[np.arange(len(tokens)), tokens], p
 
     def probs(self, logits: np.ndarray, prefix, ids) -> np.ndarray:
         """The processed probability of ids[i] under row i (row i: after prefix + ids[:i])."""
         return self.dists(logits, prefix, ids)[np.arange(len(ids)), ids]
 
-    def sample_and_accept_n(self, logits: np.ndarray, drafted, prefix, q=None) -> tuple[int, int, list[float], list | None, bool]:
+    def sample_and_accept_n(self, logits: np.ndarray, drafted, prefix, p=None) -> tuple[int, int, list[float], list | None, bool]:
         """The verify step of every exact rule (llama.cpp's common_sampler_sample_and_accept_n): row i
         of `logits` is the target after prefix + drafted[:i], with one row more than drafted (the
-        bonus position); drafted[i] was drawn from q[i] (None: drafts proposed without a model,
+        bonus position); drafted[i] was drawn from p[i] (None: drafts proposed without a model,
         point masses). `verify` decides, at positions from len(prefix). Returns (n accepted, the next
-        token, the target's processed probability of each drafted token, min(1, p/q) per draft or
+        token, the target's processed probability q(x) of each drafted token, min(1, q/p) per draft or
         None, whether the next token replaced a rejected draft)."""
-        p = self.dists(logits, prefix, drafted)
-        if q is None:
-            q = point_mass(drafted, p.shape[1])
-        n, nxt, accept, residual = self.verify(p, q, drafted, len(prefix))
-        return n, nxt, [float(p[i, drafted[i]]) for i in range(len(drafted))], accept, residual
+        q = self.dists(logits, prefix, drafted)
+        if p is None:
+            p = point_mass(drafted, q.shape[1])
+        n, nxt, accept, residual = self.verify(q, p, drafted, len(prefix))
+        return n, nxt, [float(q[i, drafted[i]]) for i in range(len(drafted))], accept, residual
 
-    def residual(self, p, q) -> int:
-        """The token after a rejection: a draw from norm(max(0, p - q)). If that has no mass (p <= q
-        everywhere, i.e. p == q up to rounding, when a rejection has probability ~0), from p."""
-        if isinstance(p, Row) and isinstance(q, Row):
-            ids = np.union1d(p.ids, q.ids)
-            r = np.maximum(p[ids] - q[ids], 0.0)
-            return self.draw(Row(ids, r, p.vocab) if r.sum() > 0 else p)
-        p, q = _dense_pair(p, q)
-        r = np.maximum(p - q, 0.0)
-        return self.draw(r if r.sum() > 0 else p)
+    def residual(self, q, p) -> int:
+        """The token after a rejection: a draw from norm(max(0, q - p)) (q: the target's distribution,
+        p: the proposal's). If that has no mass (q <= p everywhere, i.e. q == p up to rounding, when a
+        rejection has probability ~0), from q."""
+        if isinstance(q, Row) and isinstance(p, Row):
+            ids = np.union1d(q.ids, p.ids)
+            r = np.maximum(q[ids] - p[ids], 0.0)
+            return self.draw(Row(ids, r, q.vocab) if r.sum() > 0 else q)
+        q, p = _dense_pair(q, p)
+        r = np.maximum(q - p, 0.0)
+        return self.draw(r if r.sum() > 0 else q)
 
-    def verify(self, p: np.ndarray, q: np.ndarray, drafted, start: int | None = None) -> tuple[int, int, list[float], bool]:
+    def verify(self, q: np.ndarray, p: np.ndarray, drafted, start: int | None = None) -> tuple[int, int, list[float], bool]:
         """Exact speculative sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023; vLLM
-        vllm/v1/sample/rejection_sampler.py). `drafted[i]` was drawn from q[i]; p[i] is the target
-        after the drafts before it, p has one more row (the bonus position). Accept drafted[i] with
-        probability min(1, p(x)/q(x)); at the first rejection draw from norm(max(0, p - q)); after
-        a full match draw the bonus from the last p row. The committed token at each position is
-        then distributed exactly as p: P(x) = min(p, q)(x) + (1 - sum min(p, q)) * residual(x) = p(x).
-        Returns (n accepted, the next token, min(1, p/q) per draft, whether it came from the residual).
+        vllm/v1/sample/rejection_sampler.py), in this project's letters: `drafted[i]` was drawn from
+        the proposal p[i]; q[i] is the target after the drafts before it, q has one more row (the
+        bonus position). Accept drafted[i] with probability min(1, q(x)/p(x)); at the first rejection
+        draw from norm(max(0, q - p)); after a full match draw the bonus from the last q row. The
+        committed token at each position is then distributed exactly as q:
+        P(x) = min(q, p)(x) + (1 - sum min(q, p)) * residual(x) = q(x).
+        Returns (n accepted, the next token, min(1, q/p) per draft, whether it came from the residual).
         `start`: the absolute position of drafted[0] (the coupled sampler's key; unused here)."""
         accept = []
         for i, x in enumerate(drafted):
-            px, qx = p[i, x], q[i, x]
-            accept.append(float(min(1.0, px / qx)) if qx > 0 else float(px > 0))
+            qx, px = q[i, x], p[i, x]
+            accept.append(float(min(1.0, qx / px)) if px > 0 else float(qx > 0))
         for i in range(len(drafted)):
             if self.rng.random() >= accept[i]:
-                return i, self.residual(p[i], q[i]), accept, True
-        return len(drafted), self.draw(p[len(drafted)]), accept, False
+                return i, self.residual(q[i], p[i]), accept, True
+        return len(drafted), self.draw(q[len(drafted)]), accept, False
 
 
 def point_mass(tokens, n_vocab: int) -> Dists:
-    """The draft distribution of tokens proposed without a model (lookup drafts): one row per token,
-    all its mass on that token. With it, `Sampler.verify` accepts x with probability p(x) and after a
-    rejection draws from norm(max(0, p - onehot(x))) = p without x: the committed token is distributed
-    as p (the rejection step's identity with q a point mass)."""
+    """The proposal distribution p of tokens proposed without a model (lookup drafts): one row per
+    token, all its mass on that token. With it, `Sampler.verify` accepts x with probability q(x) and
+    after a rejection draws from norm(max(0, q - onehot(x))) = q without x: the committed token is
+    distributed as q (the rejection step's identity with p a point mass)."""
     one = np.ones(1)
     return Dists([Row(np.array([int(x)], dtype=np.int64), one, n_vocab) for x in tokens], n_vocab)
 
@@ -574,17 +581,17 @@ class CoupledSampler(Sampler):
             at += n
         return out
 
-    def verify(self, p, q, drafted, start: int | None = None) -> tuple[int, int, None, bool]:
+    def verify(self, q, p, drafted, start: int | None = None) -> tuple[int, int, None, bool]:
         """Equality with the target's coupled samples: drafted[i] (at position start + i) is accepted
-        while it equals draw(p[i], start + i); the first mismatch commits the target's sample, a full
-        match the bonus draw(p[k], start + k). Every committed token is the one `ar` draws with this
-        seed after this prefix. q is not read (any proposal, a point mass too, is verified alike).
+        while it equals draw(q[i], start + i); the first mismatch commits the target's sample, a full
+        match the bonus draw(q[k], start + k). Every committed token is the one `ar` draws with this
+        seed after this prefix. The proposal p is not read (any proposal, a point mass too, is verified alike).
         Returns (n accepted, the next token, None: no acceptance probabilities, whether it replaced
         a rejected draft)."""
         if start is None:
             raise ValueError("the coupled sampler verifies at positions: pass start (the position of drafted[0])")
         k = len(drafted)
-        ys = self.samples([p[i] for i in range(k + 1)], start)    # (the rows after a mismatch: cheap)
+        ys = self.samples([q[i] for i in range(k + 1)], start)    # (the rows after a mismatch: cheap)
         for i, x in enumerate(drafted):
             if ys[i] != int(x):
                 return i, ys[i], None, True

@@ -121,7 +121,7 @@ def main() -> int:
     engine = Engine.load(model, n_ctx=2048, n_threads=args.threads)
     engine.prepare(Settings(mode="lossless", block="auto"))          # the calibrated curve
     costs = engine.planner.costs
-    t = lambda n: float(costs.t("proposer", n))                        # noqa: E731
+    t = lambda n: float(costs.t("target", n))                        # noqa: E731
     cache = out / "answers.json"
     if cache.exists() and not args.fresh:
         answers = json.loads(cache.read_text())

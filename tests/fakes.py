@@ -99,7 +99,7 @@ def verifier(p_true=0.8, low_at=()):
 
 def make_engine(prop=None, n_ctx=64, **ctx):
     """An engine on fake contexts (proposer: `prop`, default the scripted one; more roles in `ctx`)."""
-    contexts = {"proposer": FakeContext(prop or proposer(), V), **ctx}
+    contexts = {"target": FakeContext(prop or proposer(), V), **ctx}
     return Engine(contexts, is_eog=lambda t: t == EOS, mask_token=MASK, n_ctx=n_ctx, block_size=4)
 
 

@@ -181,7 +181,7 @@ def test_gated_lossless_equals_stock_greedy(tiny, block):
     fresh context without any adapter), and after every cycle the cache holds stock KV only."""
     with Model(tiny["path"]) as m:
         eng = Engine.load(m, adapter=Adapter(m, tiny["random"]), **F32)
-        ctx = eng.contexts["proposer"]
+        ctx = eng.contexts["target"]
         assert rules.gated(ctx) and eng.mask_token == tiny["mask"]
         for prompt in ([5, 17, 42, 99, 7], [3, 250, 11, 13]):
             want = greedy_ar(m, prompt, 40)
@@ -226,7 +226,7 @@ def test_mars_on_a_gated_context_leaves_stock_kv_for_the_next_request(tiny):
     records it (n_stock), and the next request (lossless) reads stock KV only: still exact."""
     with Model(tiny["path"]) as m:
         eng = Engine.load(m, adapter=Adapter(m, tiny["random"]), **F32)
-        ctx = eng.contexts["proposer"]
+        ctx = eng.contexts["target"]
         prompt = [5, 17, 42, 99, 7]
         out = [t for c in eng.generate(prompt, Settings(mode="mars", max_new=12, block=4, tau=0.0)) for t in c.committed]
         assert len(out) == 12 and ctx.n_past == ctx.n_stock
@@ -260,7 +260,7 @@ def test_run_with_an_adapter_and_its_errors(tiny, tmp_path):
     out = json.loads(r.stdout)
     with Model(tiny["path"]) as m:
         assert out["token_ids"] == greedy_ar(m, m.tokenize("hello"), 12)
-    assert out["n_passes"]["proposer"] == 2 * out["n_cycles"]
+    assert out["n_passes"]["target"] == 2 * out["n_cycles"]
     r = cli("--adapter", str(tmp_path / "none.gguf"))
     assert r.returncode != 0 and "none.gguf: no such adapter file" in r.stderr and "Traceback" not in r.stderr
     r = cli("--adapter", str(tiny["path"]))

@@ -21,15 +21,15 @@ def cyc(start, proposed, committed, n_accepted=None, p=None, q=None, passes=None
     """A synthetic cycle. Its plan (what the rule ran), unless given, follows the test data's passes:
     two proposer passes a lossless block, a verifier pass a prove block, drafts spec, else mars (one
     slot: ar)."""
-    passes = passes or {"proposer": 1}
+    passes = passes or {"target": 1}
     n = len(proposed)
     if plan is None:
         plan = (Plan("spec", draft_k=passes["draft"]) if "draft" in passes else
                 Plan("prove", n) if "verifier" in passes else
-                Plan("lossless", n) if passes.get("proposer") == 2 else Plan("mars", n) if n > 1 else Plan())
+                Plan("lossless", n) if passes.get("target") == 2 else Plan("mars", n) if n > 1 else Plan())
     c = Cycle(list(proposed), p or [0.5] * len(proposed), q, list(committed),
               len(committed) if n_accepted is None else n_accepted, passes, plan=plan)
-    c.start, c.seconds, c.decode_seconds = start, seconds, decode or {"proposer": seconds * 0.9}
+    c.start, c.seconds, c.decode_seconds = start, seconds, decode or {"target": seconds * 0.9}
     return c
 
 
@@ -131,13 +131,13 @@ def test_speedups_median_and_totals():
 
 
 def test_passes_tokens_per_cycle_and_measured_cost():
-    ar = [cyc(i, [1], [1], seconds=0.01, decode={"proposer": 0.009}) for i in range(4)]
-    ll = [cyc(0, [1] * 4, [1, 1, 1], passes={"proposer": 2}, seconds=0.05, decode={"proposer": 0.045}),
-          cyc(3, [1] * 4, [1], passes={"proposer": 2}, seconds=0.03, decode={"proposer": 0.018})]
+    ar = [cyc(i, [1], [1], seconds=0.01, decode={"target": 0.009}) for i in range(4)]
+    ll = [cyc(0, [1] * 4, [1, 1, 1], passes={"target": 2}, seconds=0.05, decode={"target": 0.045}),
+          cyc(3, [1] * 4, [1], passes={"target": 2}, seconds=0.03, decode={"target": 0.018})]
     assert stats.tokens_per_cycle(ll) == 2.0 and stats.tokens_per_cycle([]) is None
-    assert stats.passes_per_token(ll) == {"proposer": 1.0}
-    pv = [cyc(0, [1] * 4, [1, 1], passes={"proposer": 1, "verifier": 1})]
-    assert stats.passes_per_token(pv) == {"proposer": 0.5, "verifier": 0.5}
+    assert stats.passes_per_token(ll) == {"target": 1.0}
+    pv = [cyc(0, [1] * 4, [1, 1], passes={"target": 1, "verifier": 1})]
+    assert stats.passes_per_token(pv) == {"target": 0.5, "verifier": 0.5}
     assert stats.measured_cycle_cost(ll, ar) == pytest.approx(4.0)
     assert stats.measured_cycle_cost(ll, ar, decode_only=True) == pytest.approx(0.0315 / 0.009)
     assert stats.overhead_share(ll) == pytest.approx(1 - 0.063 / 0.08)
@@ -172,7 +172,7 @@ def test_pass_cost_curve_projection():
     assert stats.curve_ratio(curve, 32) == pytest.approx(8 + 16 * 7 / 15)   # extrapolated along the mean slope
     noisy = {1: 1.0, 8: 6.0, 16: 3.0}                                 # a falling last segment: never below t(16)
     assert stats.curve_ratio(noisy, 84) == pytest.approx(3 + 68 * 2 / 15) and stats.curve_ratio(noisy, 84) > 3
-    curves = {"proposer": curve, "verifier": {n: t / 4 for n, t in curve.items()}, "draft": {1: 0.5, 8: 1.0}}
+    curves = {"target": curve, "verifier": {n: t / 4 for n, t in curve.items()}, "draft": {1: 0.5, 8: 1.0}}
     cu = stats.cycle_cost_units
     assert cu("ar", 1, curves) == 1.0
     assert cu("lossless", 16, curves) == 16.0                      # two 16-row passes of 8 units
@@ -277,31 +277,31 @@ def synthetic() -> BenchData:
     gens = []
     for i in range(2):
         gens.append(Generation(i, "ar", ref, [cyc(k, [t], [t], seconds=0.01) for k, t in enumerate(ref)], 0.04, text="#### 13"))
-        gens.append(Generation(i, "lossless", ref, [cyc(0, [10, 11, 12, 99], ref, passes={"proposer": 2}, seconds=0.02,
+        gens.append(Generation(i, "lossless", ref, [cyc(0, [10, 11, 12, 99], ref, passes={"target": 2}, seconds=0.02,
                                                         p=[0.9, 0.8, 0.7, 0.1], q=[0.9, 0.9, 0.9, 0.2])], 0.02, text="#### 13"))
         bad = [10, 11, 50, 51]
-        gens.append(Generation(i, "prove@0.01", bad, [cyc(0, [10, 11, 50, 51], bad, passes={"proposer": 1, "verifier": 1},
+        gens.append(Generation(i, "prove@0.01", bad, [cyc(0, [10, 11, 50, 51], bad, passes={"target": 1, "verifier": 1},
                                                           seconds=0.01, p=[0.9, 0.8, 0.5, 0.4], q=[0.9, 0.9, 0.3, 0.2])], 0.01, text="#### 50"))
         gens.append(Generation(i, "prove@0.1", ref[:2] + [12, 13],
-                               [cyc(0, [10, 11, 50, 51], [10, 11], passes={"proposer": 1, "verifier": 1}, seconds=0.01,
+                               [cyc(0, [10, 11, 50, 51], [10, 11], passes={"target": 1, "verifier": 1}, seconds=0.01,
                                     p=[0.9, 0.8, 0.5, 0.4], q=[0.9, 0.9, 0.1, 0.2]),
-                                cyc(2, [12, 13, 7, 7], [12, 13], passes={"proposer": 1, "verifier": 1}, seconds=0.01,
+                                cyc(2, [12, 13, 7, 7], [12, 13], passes={"target": 1, "verifier": 1}, seconds=0.01,
                                     p=[0.9, 0.9, 0.1, 0.1], q=[0.9, 0.9, 0.1, 0.1])], 0.02, text="#### 13"))
     d = BenchData(prompts, [[1, 2, 3]] * 2, runs, gens)
-    d.pass_cost = {"proposer": {1: 0.01, 2: 0.015, 4: 0.02, 8: 0.04}, "verifier": {1: 0.005, 2: 0.006, 4: 0.008, 8: 0.01}}
+    d.pass_cost = {"target": {1: 0.01, 2: 0.015, 4: 0.02, 8: 0.04}, "verifier": {1: 0.005, 2: 0.006, 4: 0.008, 8: 0.01}}
     return d
 
 
 def test_planner_ar_cycles_are_left_out_of_the_slot_analyses():
-    """An auto run's plain ar cycles (one-token proposals, widths {"proposer": [1]}) are not proposals:
+    """An auto run's plain ar cycles (one-token proposals, widths {"target": [1]}) are not proposals:
     slot match rates, AUCs and matched runs count the proposing cycles only."""
     d = synthetic()
     for g in d.generations:
         if g.run == "lossless":
-            ar1 = cyc(0, [10], [10], passes={"proposer": 1})
-            ar1.widths = {"proposer": [1]}
-            block = cyc(1, [11, 12, 99], [11, 12, 13], passes={"proposer": 2}, p=[0.9, 0.7, 0.1], q=[0.9, 0.9, 0.2])
-            block.widths = {"proposer": [3, 3]}
+            ar1 = cyc(0, [10], [10], passes={"target": 1})
+            ar1.widths = {"target": [1]}
+            block = cyc(1, [11, 12, 99], [11, 12, 13], passes={"target": 2}, p=[0.9, 0.7, 0.1], q=[0.9, 0.9, 0.2])
+            block.widths = {"target": [3, 3]}
             g.cycles = [ar1, block]
     res = build_results(d, meta={"command": "x", "settings": {"max_new": 8, "block": "auto"}})
     assert res["position_match_rate"]["lossless"]["n"] == [2, 2, 2]        # 2 prompts x 1 proposing cycle
@@ -316,7 +316,7 @@ def test_build_results_on_synthetic_runs(tmp_path):
     assert m["lossless"]["speedup_vs_ar"]["median"] == 2.0 and m["lossless"]["tokens_per_cycle"] == 4.0
     assert m["lossless"]["exact_match_vs_ar"] == 1.0 and m["prove@0.01"]["exact_match_vs_ar"] == 0.0
     assert m["ar"]["accuracy"] == 0.5 and m["prove@0.01"]["accuracy"] == 0.0     # prompt g/1's answer is 99
-    assert m["lossless"]["passes_per_token"] == {"proposer": 0.5}
+    assert m["lossless"]["passes_per_token"] == {"target": 0.5}
     assert m["lossless"]["tokens_per_cycle_by_family"] == {"gsm8k": 4.0}
     assert m["ar"]["loop_share_by_family"] == {"gsm8k": m["ar"]["loop_share"]}
     assert m["lossless"]["tokens_per_cycle_outside_loops"] == 4.0   # no loops in the synthetic runs
@@ -329,7 +329,7 @@ def test_build_results_on_synthetic_runs(tmp_path):
     assert res["auc"]["prove@0.1"]["n_pos"] == 8 and res["auc"]["prove@0.1"]["pq"] == 1.0
     assert [r["theta"] for r in res["theta_sweep"]] == [0.01, 0.1]
     assert res["matched_tokens_by_position"]["lossless"]["overall"] == 3.0
-    assert res["pass_cost"]["proposer"]["ratio"] == [1.0, 1.5, 2.0, 4.0]
+    assert res["pass_cost"]["target"]["ratio"] == [1.0, 1.5, 2.0, 4.0]
     assert res["prompts"][0]["runs"]["prove@0.01"]["first_divergence"] == 2
     md = summary_markdown({**res, "plots": []})
     assert "| `lossless` |" in md and "paper (GSM8K, 32B)" in md and "θ" in md
@@ -380,13 +380,13 @@ def test_bench_end_to_end(tiny_models, tmp_path, capsys, monkeypatch):
     for name in ("lossless", "spec"):
         assert res["modes"][name]["exact_match_vs_ar"] == 1.0
     # passes are measured (llama_decode calls); ar makes one per token, lossless two per cycle
-    assert res["modes"]["ar"]["passes_per_token"] == {"proposer": 1.0}
-    assert res["modes"]["lossless"]["passes_per_token"]["proposer"] == pytest.approx(
+    assert res["modes"]["ar"]["passes_per_token"] == {"target": 1.0}
+    assert res["modes"]["lossless"]["passes_per_token"]["target"] == pytest.approx(
         2 / res["modes"]["lossless"]["tokens_per_cycle"], rel=1e-3)
     rates = res["position_match_rate"]["lossless"]
     assert len(rates["rate"]) == 16 and rates["rate"][0] == 1.0     # slot 1 is the AR token
     assert set(res["auc"]) == {"lossless", "prove@0.01", "prove@0.1", "mars", "spec"}
-    assert set(res["pass_cost"]) == {"proposer", "verifier", "draft"}
+    assert set(res["pass_cost"]) == {"target", "verifier", "draft"}
     for role, curve in res["pass_cost"].items():     # t(n) measured at n = 1..16 (ratios: the synthetic test)
         assert curve["n"] == list(range(1, 17)) and all(t > 0 for t in curve["seconds"]), role
         assert len(curve["ratio"]) == 16 and all(r > 0 for r in curve["ratio"]), role
@@ -418,6 +418,18 @@ def test_bench_end_to_end(tiny_models, tmp_path, capsys, monkeypatch):
         assert again["auc"][name]["p"] == pytest.approx(a["p"], abs=0.02)
     assert [p["runs"]["lossless"]["stop"] for p in again["prompts"]] == [p["runs"]["lossless"]["stop"] for p in res["prompts"]]
     assert (out / "summary.md").read_text().startswith("# prove-local bench")
+
+    # a folder written before the target's role was named "target" ("proposer") reads back the same
+    for name in ("results.json", "generations.jsonl"):
+        f = out / name
+        text = f.read_text()
+        assert '"target":' in text
+        f.write_text(text.replace('"target":', '"proposer":'))
+    assert main(["bench", "--out", str(out), "--report-only", "--no-plots"]) == 0
+    old = json.loads((out / "results.json").read_text())
+    assert old["models"] == again["models"] and old["pass_cost"] == again["pass_cost"]
+    for name, m in again["modes"].items():
+        assert old["modes"][name]["passes_per_token"] == m["passes_per_token"], name
 
 
 def test_bench_report_only_errors(tmp_path, capsys):
@@ -508,12 +520,12 @@ def test_oracle_lossless_shortest_path():
 def test_cycle_cost_from_the_widths_actually_fed():
     """A prove cycle after one that committed 3 tokens feeds its proposer 3 + B - 1 tokens, not B."""
     from prove_local.bench.stats import cycle_cost_widths
-    curves = {"proposer": {1: 1.0, 2: 1.5, 4: 2.0, 8: 4.0}, "verifier": {1: 0.5, 8: 4.0}}
-    assert cycle_cost_widths({"proposer": [3 + 4 - 1]}, curves) == pytest.approx(3.0)      # t(6)/t(1)
-    assert cycle_cost_widths({"proposer": [4, 2]}, curves) == pytest.approx(3.5)           # lossless B=4, v=2
+    curves = {"target": {1: 1.0, 2: 1.5, 4: 2.0, 8: 4.0}, "verifier": {1: 0.5, 8: 4.0}}
+    assert cycle_cost_widths({"target": [3 + 4 - 1]}, curves) == pytest.approx(3.0)      # t(6)/t(1)
+    assert cycle_cost_widths({"target": [4, 2]}, curves) == pytest.approx(3.5)           # lossless B=4, v=2
     # the verifier's pass in proposer units: its t(4)/t(1) = 4 times rho = t_v(1)/t_p(1) = 0.5
-    assert cycle_cost_widths({"proposer": [4], "verifier": [4]}, curves) == pytest.approx(2.0 + 0.5 * 4.0)
-    assert cycle_cost_widths({"proposer": [4, 4]}, curves, flat=True) == 2.0
+    assert cycle_cost_widths({"target": [4], "verifier": [4]}, curves) == pytest.approx(2.0 + 0.5 * 4.0)
+    assert cycle_cost_widths({"target": [4, 4]}, curves, flat=True) == 2.0
 
 
 def test_bench_external_llama_speculative_baseline(tiny_models, tmp_path, monkeypatch):
@@ -555,7 +567,7 @@ def test_slot_labels_with_a_verified_prefix():
     """--block auto: a lossless cycle may verify only v of its B slots; q exists for those alone."""
     from prove_local.bench.stats import detector_aucs, slot_labels
     from prove_local.rules import Cycle, Plan
-    c = Cycle([5, 6, 7, 8], [.9, .8, .3, .2], [.9, .7], [5, 6, 9], 2, {"proposer": 2}, widths={"proposer": [4, 2]},
+    c = Cycle([5, 6, 7, 8], [.9, .8, .3, .2], [.9, .7], [5, 6, 9], 2, {"target": 2}, widths={"target": [4, 2]},
               plan=Plan("lossless", 4, verify=2), gate=[True, True, None, None])
     labels = slot_labels([c], [5, 6, 9], [5, 6, 9, 1])
     assert [r["q"] for r in labels] == [.9, .7, None, None] and [r["match"] for r in labels] == [True, True, False, False]

@@ -110,7 +110,7 @@ def test_dead_end_stops_with_grammar():
         e = make_engine()
         list(e.generate(PROMPT, __import__("prove_local.engine", fromlist=["Settings"]).Settings(
             mode=mode, max_new=24, grammar=g, **extra)))
-        assert e.contexts["proposer"].cache == PROMPT + out[:len(e.contexts["proposer"].cache) - len(PROMPT)]
+        assert e.contexts["target"].cache == PROMPT + out[:len(e.contexts["target"].cache) - len(PROMPT)]
 
 
 def test_logprobs_on_fakes_are_the_rows_log_softmax():
@@ -197,7 +197,7 @@ def end_over_dropped_draft(end):
     grammar accepted on drafts without a rollback would be."""
     def broken(self, committed):
         ok, dead = end(self, committed)
-        fed = [t for t in self._suffix.get("proposer", []) if t != self.mask_token]
+        fed = [t for t in self._suffix.get("target", []) if t != self.mask_token]
         k = next((i for i, (a, b) in enumerate(zip(fed, committed)) if a != b), None)
         if k is not None:
             st = self.state_after(tuple(committed[:k]) + (fed[k],))

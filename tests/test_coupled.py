@@ -257,7 +257,7 @@ def test_sampled_exact_modes_equal_sampled_ar_on_llama_cpp(pair, engine, T, extr
     """For four seeds, two prompts (one that lookup drafts from): every exact mode at every width,
     fixed or the planner's (flat costs, exploration on), gives ar's sampled text token for token."""
     from prove_local.chat import Conversation
-    engine.planner = Planner(Costs({"proposer": FLAT, "draft": FLAT, "verifier": FLAT}), explore=0.3, seed=1)
+    engine.planner = Planner(Costs({"target": FLAT, "draft": FLAT, "verifier": FLAT}), explore=0.3, seed=1)
     bad, planned = [], set()
     for question in (QUESTION, REPEAT):
         prompt = Conversation(pair[0]).prompt_tokens(question)

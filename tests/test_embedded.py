@@ -55,15 +55,15 @@ def test_run_embedded_uses_the_embedded_pair():
     # the default is --block auto: each cycle a lossless pass pair or a plain ar pass, as the planner chose;
     # n_passes counts llama_decode calls (measured)
     assert out["mode"] == "lossless" and out["settings"]["block"] == "auto"
-    assert out["n_cycles"] <= out["n_passes"]["proposer"] <= 2 * out["n_cycles"]
+    assert out["n_cycles"] <= out["n_passes"]["target"] <= 2 * out["n_cycles"]
     assert sum(out["widths"].values()) == out["n_cycles"]
     assert out["token_ids"] and out["text"]
     r = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", "embedded", "-p", QUESTIONS[2], "-n", "48", "--json",
                         "--threads", "1", "--block", "16"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     fixed = json.loads(r.stdout)
-    assert fixed["n_passes"] == {"proposer": 2 * fixed["n_cycles"]} and fixed["token_ids"] == out["token_ids"]
+    assert fixed["n_passes"] == {"target": 2 * fixed["n_cycles"]} and fixed["token_ids"] == out["token_ids"]
     r = subprocess.run([sys.executable, "-m", "prove_local.cli", "run", "embedded", "-p", QUESTIONS[2], "-n", "48", "--json",
                         "--threads", "1", "--mode", "prove", "--block", "16"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert set(json.loads(r.stdout)["n_passes"]) == {"proposer", "verifier"}
+    assert set(json.loads(r.stdout)["n_passes"]) == {"target", "verifier"}

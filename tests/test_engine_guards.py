@@ -58,7 +58,7 @@ def test_dropping_an_unfinished_generation_frees_the_engine():
     del gen                                           # no close(): the handle's finalizer cleans up
     _, out = run(e, PROMPT, mode="ar", max_new=5)
     assert out == greedy(PROMPT, 5)
-    ctx = e.contexts["proposer"]
+    ctx = e.contexts["target"]
     assert ctx.cache == e.tokens[:ctx.n_past] and MASK not in ctx.cache
 
 
@@ -70,12 +70,12 @@ def test_a_generation_never_started_can_be_closed():
 
 def _broken_mode():
     """A mode whose cycle evaluates but commits nothing (a broken rule)."""
-    def cycle(contexts, tokens, plan, s, mask, sampler=None):
-        rules.ar_cycle(contexts["proposer"], tokens)
-        return rules.Cycle([], [], None, [], 0, {"proposer": 1})
-    return modes.Mode("broken", "broken", "test", ("proposer",), needs_mask=False, exact=True, width=None, gate=None,
+    def cycle(contexts, tokens, plan, s, mask, sampler=None, hooks=None):
+        rules.ar_cycle(contexts["target"], tokens)
+        return rules.Cycle([], [], None, [], 0, {"target": 1})
+    return modes.Mode("broken", "broken", "test", ("target",), needs_mask=False, exact=True, width=None, gate=None,
                       gate_text="", q_text="", free_first=True, correction=False, verify_choice=False,
-                      cycle=cycle, widths=lambda pend, plan: {})
+                      cycle=cycle, widths=lambda pend, plan: {}, width_field="block", label_text="broken")
 
 
 def test_a_cycle_that_commits_nothing_is_an_error(monkeypatch):

@@ -259,7 +259,7 @@ def test_forced_lookups_of_every_length_equal_ar(models, references, k):
                     n = len(c.proposed)
                     assert n == min(k, 48 - c.start - 1) or (n < k and model.is_eog(c.proposed[-1])), (k, c.start, n)
                     assert modes.label(c.plan) == f"L={n}"
-                    assert c.source == ["lookup"] * len(c.proposed) and c.passes == {"proposer": 1}
+                    assert c.source == ["lookup"] * len(c.proposed) and c.passes == {"target": 1}
                     assert c.committed[:c.n_accepted] == c.proposed[:c.n_accepted]
         assert n_lookup >= 5, (mode, block, k)
 
@@ -324,7 +324,7 @@ def test_filled_proposals_equal_ar_and_keep_the_cache_clean(models, references, 
     cache holds exactly the committed tokens (next-token logits == a fresh context's)."""
     prop, _ = models
     e = Engine.load(prop, **F32)
-    ctx = e.contexts["proposer"]
+    ctx = e.contexts["target"]
     ix = NgramIndex()
     for wrong in (False, True):
         for p in PROMPTS[:3]:
@@ -365,44 +365,44 @@ def test_passes_measured_equal_declared(models, plan):
     prop, _ = models
     e = Engine.load(prop, n_batch=512, **F32)
     prompt = prop.tokenize(PROMPTS[1])
-    ctx = e.contexts["proposer"]
+    ctx = e.contexts["target"]
     ctx.eval(prompt[:-1], rows=[])
     tokens = list(prompt)
     ix = NgramIndex()
     for _ in range(12):
         ix.reset(tokens)
-        pending = {"proposer": len(tokens) - ctx.n_past}
+        pending = {"target": len(tokens) - ctx.n_past}
         before = ctx.n_decode
         c = modes.of(plan).cycle(e.contexts, tokens, plan, Settings(), e.mask_token,
                                  hooks=modes.Hooks(propose_lookup=ix.propose))
         if modes.proposes(c.plan):                        # (no match: a plain ar cycle)
             assert c.widths == modes.of(c.plan).widths(pending, c.plan), c.plan
-            assert ctx.n_decode - before == len(c.widths["proposer"])
+            assert ctx.n_decode - before == len(c.widths["target"])
         tokens += c.committed
 
 
 # ------------------------------------------------------------------ the planner
 def test_the_planner_drafts_where_the_lookup_has_earned_it():
     curve = {1: 1e-3, 2: 1.9e-3, 4: 2.6e-3, 8: 4.9e-3, 16: 9e-3}        # SmolLM2 on 2 cores (the issue's figures)
-    pl = Planner(Costs({"proposer": curve}), explore=0.0)
+    pl = Planner(Costs({"target": curve}), explore=0.0)
     st = pl.stats_for(modes.LOOKUP)
     # a track record: long matches are accepted, one-token matches are not
     for _ in range(300):
         st.record([lookup.score(8 + j) for j in range(8)], 0, 8, 8)
         st.record([lookup.score(1)], 0, 1, 0)
     match_long, match_short = Match(10, 12), Match(10, 1)
-    p_long = pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=lambda: match_long)
+    p_long = pl.plan("lookup", {"target": 1}, 0, 4000, lookup=lambda: match_long)
     assert p_long.kind == "lookup" and p_long.lookup >= 6, p_long
-    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=lambda: match_short) == modes.AR_PLAN
-    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=None) == modes.AR_PLAN
+    assert pl.plan("lookup", {"target": 1}, 0, 4000, lookup=lambda: match_short) == modes.AR_PLAN
+    assert pl.plan("lookup", {"target": 1}, 0, 4000, lookup=None) == modes.AR_PLAN
     # near the end of the context the draft is cut to what fits
-    assert pl.plan("lookup", {"proposer": 1}, 0, 4, lookup=lambda: match_long).lookup == 3
+    assert pl.plan("lookup", {"target": 1}, 0, 4, lookup=lambda: match_long).lookup == 3
     # a lookup track record of rejections: no lookup draft at any match length
-    bad = Planner(Costs({"proposer": curve}), explore=0.0)
+    bad = Planner(Costs({"target": curve}), explore=0.0)
     for _ in range(300):
         for m in range(1, 17):                      # the first drafted slot is rejected, at every match length
             bad.stats_for(modes.LOOKUP).record([lookup.score(m)], 0, 1, 0)
-    assert all(bad.plan("lookup", {"proposer": 1}, 0, 4000, lookup=lambda: Match(5, m)) == modes.AR_PLAN for m in (1, 4, 16))
+    assert all(bad.plan("lookup", {"target": 1}, 0, 4000, lookup=lambda: Match(5, m)) == modes.AR_PLAN for m in (1, 4, 16))
 
 
 def test_a_requests_lookup_drafts_start_short_and_grow_with_its_own_record():
@@ -413,32 +413,32 @@ def test_a_requests_lookup_drafts_start_short_and_grow_with_its_own_record():
     from prove_local.planner import LOOKUP_START
     from prove_local.rules import Cycle
     curve = {1: 1e-3, 2: 1.2e-3, 4: 1.5e-3, 8: 2.2e-3, 16: 3.5e-3}       # cheap enough that short drafts pay too
-    pl = Planner(Costs({"proposer": curve}), explore=0.0)
+    pl = Planner(Costs({"target": curve}), explore=0.0)
     for _ in range(300):
         pl.stats_for(modes.LOOKUP).record([lookup.score(8 + j) for j in range(8)], 0, 8, 8)
     long = lambda: Match(10, 12)
-    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=long).lookup >= 6     # outside a request: no cap
+    assert pl.plan("lookup", {"target": 1}, 0, 4000, lookup=long).lookup >= 6     # outside a request: no cap
 
     def outcome(plan, accepted):
         k = plan.lookup
         c = Cycle(list(range(k)), [lookup.score(12 + j) for j in range(k)], None, list(range(accepted + 1)),
-                  accepted, {"proposer": 1}, {"proposer": [1 + k]}, plan=plan)
-        c.seconds, c.decode_seconds = 1e-3, {"proposer": 1e-3}
+                  accepted, {"target": 1}, {"target": [1 + k]}, plan=plan)
+        c.seconds, c.decode_seconds = 1e-3, {"target": 1e-3}
         pl.observe(c, "lookup", planned=False)
 
     pl.start_request()
-    first = pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=long)
+    first = pl.plan("lookup", {"target": 1}, 0, 4000, lookup=long)
     assert first.kind == "lookup" and first.lookup == LOOKUP_START, first
     outcome(first, LOOKUP_START)                                  # accepted whole: may double
-    second = pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=long)
+    second = pl.plan("lookup", {"target": 1}, 0, 4000, lookup=long)
     assert second.lookup == 2 * LOOKUP_START, second
     outcome(second, 1)                                            # one of four accepted: back to 2
-    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=long).lookup == 2
+    assert pl.plan("lookup", {"target": 1}, 0, 4000, lookup=long).lookup == 2
     for _ in range(4):                                            # one-token drafts accepted whole...
         outcome(rules.Plan("lookup", lookup=1), 1)
-    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=long).lookup == 2   # ...earn two tokens, not 16
+    assert pl.plan("lookup", {"target": 1}, 0, 4000, lookup=long).lookup == 2   # ...earn two tokens, not 16
     pl.start_request()                                            # the next request starts short again
-    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=long).lookup == LOOKUP_START
+    assert pl.plan("lookup", {"target": 1}, 0, 4000, lookup=long).lookup == LOOKUP_START
 
 
 def test_the_planner_fills_mars_proposals_where_passes_are_flat():
@@ -446,15 +446,15 @@ def test_the_planner_fills_mars_proposals_where_passes_are_flat():
     hold (and the third does not): a bare lookup draft commits ~3 tokens a pass, a MARS block ~17 in
     two passes, and the copied pair in front of the masks ~19 in two: the planner fills."""
     flat = {1: 1e-3, 64: 1.05e-3}
-    pl = Planner(Costs({"proposer": flat}), explore=0.0)
+    pl = Planner(Costs({"target": flat}), explore=0.0)
     st = pl.stats_for("lossless")
     for _ in range(300):
         st.record([0.99] * 16, 1, 16, 16)
         pl.stats_for(modes.LOOKUP).record([lookup.score(1), lookup.score(2), lookup.score(3)], 0, 3, 2)
     for _ in range(20):                                # replans: the current choice becomes a MARS block
-        pl.plan("lossless", {"proposer": 1}, 16, 4000)
+        pl.plan("lossless", {"target": 1}, 16, 4000)
     assert pl.current["lossless"].kind == "lossless"
-    plan, choose_verify = pl.plan_cycle("lossless", {"proposer": 1}, 16, 4000, lookup=lambda: Match(10, 1))
+    plan, choose_verify = pl.plan_cycle("lossless", {"target": 1}, 16, 4000, lookup=lambda: Match(10, 1))
     assert modes.filled(plan) and plan.lookup == 2 and plan.block > 8 and choose_verify is not None, plan
 
 
@@ -551,7 +551,7 @@ def test_seeded_forced_lookup_reproduces(models):
 # ------------------------------------------------------------------ front ends
 def test_draft_counts_by_source():
     mk = lambda plan, prop, n, src=None: rules.Cycle(prop, [0.5] * len(prop), None, prop[:n] + [0], n,  # noqa: E731
-                                                     {"proposer": 1}, plan=plan, source=src,
+                                                     {"target": 1}, plan=plan, source=src,
                                                      gate=[True] * n + [False] * (n < len(prop)))
     cycles = [mk(modes.Plan("lookup", lookup=3), [1, 2, 3], 2, ["lookup"] * 3),
               mk(modes.Plan("lossless", 2), [4, 5], 1),                               # source from the table
@@ -633,11 +633,11 @@ def test_the_planner_is_offered_only_what_the_statistics_back():
     want = list(prompt)
     for _ in range(40):
         want.append(int(np.argmax(records(want))))
-    e = Engine({"proposer": FakeContext(records, fakes.V)}, is_eog=lambda t: t == fakes.EOS, mask_token=None,
+    e = Engine({"target": FakeContext(records, fakes.V)}, is_eog=lambda t: t == fakes.EOS, mask_token=None,
                n_ctx=256, block_size=4)
     s = Settings(mode="lossless", block="auto", lookup="auto", max_new=40)
     e.prepare(s)
-    e.planner.costs = Costs({"proposer": {1: 1e-3, 64: 1.1e-3}})        # flat passes: drafts pay
+    e.planner.costs = Costs({"target": {1: 1e-3, 64: 1.1e-3}})        # flat passes: drafts pay
     e.planner.explore = 0.0
     cycles = list(e.generate(prompt, s))
     assert [t for c in cycles for t in c.committed] == want[len(prompt):]
@@ -656,7 +656,7 @@ def test_a_request_that_does_not_copy_stops_drafting_at_match_lengths_it_has_not
     draft either; a request whose drafts are accepted keeps drafting there."""
     from prove_local.rules import Cycle
     curve = {1: 1e-3, 2: 1.58e-3, 4: 2.7e-3, 8: 4.6e-3, 16: 9e-3}       # SmolLM2 Q4_1, 2 threads (calibrated)
-    pl = Planner(Costs({"proposer": curve}), explore=0.0)
+    pl = Planner(Costs({"target": curve}), explore=0.0)
     for _ in range(300):
         for m in range(1, 17):
             pl.stats_for(modes.LOOKUP).record([lookup.score(m + j) for j in range(2)], 0, 2,
@@ -666,19 +666,19 @@ def test_a_request_that_does_not_copy_stops_drafting_at_match_lengths_it_has_not
     def outcome(m, k, accepted):
         plan = modes.Plan("lookup", lookup=k)
         c = Cycle(list(range(k)), [lookup.score(m + j) for j in range(k)], None, list(range(accepted + 1)),
-                  accepted, {"proposer": 1}, {"proposer": [1 + k]}, plan=plan)
-        c.seconds, c.decode_seconds = 1e-3, {"proposer": 1e-3}
+                  accepted, {"target": 1}, {"target": [1 + k]}, plan=plan)
+        c.seconds, c.decode_seconds = 1e-3, {"target": 1e-3}
         pl.observe(c, "lookup", planned=False)
 
     pl.start_request()
-    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=at(6)).kind == "lookup"
+    assert pl.plan("lookup", {"target": 1}, 0, 4000, lookup=at(6)).kind == "lookup"
     for m in (1, 2, 3, 1, 2, 3):                  # six one-token drafts rejected, in three bins
         outcome(m, 1, 0)
-    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=at(6)) == modes.AR_PLAN
+    assert pl.plan("lookup", {"target": 1}, 0, 4000, lookup=at(6)) == modes.AR_PLAN
     pl.start_request()                            # a request whose drafts hold
     for m in (1, 2, 3, 1, 2, 3):
         outcome(m, 1, 1)
-    assert pl.plan("lookup", {"proposer": 1}, 0, 4000, lookup=at(6)).kind == "lookup"
+    assert pl.plan("lookup", {"target": 1}, 0, 4000, lookup=at(6)).kind == "lookup"
 
 
 def loop_world(eos_after: int | None):
@@ -697,12 +697,12 @@ def test_lookup_drafts_stop_at_the_end_of_generation_and_at_max_new():
     a request no draft is longer than the tokens left less one (the cycle adds the model's own token).
     Output = the world's greedy text in both."""
     prompt = [1, 2, 3, 4, 5, fakes.EOS, 6, 7, 8, 1, 2, 3]
-    e = Engine({"proposer": FakeContext(loop_world(5), fakes.V)}, is_eog=lambda t: t == fakes.EOS, mask_token=None,
+    e = Engine({"target": FakeContext(loop_world(5), fakes.V)}, is_eog=lambda t: t == fakes.EOS, mask_token=None,
                n_ctx=256, block_size=4)
     cycles = list(e.generate(prompt, Settings(mode="lossless", lookup=8, max_new=20)))
     assert [c.proposed for c in cycles] == [[4, 5, fakes.EOS]]
     assert [t for c in cycles for t in c.committed] == [4, 5, fakes.EOS] and cycles[-1].stop == "eog"
-    e = Engine({"proposer": FakeContext(loop_world(None), fakes.V)}, is_eog=lambda t: t == fakes.EOS, mask_token=None,
+    e = Engine({"target": FakeContext(loop_world(None), fakes.V)}, is_eog=lambda t: t == fakes.EOS, mask_token=None,
                n_ctx=256, block_size=4)
     for max_new in (5, 10, 13):
         cycles = list(e.generate([1, 2, 3, 4, 5, 6, 7, 8] * 2, Settings(mode="lossless", lookup=16, max_new=max_new)))

@@ -10,7 +10,7 @@ from prove_local.server.metrics import Metrics
 
 def cycle(plan, proposed, n_accepted, source=None):
     committed = proposed[:n_accepted] + [99]
-    return Cycle(proposed, [0.5] * len(proposed), None, committed, n_accepted, {"proposer": 1},
+    return Cycle(proposed, [0.5] * len(proposed), None, committed, n_accepted, {"target": 1},
                  plan=plan, source=source)
 
 

@@ -82,7 +82,7 @@ def test_every_planner_branch_is_exact_on_real_contexts(models, ar_outputs, cach
     assert any(kind == "lookup" for kind, b, v in seen["lookup"])                   # lookup explorations
     # the engine calibrated its pass costs at the first auto request, into the test's cache
     assert (cache_dir / "calibration.json").is_file()
-    assert set(engine.planner.costs.base) == {"proposer", "draft"}
+    assert set(engine.planner.costs.base) == {"target", "draft"}
 
 
 @pytest.mark.parametrize("curve,expect", [
@@ -96,7 +96,7 @@ def test_greedy_planner_choices_on_real_contexts_are_exact(models, ar_outputs, c
     monkeypatch.setattr(Planner, "_oh", lambda self, kind, width=None: 0.0)
     prop, draft = models
     engine = Engine.load(prop, None, draft, **F32)
-    engine.planner = Planner(Costs({"proposer": curve, "draft": curve}), explore=0.0)
+    engine.planner = Planner(Costs({"target": curve, "draft": curve}), explore=0.0)
     labels = []
     for p in PROMPTS[:4]:
         # lookup drafts off: the choice under test is the MARS width (on a flat curve a 2-token lookup
@@ -112,7 +112,7 @@ def test_fixed_block_is_still_fixed_and_statistics_update(models):
     prop, draft = models
     engine = Engine.load(prop, None, draft, **F32)
     cycles, _ = run(engine, prop.tokenize(PROMPTS[0]), mode="lossless", block=4)
-    assert all(len(c.proposed) == 4 and c.widths["proposer"][1] == 4 for c in cycles[:-1])
+    assert all(len(c.proposed) == 4 and c.widths["target"][1] == 4 for c in cycles[:-1])
     st = engine.planner.stats["lossless"]
     assert st.n_cycles == len(cycles) and st.tested[1] > 0 and sum(st.tested[4:]) == 0
     assert engine.planner.costs is None              # no calibration for fixed widths
@@ -120,7 +120,7 @@ def test_fixed_block_is_still_fixed_and_statistics_update(models):
 
 # ------------------------------------------------------------------------ planner decisions
 def planner_with(curve, rates, **kw):
-    pl = Planner(Costs({"proposer": curve, "verifier": curve, "draft": curve}), explore=0.0, **kw)
+    pl = Planner(Costs({"target": curve, "verifier": curve, "draft": curve}), explore=0.0, **kw)
     for mode in ("lossless", "prove", "mars", "spec"):
         st = pl.stats_for(mode)
         st.tested[:len(rates)] = [1e6] * len(rates)
@@ -129,7 +129,7 @@ def planner_with(curve, rates, **kw):
 
 
 def best(pl, mode, block_max=16):
-    opts = pl.rates(mode, {"proposer": 1, "verifier": 1, "draft": 1}, block_max)
+    opts = pl.rates(mode, {"target": 1, "verifier": 1, "draft": 1}, block_max)
     b = max(opts, key=lambda o: o.rate)
     return b.kind, b.width
 
@@ -166,15 +166,15 @@ def test_verify_width_cuts_at_unlikely_slots():
 def test_hysteresis_keeps_a_nearly_as_good_choice():
     curve = {1: 1.0, 2: 1.1, 3: 1.2, 64: 8.0}
     pl = planner_with(curve, [1.0, 0.6, 0.5] + [0.1] * 13, replan_every=1, hysteresis=0.5)
-    first = pl.plan("lossless", {"proposer": 1}, 16, 100)
+    first = pl.plan("lossless", {"target": 1}, 16, 100)
     st = pl.stats_for("lossless")
     st.accepted[1:3] = [0.62e6, 0.52e6]                # a slightly different best: no switch
     for _ in range(5):
-        again = pl.plan("lossless", {"proposer": 1}, 16, 100)
+        again = pl.plan("lossless", {"target": 1}, 16, 100)
         assert again.block == first.block
     pl.hysteresis = 0.0
     st.accepted[1:16] = [0.99e6] * 15                   # a much better width: switch
-    assert pl.plan("lossless", {"proposer": 1}, 16, 100).block > first.block
+    assert pl.plan("lossless", {"target": 1}, 16, 100).block > first.block
 
 
 def test_slot_stats_record_semantics():
@@ -236,11 +236,11 @@ def test_projection_table_flat_curve_chooses_full_block():
 
 
 def test_costs_rescale_online():
-    c = Costs({"proposer": {1: 1.0, 4: 2.0}})
-    assert c.t("proposer", 2) == pytest.approx(4 / 3) and c.t("proposer", 8) == pytest.approx(3 + 1 / 3)
+    c = Costs({"target": {1: 1.0, 4: 2.0}})
+    assert c.t("target", 2) == pytest.approx(4 / 3) and c.t("target", 8) == pytest.approx(3 + 1 / 3)
     for _ in range(50):
-        c.observe("proposer", [1, 4], 6.0)              # everything costs twice the calibration
-    assert c.scale["proposer"] == pytest.approx(2.0, rel=0.05)
+        c.observe("target", [1, 4], 6.0)              # everything costs twice the calibration
+    assert c.scale["target"] == pytest.approx(2.0, rel=0.05)
 
 
 def test_costs_learn_the_shape_of_the_curve_at_the_widths_run():
@@ -250,41 +250,41 @@ def test_costs_learn_the_shape_of_the_curve_at_the_widths_run():
     wider ones stay at the widest observed ratio. A machine that slows down at every width moves the
     scale and leaves the shape flat."""
     curve = {1: 1.0, 4: 2.0, 16: 5.0}
-    c = Costs({"proposer": curve})
-    calib = Costs({"proposer": curve})
+    c = Costs({"target": curve})
+    calib = Costs({"target": curve})
     for _ in range(60):
-        c.observe("proposer", [1], 1.0)
-        c.observe("proposer", [14], 1.5 * calib.t("proposer", 14))
+        c.observe("target", [1], 1.0)
+        c.observe("target", [14], 1.5 * calib.t("target", 14))
     # the believed part of the deviation goes into the shape, the rest into the scale (every width)
     k = 1.5 / Costs.SHAPE_NOISE
-    assert c.t("proposer", 1) == pytest.approx(1.0, rel=0.15)
-    assert c.t("proposer", 14) / c.t("proposer", 1) == pytest.approx(k * calib.t("proposer", 14), rel=0.05)
-    rel = lambda n: c.t("proposer", n) / c.t("proposer", 1) / calib.t("proposer", n)   # noqa: E731
+    assert c.t("target", 1) == pytest.approx(1.0, rel=0.15)
+    assert c.t("target", 14) / c.t("target", 1) == pytest.approx(k * calib.t("target", 14), rel=0.05)
+    rel = lambda n: c.t("target", n) / c.t("target", 1) / calib.t("target", n)   # noqa: E731
     assert 1.0 < rel(7) < k and rel(7) == pytest.approx(k ** (6 / 13), rel=0.05)   # between, in log space
     assert rel(40) == pytest.approx(k, rel=0.05)                                  # past: flat
-    assert c.table("proposer")[14] == pytest.approx(c.t("proposer", 14))
-    assert set(c.shape_summary("proposer")) == {1, 14}
+    assert c.table("target")[14] == pytest.approx(c.t("target", 14))
+    assert set(c.shape_summary("target")) == {1, 14}
     # a cycle of several passes (lossless's two, of one width or two) teaches the scale only
-    d = Costs({"proposer": curve})
+    d = Costs({"target": curve})
     for _ in range(60):
-        d.observe("proposer", [1], 1.0)
-        d.observe("proposer", [14, 2], 3 * calib.t("proposer", 14))
-        d.observe("proposer", [3, 3], 4 * calib.t("proposer", 3))
-    assert d.shape["proposer"] is None
+        d.observe("target", [1], 1.0)
+        d.observe("target", [14, 2], 3 * calib.t("target", 14))
+        d.observe("target", [3, 3], 4 * calib.t("target", 3))
+    assert d.shape["target"] is None
     # everything twice as slow: the scale doubles, the shape stays flat
-    e = Costs({"proposer": curve})
+    e = Costs({"target": curve})
     for _ in range(80):
         for w in (1, 3, 9):
-            e.observe("proposer", [w], 2.0 * calib.t("proposer", w))
-    assert e.scale["proposer"] == pytest.approx(2.0, rel=0.05)
-    assert all(v == pytest.approx(1.0, abs=0.05) for v in e.shape_summary("proposer").values())
+            e.observe("target", [w], 2.0 * calib.t("target", w))
+    assert e.scale["target"] == pytest.approx(2.0, rel=0.05)
+    assert all(v == pytest.approx(1.0, abs=0.05) for v in e.shape_summary("target").values())
     # no shape before width 1 and the width itself have been seen SHAPE_MIN times
-    f = Costs({"proposer": curve})
+    f = Costs({"target": curve})
     for _ in range(Costs.SHAPE_MIN - 1):
-        f.observe("proposer", [1], 1.0)
-        f.observe("proposer", [14], 3 * calib.t("proposer", 14))
-    assert f.shape["proposer"] is None and f.t("proposer", 14) / f.t("proposer", 1) == pytest.approx(
-        calib.t("proposer", 14), rel=1e-6)
+        f.observe("target", [1], 1.0)
+        f.observe("target", [14], 3 * calib.t("target", 14))
+    assert f.shape["target"] is None and f.t("target", 14) / f.t("target", 1) == pytest.approx(
+        calib.t("target", 14), rel=1e-6)
 
 
 def test_a_shape_learned_at_a_width_run_often_does_not_run_away():
@@ -296,40 +296,40 @@ def test_a_shape_learned_at_a_width_run_often_does_not_run_away():
     embedded proposer the scale reached 1,600, the shape at widths 2-3 0.001.) While width 1 is seen
     often, its price follows it too."""
     curve = {1: 1.0, 2: 1.6, 4: 2.6, 16: 8.0}
-    c = Costs({"proposer": curve})
-    true3 = 1.25 * c.t("proposer", 3)             # width 3 costs 1.25x its calibration, width 1 as calibrated
+    c = Costs({"target": curve})
+    true3 = 1.25 * c.t("target", 3)             # width 3 costs 1.25x its calibration, width 1 as calibrated
     for _ in range(Costs.SHAPE_MIN):
-        c.observe("proposer", [1], 1.0)
-        c.observe("proposer", [3], true3)
+        c.observe("target", [1], 1.0)
+        c.observe("target", [3], true3)
     for _ in range(2000):
-        c.observe("proposer", [3], true3 * 1.5)
-    assert c.t("proposer", 3) == pytest.approx(true3 * 1.5, rel=0.05)
-    assert 0.9 < c.t("proposer", 1) < 1.6         # what width 1 cost when last seen, or the slowdown
-    assert 0.5 < c.scale["proposer"] < 2.0
-    d = Costs({"proposer": curve})                # width 1 seen every 40th cycle, the machine drifting
+        c.observe("target", [3], true3 * 1.5)
+    assert c.t("target", 3) == pytest.approx(true3 * 1.5, rel=0.05)
+    assert 0.9 < c.t("target", 1) < 1.6         # what width 1 cost when last seen, or the slowdown
+    assert 0.5 < c.scale["target"] < 2.0
+    d = Costs({"target": curve})                # width 1 seen every 40th cycle, the machine drifting
     for i in range(3000):
         drift = 1.0 + 0.5 * i / 3000
         if i % 40 == 0:
-            d.observe("proposer", [1], drift)
+            d.observe("target", [1], drift)
         else:
-            d.observe("proposer", [3], true3 * drift)
-    assert d.t("proposer", 3) == pytest.approx(true3 * drift, rel=0.1)
-    assert d.t("proposer", 1) == pytest.approx(drift, rel=0.25)
-    assert d.shape_summary("proposer")[3] == pytest.approx(1.25 / Costs.SHAPE_NOISE, rel=0.1)
+            d.observe("target", [3], true3 * drift)
+    assert d.t("target", 3) == pytest.approx(true3 * drift, rel=0.1)
+    assert d.t("target", 1) == pytest.approx(drift, rel=0.25)
+    assert d.shape_summary("target")[3] == pytest.approx(1.25 / Costs.SHAPE_NOISE, rel=0.1)
     # a shape outside [SHAPE_LO, SHAPE_HI] is held there: a width never costs less than calibrated
-    e = Costs({"proposer": curve})
+    e = Costs({"target": curve})
     for _ in range(50):
-        e.observe("proposer", [1], 1.0)
-        e.observe("proposer", [8], 0.01)
-        e.observe("proposer", [12], 100.0)
+        e.observe("target", [1], 1.0)
+        e.observe("target", [8], 0.01)
+        e.observe("target", [12], 100.0)
     assert Costs.SHAPE_LO == 1.0
-    assert e.shape_summary("proposer") == {1: 1.0, 8: Costs.SHAPE_LO, 12: Costs.SHAPE_HI}
+    assert e.shape_summary("target") == {1: 1.0, 8: Costs.SHAPE_LO, 12: Costs.SHAPE_HI}
     # within the calibration's noise: no shape
-    f, calib = Costs({"proposer": curve}), Costs({"proposer": curve})
+    f, calib = Costs({"target": curve}), Costs({"target": curve})
     for _ in range(50):
-        f.observe("proposer", [1], 1.0)
-        f.observe("proposer", [2], 1.1 * calib.t("proposer", 2))
-    assert f.shape_summary("proposer") == {1: 1.0, 2: 1.0}
+        f.observe("target", [1], 1.0)
+        f.observe("target", [2], 1.1 * calib.t("target", 2))
+    assert f.shape_summary("target") == {1: 1.0, 2: 1.0}
 
 
 # --------------------------------------------------------------------------------- calibration
@@ -372,8 +372,8 @@ def test_partial_calibration_is_completed(models, cache_dir):
     # loose bounds: the anchor is timed again in a busy CI, and one stalled pass must not fail this
     assert fresh[32] / fresh[1] > 2 and curve[32] / curve[1] > 2
     assert not calibrate.calibrate(prop, opts, budget_s=10.0)["measured"]
-    one = Costs({"proposer": {1: 2.0}})
-    assert [one.t("proposer", n) for n in (1, 2, 16)] == pytest.approx([2.0, 4.0, 32.0])
+    one = Costs({"target": {1: 2.0}})
+    assert [one.t("target", n) for n in (1, 2, 16)] == pytest.approx([2.0, 4.0, 32.0])
 
 
 def test_calibration_cache_forgets_models_that_are_gone(models, cache_dir, tmp_path):
@@ -440,7 +440,7 @@ def test_engine_rechecks_threads_when_passes_stall(models):
     prop, _ = models
     engine = Engine.load(prop, **dict(F32, n_threads=None))
     engine.calibrate()
-    assert set(engine._thread_curves["proposer"]) == {1, calibrate.cores()}
+    assert set(engine._thread_curves["target"]) == {1, calibrate.cores()}
     run(engine, prop.tokenize(PROMPTS[0]), mode="lossless", block="auto")
     stalls = iter([True] + [False] * 10_000)         # the planner reports stalled passes once
     observe = engine.planner.observe
@@ -450,10 +450,10 @@ def test_engine_rechecks_threads_when_passes_stall(models):
     engine._recheck_threads = lambda: rechecked.append(1) or recheck()
     cycles, _ = run(engine, prop.tokenize(PROMPTS[1]), mode="lossless", block="auto")
     assert rechecked == [1]
-    th = engine.contexts["proposer"].n_threads
-    assert th in engine._thread_curves["proposer"]
-    assert list(engine.planner.costs.base["proposer"][1:3]) == pytest.approx(
-        [engine._thread_curves["proposer"][th][n] for n in (1, 2)])
+    th = engine.contexts["target"].n_threads
+    assert th in engine._thread_curves["target"]
+    assert list(engine.planner.costs.base["target"][1:3]) == pytest.approx(
+        [engine._thread_curves["target"][th][n] for n in (1, 2)])
 
 
 def test_ar_mode_needs_no_calibration(models):
@@ -468,8 +468,8 @@ def test_exploration_is_mostly_local():
     except a small share, so that exploring costs little where wide passes are dear."""
     pl = planner_with({1: 1.0, 2: 3.0, 64: 200.0}, [1.0] + [0.5] * 15, seed=3)
     pl.explore, pl.explore_wide, pl.explore_by_rate = 1.0, 0.1, False
-    pl.current["lossless"] = pl.rates("lossless", {"proposer": 1}, 16)[0]     # the ar choice
-    blocks = [pl.plan("lossless", {"proposer": 1}, 16, 100).block for _ in range(400)]
+    pl.current["lossless"] = pl.rates("lossless", {"target": 1}, 16)[0]     # the ar choice
+    blocks = [pl.plan("lossless", {"target": 1}, 16, 100).block for _ in range(400)]
     narrow = sum(b <= 3 for b in blocks) / len(blocks)
     assert 0.85 <= narrow < 1.0 and max(blocks) > 3
 
@@ -480,9 +480,9 @@ def test_explorations_are_carried_out_by_expected_rate():
     exploration cost: ~10 % of ar's speed on the embedded pair), and never more often than before."""
     def blocks(by_rate):
         pl = planner_with({1: 1.0, 2: 3.0, 64: 200.0}, [1.0] + [0.5] * 15, seed=5)
-        pl.plan("lossless", {"proposer": 1}, 16, 100)                 # a replan (explore 0): the options are known
+        pl.plan("lossless", {"target": 1}, 16, 100)                 # a replan (explore 0): the options are known
         pl.explore, pl.explore_wide, pl.explore_by_rate = 1.0, 1.0, by_rate
-        return [pl.plan("lossless", {"proposer": 1}, 16, 100).block for _ in range(2000)]
+        return [pl.plan("lossless", {"target": 1}, 16, 100).block for _ in range(2000)]
     uniform, gated = blocks(False), blocks(True)
     wide = lambda bs: sum(b >= 8 for b in bs) / len(bs)
     assert wide(uniform) > 0.4 and wide(gated) < wide(uniform) / 4, (wide(uniform), wide(gated))
@@ -494,7 +494,7 @@ def test_a_draft_left_behind_by_ar_cycles_does_not_lock_in_ar():
     cost, so it returns to drafting when drafting pays."""
     pl = planner_with({1: 1.0, 64: 1.0}, [0.9] * 16)
     pl.costs.set_curve("draft", {1: 0.01, 2: 0.02, 64: 0.64})
-    opts = pl.rates("spec", {"proposer": 1, "draft": 80}, 16)
+    opts = pl.rates("spec", {"target": 1, "draft": 80}, 16)
     assert max(opts, key=lambda o: o.rate).kind == "spec"
 
 
@@ -519,18 +519,18 @@ def test_threads_left_open_are_chosen_by_measurement_for_any_mode(models):
     engine = Engine.load(prop, **dict(F32, n_threads=None))
     run(engine, prop.tokenize(PROMPTS[0]), mode="ar")
     assert engine.planner.costs is not None
-    assert engine.contexts["proposer"].n_threads in engine._thread_curves["proposer"]
+    assert engine.contexts["target"].n_threads in engine._thread_curves["target"]
 
 
 def test_a_kept_choice_must_still_beat_ar_clearly():
     """Hysteresis keeps a width only while it beats plain ar by the margin."""
     curve = {1: 1.0, 2: 1.1, 3: 1.2, 64: 8.0}
     pl = planner_with(curve, [1.0, 0.9, 0.9] + [0.1] * 13, replan_every=1, hysteresis=0.5)
-    first = pl.plan("lossless", {"proposer": 1}, 16, 100)
+    first = pl.plan("lossless", {"target": 1}, 16, 100)
     assert first.kind == "lossless" and first.block > 1
     st = pl.stats_for("lossless")
     st.accepted[1:16] = [0.0] * 15                      # nothing is accepted any more
-    assert pl.plan("lossless", {"proposer": 1}, 16, 100).kind == "ar"
+    assert pl.plan("lossless", {"target": 1}, 16, 100).kind == "ar"
 
 
 def test_explorations_stay_within_the_regret_budget():
@@ -540,21 +540,21 @@ def test_explorations_stay_within_the_regret_budget():
     from prove_local.rules import Cycle
 
     curve = {1: 1.0, 2: 3.0, 64: 200.0}
-    t = Costs({"proposer": curve}).t
+    t = Costs({"target": curve}).t
 
     def simulate(budget):
         pl = planner_with(curve, [1.0] + [0.5] * 15, seed=7, explore_budget=budget)
         pl.explore, pl.explore_by_rate = 0.2, False
         lost = total = 0.0
         for _ in range(20000):
-            plan = pl.plan("spec", {"proposer": 1, "draft": 1}, 16, 100)
+            plan = pl.plan("spec", {"target": 1, "draft": 1}, 16, 100)
             if plan.kind == "ar":
-                c = Cycle([5], [0.9], None, [5], 1, {"proposer": 1}, {"proposer": [1]}, {"proposer": 1.0}, 1.0, plan=plan)
+                c = Cycle([5], [0.9], None, [5], 1, {"target": 1}, {"target": [1]}, {"target": 1.0}, 1.0, plan=plan)
             else:       # a spec exploration: dear (its verify pass as calibrated), and commits 2 tokens
                 k = plan.draft_k
-                c = Cycle([5] * k, [0.9] * k, [0.9] * k, [5, 5], 1, {"draft": k, "proposer": 1},
-                          {"draft": [40] + [1] * (k - 1), "proposer": [1 + k]},
-                          {"draft": 40.0 - min(20.0, t("proposer", 1 + k)), "proposer": min(20.0, t("proposer", 1 + k))},
+                c = Cycle([5] * k, [0.9] * k, [0.9] * k, [5, 5], 1, {"draft": k, "target": 1},
+                          {"draft": [40] + [1] * (k - 1), "target": [1 + k]},
+                          {"draft": 40.0 - min(20.0, t("target", 1 + k)), "target": min(20.0, t("target", 1 + k))},
                           40.0,
                           plan=plan)
                 lost += 40.0 - 2 * 1.0
@@ -569,7 +569,7 @@ def test_explorations_stay_within_the_regret_budget():
     assert bounded > 0.005                       # still exploring, within the budget
     # fixed-width requests feed the statistics but not the budget's time (it would grow the budget)
     pl = planner_with({1: 1.0, 64: 64.0}, [1.0] + [0.5] * 15)
-    c = Cycle([5, 6], [0.9, 0.9], [0.9, 0.9], [5, 6, 7], 2, {"proposer": 2}, {"proposer": [2, 2]}, {"proposer": 3.0}, 4.0,
+    c = Cycle([5, 6], [0.9, 0.9], [0.9, 0.9], [5, 6, 7], 2, {"target": 2}, {"target": [2, 2]}, {"target": 3.0}, 4.0,
               plan=Plan("lossless", 2))
     pl.observe(c, "lossless", planned=False)
     assert pl.elapsed == 0.0 and pl.stats_for("lossless").tested[1] > 1e6
@@ -584,13 +584,13 @@ def test_under_the_planner_a_partner_is_prefilled_only_when_used(models, ar_outp
     prop, draft = models
     engine = Engine.load(prop, None, draft, **F32)
     steep = {1: 1.0, 2: 3.0, 64: 200.0}
-    engine.planner = Planner(Costs({"proposer": steep, "draft": steep}), explore=0.0)
+    engine.planner = Planner(Costs({"target": steep, "draft": steep}), explore=0.0)
     prompt = prop.tokenize(PROMPTS[4])
     cycles, out = run(engine, prompt, mode="spec", draft_k="auto")
     assert out == ar_outputs[PROMPTS[4]]
     assert engine.contexts["draft"].n_decode == 0 and all(c.widths.get("draft") is None for c in cycles)
     flat = {1: 1.0, 64: 1.0}
-    engine.planner = Planner(Costs({"proposer": flat, "draft": {1: 0.01, 64: 0.64}}), explore=0.0)
+    engine.planner = Planner(Costs({"target": flat, "draft": {1: 0.01, 64: 0.64}}), explore=0.0)
     cycles, out = run(engine, prompt, mode="spec", draft_k="auto")
     assert out == ar_outputs[PROMPTS[4]]
     first = cycles[0].widths["draft"][0]
@@ -603,14 +603,14 @@ def test_quiet_runs_keep_the_exploration_rate():
     rate per cycle, and the options are still recomputed (every 4 x replan_every cycles)."""
     pl = planner_with({1: 1.0, 2: 3.0, 64: 200.0}, [1.0] + [0.5] * 15, seed=11)
     pl.explore, pl.explore_wide, pl.explore_by_rate, pl.explore_budget = 0.1, 0.0, False, 1e9
-    plans = [pl.plan("lossless", {"proposer": 1}, 16, 1000) for _ in range(20000)]
+    plans = [pl.plan("lossless", {"target": 1}, 16, 1000) for _ in range(20000)]
     explored = sum(p.kind != "ar" for p in plans) / len(plans)
     assert 0.09 < explored < 0.11, explored
     assert pl.current["lossless"].kind == "ar"
     calls = []
     pl.rates = lambda *a, **k: calls.append(1) or Planner.rates(pl, *a, **k)
     for _ in range(6400):
-        pl.plan("lossless", {"proposer": 1}, 16, 1000)
+        pl.plan("lossless", {"target": 1}, 16, 1000)
     # ~6400 / (4 x 16) replans (an exploration does not age the choice, so a few fewer)
     assert 80 <= calls.count(1) <= 100, calls.count(1)
 
@@ -622,16 +622,16 @@ def test_the_cycles_after_an_exploration_are_charged_to_it():
     from prove_local.rules import Cycle
     pl = planner_with({1: 1.0, 2: 3.0, 64: 200.0}, [1.0] + [0.5] * 15, seed=2)
     pl.overhead = {"ar": 0.0}
-    pl.plan("lossless", {"proposer": 1}, 16, 100)                  # a replan: ar, at 1 token per second
+    pl.plan("lossless", {"target": 1}, 16, 100)                  # a replan: ar, at 1 token per second
     assert pl.current["lossless"].kind == "ar" and pl.current["lossless"].rate == pytest.approx(1.0)
     pl._quiet.clear()
     pl.explore, pl.explore_by_rate, pl.explore_budget = 1.0, False, 1e9
-    ex = pl.plan("lossless", {"proposer": 1}, 16, 100)
+    ex = pl.plan("lossless", {"target": 1}, 16, 100)
     assert ex.kind != "ar"                                            # an exploration
     # the exploration itself loses nothing (3 tokens in 3 s), then every ar cycle takes 2 s for 1 token
-    pl.observe(Cycle([5, 6], [0.9, 0.9], [0.9, 0.9], [5, 6, 7], 2, {"proposer": 2},
-                     {"proposer": [2, 2]}, {"proposer": 2.9}, 3.0, plan=Plan("lossless", 2)), "lossless")
-    ar = Cycle([5], [0.9], None, [5], 1, {"proposer": 1}, {"proposer": [1]}, {"proposer": 1.9}, 2.0)
+    pl.observe(Cycle([5, 6], [0.9, 0.9], [0.9, 0.9], [5, 6, 7], 2, {"target": 2},
+                     {"target": [2, 2]}, {"target": 2.9}, 3.0, plan=Plan("lossless", 2)), "lossless")
+    ar = Cycle([5], [0.9], None, [5], 1, {"target": 1}, {"target": [1]}, {"target": 1.9}, 2.0)
     for _ in range(AFTER_EXPLORATION + 5):
         pl.observe(ar, "lossless")
     assert pl.regret == pytest.approx(AFTER_EXPLORATION * 1.0)
@@ -643,24 +643,24 @@ def test_explain_says_why_ar_was_chosen_and_how_to_watch_proposals():
     width that shows the blocks anyway. Nothing to explain while a width is chosen."""
     pl = planner_with({1: 1.0, 2: 3.0, 64: 200.0}, [1.0] + [0.5] * 15)
     assert pl.explain("lossless") is None                    # no replan yet
-    assert pl.plan("lossless", {"proposer": 1}, 16, 100).kind == "ar"
+    assert pl.plan("lossless", {"target": 1}, 16, 100).kind == "ar"
     line = pl.explain("lossless")
     assert "auto chose ar" in line and "B=2 v=1 ProVe-lossless cycle costs 4.0 one-token passes" in line
     assert "commit 2.0 tokens, 0.50x ar's speed" in line and "(--block 2: about 0.50x" in line
     assert "(the block length 2" in pl.explain("lossless", fix="the block length {width}")
     # a block a little faster than ar (B=2 v=2: 2.9 tokens for 2 x 1.42 passes, 1.02x) is not enough
     near = planner_with({1: 1.0, 2: 1.42, 64: 200.0}, [1.0, 0.9] + [0.5] * 14)
-    assert near.plan("lossless", {"proposer": 1}, 16, 100).kind == "ar"
+    assert near.plan("lossless", {"target": 1}, 16, 100).kind == "ar"
     assert "B=2 v=2 ProVe-lossless cycle costs 2.8" in near.explain("lossless")
     assert "1.02x ar's speed, short of the 5% a width must win by" in near.explain("lossless")
     flat = planner_with({1: 1.0, 64: 1.0}, [1.0] + [0.9] * 15)
-    assert flat.plan("lossless", {"proposer": 1}, 16, 100).kind == "lossless" and flat.explain("lossless") is None
+    assert flat.plan("lossless", {"target": 1}, 16, 100).kind == "lossless" and flat.explain("lossless") is None
 
 
 def test_engine_explains_an_auto_request_that_ran_ar(models):
     prop, _ = models
     engine = Engine.load(prop, **F32)
-    engine.planner = Planner(Costs({"proposer": {1: 1.0, 2: 3.0, 64: 200.0}}), explore=0.0)
+    engine.planner = Planner(Costs({"target": {1: 1.0, 2: 3.0, 64: 200.0}}), explore=0.0)
     cycles, _ = run(engine, prop.tokenize(PROMPTS[0]), mode="lossless", block="auto")
     assert all(not modes.proposes(c.plan) for c in cycles)
     assert engine.explain(Settings(mode="lossless", block="auto")).startswith("auto chose ar")

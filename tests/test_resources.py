@@ -25,14 +25,14 @@ class ClosingContext(FakeContext):
 
 
 def fake_engine() -> Engine:
-    return Engine({"proposer": ClosingContext(proposer(), V)}, is_eog=lambda t: False, mask_token=MASK, n_ctx=64)
+    return Engine({"target": ClosingContext(proposer(), V)}, is_eog=lambda t: False, mask_token=MASK, n_ctx=64)
 
 
 def test_an_engine_closes_its_contexts_at_the_end_of_its_block():
     with fake_engine() as e:
         out = [t for c in e.generate(PROMPT, Settings(mode="lossless", block=4, max_new=8)) for t in c.committed]
         assert out == greedy(PROMPT, 8)
-        ctx = e.contexts["proposer"]
+        ctx = e.contexts["target"]
         assert ctx.closes == 0
     assert ctx.closes == 1 and e.closed
     with pytest.raises(EngineBusy, match="closed"):
@@ -46,7 +46,7 @@ def test_closing_an_engine_releases_its_open_generation_first():
     gen = e.generate(PROMPT, Settings(mode="lossless", block=4, max_new=20))
     next(gen)
     e.close()
-    assert e.active is None and e.contexts["proposer"].closes == 1
+    assert e.active is None and e.contexts["target"].closes == 1
     gen.close()                                   # the handle's own clean-up finds nothing to do
 
 
@@ -135,7 +135,7 @@ def test_engine_contexts_close_before_the_model_and_a_closed_context_refuses_to_
             prompt = m.tokenize("hello", add_special=True)
             out = [t for c in e.generate(prompt, Settings(mode="ar", max_new=3)) for t in c.committed]
             assert len(out) == 3
-            ctx = e.contexts["proposer"]
+            ctx = e.contexts["target"]
         assert ctx._ctx is None and m._model          # the engine's context is freed, its model is not
         with pytest.raises(LlamaError, match="closed"):
             ctx.eval(prompt)
@@ -164,10 +164,10 @@ def test_the_ui_runtime_closes_its_pool_then_its_models(tiny):
     with Runtime(loaded, parallel=2) as rt:
         assert rt.error is None, rt.error
         with rt.engine() as (_, e):
-            prompt = rt.proposer.tokenize("hi", add_special=True)
+            prompt = rt.target.tokenize("hi", add_special=True)
             assert len([t for c in e.generate(prompt, Settings(mode="ar", max_new=2)) for t in c.committed]) == 2
-        ctx = e.contexts["proposer"]
-    assert e.closed and ctx._ctx is None and loaded.proposer._model is None
+        ctx = e.contexts["target"]
+    assert e.closed and ctx._ctx is None and loaded.target._model is None
 
 
 def test_the_server_closes_its_pool_then_its_models_at_shutdown(tiny):
@@ -183,13 +183,12 @@ def test_the_server_closes_its_pool_then_its_models_at_shutdown(tiny):
     state = State()
     state.pool = EnginePool(loaded, parallel=2)
     with state.pool.engine() as (_, e):
-        prompt = loaded.proposer.tokenize("hi", add_special=True)
+        prompt = loaded.target.tokenize("hi", add_special=True)
         assert len([t for c in e.generate(prompt, Settings(mode="ar", max_new=2)) for t in c.committed]) == 2
-    ctx = e.contexts["proposer"]
     with TestClient(create_app(state), base_url="http://127.0.0.1") as client:
         assert client.get("/health").status_code == 200
-        assert not e.closed and loaded.proposer._model
-    assert state.closing and e.closed and ctx._ctx is None and loaded.proposer._model is None
+        assert not e.closed and loaded.target._model
+    assert state.closing and e.closed and loaded.target._model is None
 
 
 def test_the_server_keeps_its_models_while_an_engine_is_still_busy():

@@ -269,7 +269,7 @@ def test_kv_cache_holds_only_committed_tokens_over_rpc(models, mode):
             if ctx.n_past == 0:
                 continue
             got = next_logits(ctx, e.tokens)
-            fresh = Context(models["local"] if role == "proposer" else ctx.model, **F32)   # local, from scratch
+            fresh = Context(models["local"] if role == "target" else ctx.model, **F32)   # local, from scratch
             want = fresh.eval(e.tokens)[0]
             fresh.close()
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=f"{mode}/{role}")
@@ -548,7 +548,7 @@ def test_load_models_puts_only_the_proposer_on_the_servers(paths, servers, model
                          "--ctx", "512"])
     loaded = load_models(args, parallel=2, draft_required=True)
     try:
-        assert all(any(s.endpoint in k for k in loaded.proposer.placement) for s in servers)
+        assert all(any(s.endpoint in k for k in loaded.target.placement) for s in servers)
         assert not any("RPC" in k for k in loaded.draft.placement)
         e = loaded.engine()
         models["contexts"] += e.contexts.values()
@@ -564,7 +564,7 @@ def test_load_models_puts_only_the_proposer_on_the_servers(paths, servers, model
         for c in models["contexts"]:
             c.close()
         models["contexts"].clear()
-        loaded.proposer.close()
+        loaded.target.close()
         loaded.draft.close()
 
 

@@ -11,7 +11,7 @@ from tests.fakes import (EOS, MASK, PROMPT, V, FakeContext, ar_model, greedy, ma
 def test_ar_cycle_commits_one_greedy_token():
     ctx = FakeContext(ar_model(), V)
     c = rules.ar_cycle(ctx, PROMPT)
-    assert c.committed == [6] and c.n_accepted == 1 and c.passes == {"proposer": 1}
+    assert c.committed == [6] and c.n_accepted == 1 and c.passes == {"target": 1}
     assert ctx.cache == PROMPT  # the committed token stays pending
 
 
@@ -20,7 +20,7 @@ def test_lossless_full_block_plus_bonus():
     c = rules.lossless_cycle(ctx, PROMPT, block=4, mask=MASK)
     assert c.proposed == [6, 7, 8, 9]
     assert c.committed == [6, 7, 8, 9, 10]          # 4 accepted + bonus
-    assert c.n_accepted == 4 and c.passes == {"proposer": 2}
+    assert c.n_accepted == 4 and c.passes == {"target": 2}
     assert ctx.cache == PROMPT + [6, 7, 8, 9]        # bonus pending, no mask left
     assert ctx.evals == [PROMPT + [MASK] * 3, [6, 7, 8, 9]]
 
@@ -50,7 +50,7 @@ def test_prove_first_slot_fails_gate_commits_one():
 def test_prove_theta_zero_commits_whole_block():
     ctx_p, ctx_v = FakeContext(proposer(wrong={2}), V), FakeContext(verifier(), V)
     c = rules.prove_cycle(ctx_p, ctx_v, PROMPT, block=4, mask=MASK, theta=0.0)
-    assert c.committed == [6, 25, 8, 9] and c.passes == {"proposer": 1, "verifier": 1}
+    assert c.committed == [6, 25, 8, 9] and c.passes == {"target": 1, "verifier": 1}
     assert ctx_v.evals == [PROMPT + [6, 25, 8]]     # d_B is never fed
     assert ctx_v.cache == PROMPT + [6, 25, 8]
 
@@ -74,7 +74,7 @@ def test_prove_gate_stops_at_low_verifier_probability():
 def test_mars_tau_edges(tau, expect):
     ctx = FakeContext(proposer(conf={1: 0.95, 2: 0.9, 3: 0.99, 4: 0.93}), V)
     c = rules.mars_cycle(ctx, PROMPT, block=4, mask=MASK, tau=tau)
-    assert len(c.committed) == expect and c.passes == {"proposer": 1}
+    assert len(c.committed) == expect and c.passes == {"target": 1}
     assert ctx.cache == PROMPT
 
 
@@ -87,7 +87,7 @@ def test_spec_cycle_matches_and_bonus():
     ctx_t, ctx_d = FakeContext(ar_model(), V), FakeContext(ar_model(0.7), V)
     c = rules.spec_cycle(ctx_t, ctx_d, PROMPT, k=3)
     assert c.proposed == [6, 7, 8] and c.committed == [6, 7, 8, 9] and c.n_accepted == 3
-    assert c.passes == {"draft": 3, "proposer": 1}
+    assert c.passes == {"draft": 3, "target": 1}
     assert ctx_t.cache == PROMPT + [6, 7, 8] and ctx_d.cache == PROMPT + [6, 7]
 
 
@@ -106,7 +106,7 @@ def test_engine_modes_equal_greedy_and_cache_holds_committed(mode):
     cycles, out = run(e, PROMPT, mode=mode, max_new=23)
     assert out == greedy(PROMPT, 23)
     assert cycles[-1].stop == "length"
-    cache = e.contexts["proposer"].cache
+    cache = e.contexts["target"].cache
     assert cache == e.tokens[:len(cache)]
     assert [c.start for c in cycles] == list(np.cumsum([0] + [len(c.committed) for c in cycles[:-1]]))
 
@@ -122,7 +122,7 @@ def test_engine_cuts_run_after_end_of_generation():
     e = make_engine(prop)
     cycles, out = run(e, [4, 5], mode="lossless", max_new=50)
     assert out == [6, 7, EOS] and cycles[-1].stop == "eog" and len(cycles) == 1
-    cache = e.contexts["proposer"].cache
+    cache = e.contexts["target"].cache
     assert cache == [4, 5, 6, 7, EOS][:len(cache)] and len(cache) >= 4   # nothing past the cut
 
 
@@ -136,7 +136,7 @@ def test_engine_stops_when_context_full():
 def test_engine_reuses_cache_across_requests():
     e = make_engine()
     _, out = run(e, PROMPT, mode="lossless", max_new=8)
-    ctx = e.contexts["proposer"]
+    ctx = e.contexts["target"]
     n_evals = len(ctx.evals)
     follow = PROMPT + out + [2]
     _, out2 = run(e, follow, mode="lossless", max_new=4)
@@ -150,7 +150,7 @@ def test_engine_interrupted_generation_keeps_committed_prefix():
     gen = e.generate(PROMPT, Settings(mode="lossless", max_new=40))
     first = next(gen)
     gen.close()                                  # the consumer stops (Ctrl-C in the CLI)
-    ctx = e.contexts["proposer"]
+    ctx = e.contexts["target"]
     assert e.tokens == PROMPT + first.committed
     assert ctx.cache == e.tokens[:ctx.n_past] and MASK not in ctx.cache
     _, out = run(e, e.tokens, mode="lossless", max_new=5)
@@ -167,7 +167,7 @@ def test_engine_errors():
         run(e, PROMPT, mode="fast")
     with pytest.raises(Exception, match="prompt has 64 tokens"):
         run(e, [1] * 64, mode="ar")
-    no_mask = Engine({"proposer": FakeContext(ar_model(), V)}, is_eog=lambda t: False, mask_token=None, n_ctx=64)
+    no_mask = Engine({"target": FakeContext(ar_model(), V)}, is_eog=lambda t: False, mask_token=None, n_ctx=64)
     with pytest.raises(ModeError, match="mask token"):
         run(no_mask, PROMPT, mode="lossless", lookup=0)        # lossless drafts by lookup alone without one
     with pytest.raises(ModeError, match="mask token"):

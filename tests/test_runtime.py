@@ -84,7 +84,7 @@ def test_prove_theta_zero_commits_whole_blocks(engine, models):
     cycles, out = generate(engine, models[0].tokenize("The quick brown fox"), mode="prove", theta=0.0,
                            block=8, max_new=40)
     assert [len(c.committed) for c in cycles] == [8] * 5
-    assert all(c.passes == {"proposer": 1, "verifier": 1} for c in cycles)
+    assert all(c.passes == {"target": 1, "verifier": 1} for c in cycles)
 
 
 @pytest.mark.parametrize("mode", ["lossless", "prove", "spec", "mars"])
@@ -165,7 +165,7 @@ def test_interrupted_generation_then_next_request(models):
     gen = e.generate(prompt, Settings(mode="lossless", max_new=60, block=6))
     next(gen), next(gen)
     gen.close()
-    ctx = e.contexts["proposer"]
+    ctx = e.contexts["target"]
     fresh = Context(prop, **F32)
     np.testing.assert_allclose(next_logits(ctx, e.tokens), fresh.eval(e.tokens)[0], rtol=1e-4, atol=1e-3)
     kept = list(e.tokens)

@@ -302,7 +302,7 @@ def test_lossless_fake_cache_holds_committed_tokens_only():
 
 # ------------------------------------------------------------------ engine: seeds, greedy, checks
 def _fake_engine():
-    return Engine({"proposer": FakeContext(mars_dist, V), "draft": FakeContext(draft_dist, V)},
+    return Engine({"target": FakeContext(mars_dist, V), "draft": FakeContext(draft_dist, V)},
                   is_eog=lambda t: False, mask_token=MASK, n_ctx=256, block_size=4)
 
 
@@ -464,16 +464,16 @@ def test_greedy_with_repeat_penalty_equals_ar_with_it(pair, engine, mode):
 def test_inspector_shows_acceptance_and_residual():
     from prove_local.rules import Cycle, Plan
     from prove_local.ui import view
-    c = Cycle([1, 2, 3, 4], [.9, .6, .5, .4], [.9, .3, .2, .1], [1, 2, 9], 2, {"proposer": 2},
+    c = Cycle([1, 2, 3, 4], [.9, .6, .5, .4], [.9, .3, .2, .1], [1, 2, 9], 2, {"target": 2},
               accept_prob=[1.0, 0.5, 0.4, 0.25], residual=True, plan=Plan("lossless", 4), gate=[True, True, False, None])
     rows = view.inspect_cycle(c, "lossless", token_text=str)
     assert [r.status for r in rows] == ["committed", "committed", "dropped", "dropped", "correction"]
     assert [r.accept for r in rows] == [1.0, 0.5, 0.4, 0.25, None]
     assert "exact sample" in rows[0].verdict and "0.500" in rows[1].verdict and "rejected" in rows[2].verdict
-    assert "max(0, p − q)" in rows[4].verdict
+    assert "max(0, q − p)" in rows[4].verdict
     h = view.inspector_html(c, rows, "lossless", theta=0.05, tau=0.95)
-    assert "min(1, p/q)" in h and "0.250" in h and "exact speculative sampling" in h
-    full = Cycle([1, 2], [.9, .9], [.9, .9], [1, 2, 3], 2, {"proposer": 2}, accept_prob=[1.0, 1.0], residual=False)
+    assert "min(1, q/p̃)" in h and "0.250" in h and "exact speculative sampling" in h
+    full = Cycle([1, 2], [.9, .9], [.9, .9], [1, 2, 3], 2, {"target": 2}, accept_prob=[1.0, 1.0], residual=False)
     assert view.inspect_cycle(full, "lossless", token_text=str)[-1].status == "bonus"
     assert "in distribution" in view.compare_html("lossless", "a", [], None, "b", None, None, temperature=0.7)
 

@@ -167,7 +167,7 @@ def check_stats(resp, mode="lossless"):
     n = resp.usage.completion_tokens
     assert p["mode"] == mode and p["n_cycles"] >= 1
     assert p["tokens_per_cycle"] == pytest.approx(n / p["n_cycles"], abs=1e-3)
-    assert p["passes"]["proposer"] >= p["n_cycles"] and 0 <= p["draft_n_accepted"] <= p["draft_n"]
+    assert p["passes"]["target"] >= p["n_cycles"] and 0 <= p["draft_n_accepted"] <= p["draft_n"]
     assert set(p["decode_seconds"]) == set(p["passes"]) and p["seconds"] > 0
     return p
 
@@ -177,7 +177,7 @@ def test_health_and_models(server, client):
     assert raw(server, "GET", "/health", key=None)[:1] == (200,)
     assert json.loads(raw(server, "GET", "/health", key=None)[2]) == {"status": "ok"}
     models = client.models.list().data
-    assert [m.model_extra["prove"]["role"] for m in models] == ["proposer", "verifier"]
+    assert [m.model_extra["prove"]["role"] for m in models] == ["target", "verifier"]
     assert len({m.id for m in models}) == 2 and models[0].object == "model"
     assert "lossless" in models[0].model_extra["prove"]["modes"]
     assert "spec" not in models[0].model_extra["prove"]["modes"]        # no draft model given
@@ -192,7 +192,7 @@ def test_chat_plain_streamed_and_exact(client, local):
     assert plain.choices[0].finish_reason == ("stop" if len(ref_tokens) < 48 else "length")
     p = check_stats(plain)
     # --block auto: each cycle a lossless pass pair or a plain ar pass, as the planner chose
-    assert p["block"] == "auto" and p["n_cycles"] <= p["passes"]["proposer"] <= 2 * p["n_cycles"]
+    assert p["block"] == "auto" and p["n_cycles"] <= p["passes"]["target"] <= 2 * p["n_cycles"]
     assert sum(p["widths"].values()) == p["n_cycles"]
     assert p["draft_n_accepted"] <= p["draft_n"] <= 16 * p["n_cycles"] and p["notes"] == []
 
@@ -213,7 +213,7 @@ def test_chat_plain_streamed_and_exact(client, local):
                                         extra_body={"mode": "ar", "frobnicate": {"x": 1}})
     assert ar.choices[0].message.content == ref
     p = check_stats(ar, mode="ar")
-    assert p["passes"] == {"proposer": p["n_cycles"]} and p["draft_n"] == 0 and p["block"] is None
+    assert p["passes"] == {"target": p["n_cycles"]} and p["draft_n"] == 0 and p["block"] is None
 
 
 def test_completions_and_prove_mode(client, local):
@@ -229,7 +229,7 @@ def test_completions_and_prove_mode(client, local):
                                    extra_body={"mode": "prove", "theta": 1.01, "block": 8})
     p = check_stats(pv, mode="prove")
     assert pv.choices[0].text == local.complete("Hello world", 20)[1]
-    assert p["n_cycles"] == 20 and p["block"] == 8 and set(p["passes"]) == {"proposer", "verifier"}
+    assert p["n_cycles"] == 20 and p["block"] == 8 and set(p["passes"]) == {"target", "verifier"}
     assert p["draft_n"] == 7 * 20 and p["draft_n_accepted"] == 0      # slot 1 of each block is no draft
 
 
@@ -574,9 +574,9 @@ def test_health_is_503_while_loading():
 def test_draft_counts_leave_out_the_planners_ar_cycles():
     from prove_local.rules import Cycle, Plan
     from prove_local.modes import draft_counts
-    block = Cycle([1, 2, 3, 4], [.9] * 4, [.9] * 4, [1, 2, 7], 2, {"proposer": 2}, widths={"proposer": [4, 4]},
+    block = Cycle([1, 2, 3, 4], [.9] * 4, [.9] * 4, [1, 2, 7], 2, {"target": 2}, widths={"target": [4, 4]},
                   plan=Plan("lossless", 4))
-    ar = Cycle([5], [.9], None, [5], 1, {"proposer": 1}, widths={"proposer": [1]})    # (plan: ar)
+    ar = Cycle([5], [.9], None, [5], 1, {"target": 1}, widths={"target": [1]})    # (plan: ar)
     d = draft_counts([block, ar, ar])
     assert (d.drafted, d.accepted, d.n_drafts) == (3, 1, 1)        # slots 2..4 drafted, slot 2 accepted
     d = draft_counts([ar])

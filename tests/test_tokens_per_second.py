@@ -34,7 +34,7 @@ class TimedContext(FakeContext):
 def test_decode_time_runs_from_the_first_cycle_to_the_last_without_prefill(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(engine_mod, "time", SimpleNamespace(perf_counter=clock))
-    engine = Engine({"proposer": TimedContext(clock)}, is_eog=lambda t: t == EOS, mask_token=None, n_ctx=64)
+    engine = Engine({"target": TimedContext(clock)}, is_eog=lambda t: t == EOS, mask_token=None, n_ctx=64)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     gen = engine.generate(prompt, Settings(mode="ar", max_new=5))
     cycles = []
@@ -53,6 +53,6 @@ def test_decode_time_runs_from_the_first_cycle_to_the_last_without_prefill(monke
 def test_no_cycle_no_decode_time(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(engine_mod, "time", SimpleNamespace(perf_counter=clock))
-    engine = Engine({"proposer": TimedContext(clock)}, is_eog=lambda t: t == EOS, mask_token=None, n_ctx=64)
+    engine = Engine({"target": TimedContext(clock)}, is_eog=lambda t: t == EOS, mask_token=None, n_ctx=64)
     gen = engine.generate([1, 2, 3], Settings(mode="ar", max_new=0))
     assert list(gen) == [] and gen.request.decode_seconds == 0.0

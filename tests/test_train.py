@@ -444,6 +444,6 @@ def test_self_distill_miniature_end_to_end(tmp_path):
     prompt = new.tokenize(text[:-3])
     outs = {m: [t for c in engine.generate(prompt, Settings(mode=m, max_new=40)) for t in c.committed]
             for m in ("ar", "lossless")}
-    engine.contexts["proposer"].close()
+    engine.contexts["target"].close()
     new.close()
     assert outs["lossless"] == outs["ar"] and len(outs["ar"]) > 0

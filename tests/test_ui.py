@@ -42,7 +42,7 @@ class FakePieces:
 def cyc(proposed, p, q, committed, n_accepted, index=0, stop=None, plan=None, gate=None, residual=False):
     """A cycle as a rule reports it: the plan it ran and its gate's outcome per slot are given
     explicitly (what the rule decided), not derived here."""
-    return Cycle(proposed, p, q, committed, n_accepted, {"proposer": 1}, index=index, stop=stop,
+    return Cycle(proposed, p, q, committed, n_accepted, {"target": 1}, index=index, stop=stop,
                  plan=plan or Plan("mars", len(proposed)), gate=gate, residual=residual)
 
 
@@ -80,7 +80,7 @@ def test_inspector_rows_prove():
     assert rows[0].pq == pytest.approx(0.1) and rows[0].verdict == "p̃·q ≥ θ = 0.05"
     assert "run ends" in rows[2].verdict and "after the first failure" in rows[3].verdict
     assert rows[0].text == "Hel" and rows[2].text == "␣wor"
-    # slot 1 fails the gate but is committed anyway: it is the proposer's AR token
+    # slot 1 fails the gate but is committed anyway: it is the target's AR token
     c = cyc([1, 2], [0.5, 0.9], [0.01, 0.9], [1], 1, plan=Plan("prove", 2), gate=[False, True])
     rows = view.inspect_cycle(c, "prove", theta=0.05, token_text=name)
     assert [(r.gate, r.status) for r in rows] == [(False, "committed"), (True, "dropped")]
@@ -112,7 +112,7 @@ def test_inspector_rows_lossless_correction_and_bonus():
 
 
 def test_inspector_rows_spec():
-    c = Cycle([1, 2, 3], [.9, .8, .7], [.6, .1, .2], [1, 4], 1, {"draft": 3, "proposer": 1},
+    c = Cycle([1, 2, 3], [.9, .8, .7], [.6, .1, .2], [1, 4], 1, {"draft": 3, "target": 1},
               plan=Plan("spec", draft_k=3), gate=[True, False, None], residual=True)
     rows = view.inspect_cycle(c, "spec", token_text=name)
     assert [r.status for r in rows] == ["committed", "dropped", "dropped", "correction"]
@@ -125,7 +125,7 @@ def test_inspector_and_compare_html_escape_model_text():
     h = view.inspector_html(c, rows, "prove", theta=0.05, tau=0.95, context="<script>x</script>", turn=2, n_cycles=9)
     assert "<script>" not in h and "&lt;b&gt;&amp;" in h and 'data-cycle="2:4"' in h and "cycle 5 of 9" in h
     assert h.count("<th>") == 2 and "committed 1 of 2" in h
-    stats = {"n_tokens": 3, "n_cycles": 2, "tokens_per_cycle": 1.5, "n_passes": {"proposer": 2},
+    stats = {"n_tokens": 3, "n_cycles": 2, "tokens_per_cycle": 1.5, "n_passes": {"target": 2},
              "tokens_per_second": 10.0, "stop": "eog"}
     cmp = view.compare_html("lossless", "a<b", [view.Span("a<b", 0, "run")], stats, "a<b", stats, 1.5)
     assert "identical ✓" in cmp and "1.50×" in cmp and "a<b" not in cmp
@@ -265,7 +265,7 @@ def test_page_end_to_end(browser, ui_server, ui_models, tmp_path):
     page.wait_for_selector(f'#inspector .inspector[data-cycle="{target["pick"]}"]')
     heads = page.eval_on_selector_all("#inspector .insp-table tr:first-child th", "els => els.map(e => e.textContent)")
     assert heads[0] == "slot" and heads[1] == "1" and len(heads) >= 3
-    assert "widths: proposer 16+16" in page.inner_text("#inspector .insp-head")
+    assert "widths: target 16+16" in page.inner_text("#inspector .insp-head")
     assert page.locator("#inspector .insp-table .tok").count() == len(heads) - 1
     statuses = page.eval_on_selector_all("#inspector td.status", "els => els.map(e => e.textContent)")
     assert statuses[0] == "committed" and set(statuses) <= {"committed", "dropped", "correction", "bonus"}
@@ -383,25 +383,25 @@ def test_two_pages_decode_at_the_same_time_with_parallel_2(browser, ui_models, m
 
 def test_inspector_sampled_cycle_with_a_verify_prefix():
     """A sampled lossless cycle whose planner verified 2 of 4 slots: slots 3-4 were never tested."""
-    c = Cycle([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8], [1, 2, 9], 2, {"proposer": 2},
-              widths={"proposer": [4, 2]}, accept_prob=[1.0, 0.7], residual=False,
+    c = Cycle([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8], [1, 2, 9], 2, {"target": 2},
+              widths={"target": [4, 2]}, accept_prob=[1.0, 0.7], residual=False,
               plan=Plan("lossless", 4, verify=2), gate=[True, True, None, None])
     rows = view.inspect_cycle(c, "lossless", token_text=name)
     assert [r.status for r in rows[:4]] == ["committed", "committed", "dropped", "dropped"]
     assert all("not verified" in r.verdict for r in rows[2:4]), [r.verdict for r in rows]
-    assert "min(1, p/q) = 0.7" in rows[1].verdict.replace("0.700", "0.7")
+    assert "min(1, q/p̃) = 0.7" in rows[1].verdict.replace("0.700", "0.7")
 
 
 def test_inspector_shows_the_planners_widths():
     """--block auto: a lossless cycle that verified a prefix, and a plain ar cycle inside a lossless answer."""
-    c = Cycle([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8], [1, 2, 9], 2, {"proposer": 2},
-              widths={"proposer": [4, 2]}, plan=Plan("lossless", 4, verify=2), gate=[True, True, None, None])
+    c = Cycle([1, 2, 3, 4], [.9, .8, .7, .6], [.9, .8], [1, 2, 9], 2, {"target": 2},
+              widths={"target": [4, 2]}, plan=Plan("lossless", 4, verify=2), gate=[True, True, None, None])
     rows = view.inspect_cycle(c, "lossless", token_text=name)
     assert [r.status for r in rows] == ["committed", "committed", "dropped", "dropped", "bonus"]
     assert "not verified" in rows[2].verdict and rows[2].q is None
     html = view.inspector_html(c, rows, "lossless", theta=0.05, tau=0.95)
-    assert "widths: proposer 4+2 (B=4 v=2)" in html
-    ar = Cycle([5], [.7], None, [5], 1, {"proposer": 1}, widths={"proposer": [1]})
+    assert "widths: target 4+2 (B=4 v=2)" in html
+    ar = Cycle([5], [.7], None, [5], 1, {"target": 1}, widths={"target": [1]})
     rows = view.inspect_cycle(ar, "lossless", token_text=name)
     assert [r.status for r in rows] == ["committed"] and "AR token" in rows[0].verdict
     assert "(ar)" in view.inspector_html(ar, rows, "lossless", theta=0.05, tau=0.95)

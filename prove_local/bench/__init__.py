@@ -204,10 +204,10 @@ def cmd_bench(args) -> int:
     proposer_path, verifier_path = _model_paths(args, modes)
     prompts = _prompts(args)
     models, ngl = _load_models(args, modes, proposer_path, verifier_path)
-    kv = args.kv_type or ("f32" if models["proposer"].meta("general.file_type") == "0" else "f16")
+    kv = args.kv_type or ("f32" if models["target"].meta("general.file_type") == "0" else "f16")
     context_options = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
-    adapter = Adapter(models["proposer"], args.adapter) if args.adapter else None
-    engine = Engine.load(models["proposer"], models.get("verifier"), models.get("draft"), mask_token=args.mask_token,
+    adapter = Adapter(models["target"], args.adapter) if args.adapter else None
+    engine = Engine.load(models["target"], models.get("verifier"), models.get("draft"), mask_token=args.mask_token,
                          adapter=adapter, **context_options)
     sampling = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                     repeat_last_n=args.repeat_last_n, seed=args.seed, sampler=args.sampler)
@@ -217,7 +217,7 @@ def cmd_bench(args) -> int:
                             temps=temps, sampling=sampling, samples=args.samples, lookup=lookups)
     for r in runs:
         engine.check(r.settings)
-    kept, prompt_tokens = _prompt_tokens(args, prompts, models["proposer"], engine.n_ctx)
+    kept, prompt_tokens = _prompt_tokens(args, prompts, models["target"], engine.n_ctx)
     external = _external_baseline(args, proposer_path, ngl)
     try:
         data = runner.run_bench(engine, models, kept, prompt_tokens, runs, context_options=context_options,
@@ -230,16 +230,16 @@ def cmd_bench(args) -> int:
     if data.interrupted and not data.prompts:
         print("prove-local bench: interrupted before any prompt finished; nothing written", file=sys.stderr)
         return 130
-    # the proposer's threads as decoded (without --threads, calibration may have chosen them)
-    threads = getattr(engine.contexts["proposer"], "n_threads", None) or args.threads
+    # the target's threads as decoded (without --threads, calibration may have chosen them)
+    threads = getattr(engine.contexts["target"], "n_threads", None) or args.threads
     meta = {
         "command": canonical_command(args),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": runner.machine_info(threads),
         "models": {role: {"path": str(m.path), "n_params": m.n_params, "n_vocab": m.n_vocab,
-                          "mask_token": (engine.mask_token if role == "proposer" else m.mask_token),
+                          "mask_token": (engine.mask_token if role == "target" else m.mask_token),
                           "block_size": m.block_size,
-                          **({"adapter": str(args.adapter)} if role == "proposer" and args.adapter else {})}
+                          **({"adapter": str(args.adapter)} if role == "target" and args.adapter else {})}
                    for role, m in models.items()},
         "settings": {"modes": modes, "max_new": args.max_new, "block": ",".join(map(str, blocks)), "theta": thetas,
                      "tau": args.tau, "draft_k": ",".join(map(str, draft_ks)), "lookup": ",".join(map(str, lookups)),
@@ -317,9 +317,9 @@ def _load_models(args, modes: list[str], proposer_path: Path, verifier_path: Pat
             loaded[key] = Model(path, **(where or {"n_gpu_layers": ngl}))
         return loaded[key]
 
-    models = {"proposer": model(proposer_path, **(remote if devices else {}))}
+    models = {"target": model(proposer_path, **(remote if devices else {}))}
     if devices:
-        placement_note(models["proposer"])
+        placement_note(models["target"])
     partners = {MODES[m].partner for m in modes}
     if "verifier" in partners:
         models["verifier"] = model(verifier_path)

@@ -63,11 +63,11 @@ def summary_markdown(res: dict) -> str:
              "times exclude the prompt prefill")
     L += ["", "## Speed and quality per run", "",
           "Speedup vs `ar`: median of per-prompt throughput ratios, and the ratio of total throughputs. "
-          "Cycle cost: mean cycle time ÷ mean `ar` cycle time (proposer-pass units); the curve column is the cost "
+          "Cycle cost: mean cycle time ÷ mean `ar` cycle time (target-pass units); the curve column is the cost "
           "predicted from the pass-cost curve below, and projected speedup = tokens per cycle ÷ that cost. "
           "Flat-curve speedup: the same with every pass costing its model's one-token pass (the regime of a GPU "
           "running a large model, the paper's cost model). `= ar output`: share of prompts whose tokens equal `ar`'s. "
-          "Passes/token: p = proposer, v = verifier, d = draft.", "", modes_table(res), ""]
+          "Passes/token: t = target, v = verifier, d = draft.", "", modes_table(res), ""]
     fam_rows, fams = [], sorted({f for m in res["modes"].values() for f in m["speedup_by_family"]})
     if fams and len(fams) > 1:
         for name, m in res["modes"].items():
@@ -101,8 +101,8 @@ def summary_markdown(res: dict) -> str:
             rows.append([f"`{k}`", stats.fmt(m.get("temperature") or 0.0, 2), stats.fmt(m["tokens_per_cycle"], 2)] + cells)
         L += ["## Acceptance per slot (exact modes)", "",
               "Share of cycles that accepted slot i among those that tested it (all earlier slots accepted); "
-              "in parentheses, at temperature > 0, the mean acceptance probability min(1, p/q) of exact "
-              "speculative sampling. `lossless` slot 1 is the proposer's own next-token sample: always accepted.", "",
+              "in parentheses, at temperature > 0, the mean acceptance probability min(1, q/p̃) of exact "
+              "speculative sampling. `lossless` slot 1 is the target's own next-token sample: always accepted.", "",
               _table(["run", "T", "tokens/cycle"] + [str(i + 1) for i in range(n)], rows), ""]
     dist = {k: m["distribution_vs_ar"] for k, m in res["modes"].items() if m.get("distribution_vs_ar")}
     if dist:
@@ -142,7 +142,7 @@ def summary_markdown(res: dict) -> str:
                 for k, v in res["auc"].items()]
         rows.append(["paper (GSM8K)", "0.910", "0.960", "0.964", "", "", "", "", ""])
         L += ["## Detecting \"slot i is on the greedy path\" (AUC)", "",
-              "p̃: proposer confidence; q: verifier probability (`prove`), the proposer's own verify-pass probability "
+              "p̃: the proposal's confidence; q: the verifier's probability (`prove`), the target's own verify-pass probability "
               "(`lossless`), the target's probability (`spec`). On path: the block up to and including slot i is the "
               "greedy path (what a gate decides; q reads the proposed tokens before slot i). Positional: slot i's token "
               "equals the greedy token at its position, whatever came before it.", "",

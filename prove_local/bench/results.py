@@ -223,7 +223,7 @@ def greedy_path_analyses(ix: Index, name: str, run, entry: dict, bins: int) -> t
     labels, mruns = [], []
     for g in gens_ok:
         if g.prompt in ix.ref:
-            # the planner's plain ar cycles propose nothing, and lookup drafts are not the proposer's
+            # the planner's plain ar cycles propose nothing, and lookup drafts are not MARS slots
             # (their record is the run's "drafts"): both are left out of these analyses
             proposing = [c for c in g.cycles if proposes(c.plan) and not c.plan.lookup]
             labels += stats.slot_labels(proposing, g.tokens, ix.ref[g.prompt])
@@ -289,7 +289,7 @@ def oracle_bound(data: BenchData) -> dict | None:
     if not data.oracle_match:
         return None
     prompts = data.prompts
-    curve = (data.pass_cost or {}).get("proposer")
+    curve = (data.pass_cost or {}).get("target")
     match = {i: data.oracle_match[i] for i in sorted(data.oracle_match)}
     runs_all = [m for ms in match.values() for m in ms]
     cond = conditional_slot_rates(runs_all) if runs_all else []
@@ -316,11 +316,11 @@ def oracle_bound(data: BenchData) -> dict | None:
 def planner_projection(data: BenchData) -> dict | None:
     """Projection from the planner's acceptance statistics: this machine's curve and a flat one."""
     lossless_stats = (data.planner or {}).get("stats", {}).get("lossless")
-    if not (lossless_stats and data.pass_cost and "proposer" in data.pass_cost):
+    if not (lossless_stats and data.pass_cost and "target" in data.pass_cost):
         return None
     rates = lossless_stats["slot_rate"]
     return {"slot_rate": rates,
-            "curve": project(data.pass_cost["proposer"], rates, len(rates)),
+            "curve": project(data.pass_cost["target"], rates, len(rates)),
             "flat": project({1: 1.0, 64: 1.0}, rates, len(rates))}
 
 
@@ -377,14 +377,14 @@ def _plan_of_old_report(mode: str, c: dict) -> Plan:
     """The plan of a cycle stored before cycles recorded theirs, from the widths it fed: a planner's
     plain ar cycle made no proposal pass (lossless: one pass; prove: no verifier pass; spec: no draft;
     mars: one slot)."""
-    m, w, n = MODES[mode], c.get("widths") or {}, len(c["proposed"])
+    m, w, n = MODES[mode], _roles(c.get("widths") or {}), len(c["proposed"])
     if m.width is None:
         return Plan(mode)
     if m.width == "draft_k":
         k = len(w.get("draft", [])) if w else n
         return Plan(mode, draft_k=k) if k else Plan()
     if m.verify_choice:
-        passes = w.get("proposer", [])
+        passes = w.get("target", [])
         verify = passes[1] if len(passes) > 1 else (len(c["q"]) if not w and c.get("q") else None)
         return Plan(mode, n, verify=verify) if verify is not None else Plan()
     if m.partner:
@@ -392,14 +392,28 @@ def _plan_of_old_report(mode: str, c: dict) -> Plan:
     return Plan(mode, n) if n > 1 else Plan()
 
 
+# Roles as folders written before the target model's role was named "target" call them.
+OLD_ROLES = {"proposer": "target"}
+
+
+def _roles(d):
+    """A {role: ...} mapping with the old role names read as today's (None stays None)."""
+    return None if d is None else {OLD_ROLES.get(r, r): v for r, v in d.items()}
+
+
 def read_results(folder) -> dict:
-    """A bench folder's results.json; a one-line SystemExit naming the file when it cannot be read
-    (for the scripts that tabulate several runs)."""
+    """A bench folder's results.json (older folders' role names read as today's: OLD_ROLES); a
+    one-line SystemExit naming the file when it cannot be read (for the scripts that tabulate several
+    runs)."""
     path = Path(folder) / "results.json"
     try:
-        return json.loads(path.read_text())
+        res = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise SystemExit(f"{path}: cannot read bench results ({type(e).__name__}: {e})") from None
+    for key in ("models", "pass_cost"):
+        if isinstance(res.get(key), dict):
+            res[key] = _roles(res[key])
+    return res
 
 
 def load_outputs(out: Path) -> tuple[BenchData, dict]:
@@ -437,9 +451,9 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
         g = json.loads(line)
         toks = g["tokens"]
         cycles = [Cycle(proposed=c["proposed"], p=c["p"], q=c["q"], committed=toks[c["start"]:c["start"] + c["n_committed"]],
-                        n_accepted=c["n_accepted"], passes=c["passes"], decode_seconds=c["decode_seconds"],
+                        n_accepted=c["n_accepted"], passes=_roles(c["passes"]), decode_seconds=_roles(c["decode_seconds"]),
                         seconds=c["seconds"], index=k, start=c["start"], accept_prob=c.get("accept_prob"),
-                        residual=c.get("residual", False), widths=c.get("widths") or {},
+                        residual=c.get("residual", False), widths=_roles(c.get("widths") or {}),
                         plan=Plan(**c["plan"]) if c.get("plan") else _plan_of_old_report(modes_of[g["run"]], c),
                         gate=c.get("gate"), source=c.get("source"))
                   for k, c in enumerate(g["cycles"])]
@@ -448,7 +462,7 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
         gens.append(Generation(index[g["prompt"]], g["run"], toks, cycles, g["seconds"],
                                g["prefill"][0], g["prefill"][1], g["text"], g.get("sample", 0), g.get("seed")))
     data = BenchData(prompts, [[0] * p["n_prompt_tokens"] for p in res["prompts"]], runs, gens,
-                     {role: dict(zip(v["n"], v["seconds"])) for role, v in res.get("pass_cost", {}).items()},
+                     {role: dict(zip(v["n"], v["seconds"])) for role, v in _roles(res.get("pass_cost", {})).items()},
                      res.get("warmup_seconds") or 0.0)
     data.planner = res.get("planner") or {}
     ext = res.get("external")
@@ -457,6 +471,8 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
                          "runs": {index[k]: v for k, v in (ext.get("runs") or {}).items() if k in index}}
     data.oracle_match = {index[k]: v for k, v in ((res.get("oracle") or {}).get("match_runs") or {}).items() if k in index}
     meta = {k: res[k] for k in ("command", "created", "machine", "models", "settings") if k in res}
+    if isinstance(meta.get("models"), dict):
+        meta["models"] = _roles(meta["models"])
     meta["data"] = {k: v for k, v in res.get("data", {}).items() if k in ("paths", "limit")}
     meta["bins"] = max(len(next(iter(res["matched_tokens_by_position"].values()))["edges"]) - 1, 1) \
         if res.get("matched_tokens_by_position") else 5

@@ -112,7 +112,7 @@ def measure_pass_cost(model: Model, context_options: dict, fill: list[int], *, n
 def oracle_runs(engine: Engine, tokens: list[int], reference: list[int], block: int) -> list[int]:
     """For the oracle bound: at every generated position s of the greedy `reference`, a full
     `block`-slot proposal of the proposer, and how many of its leading slots equal reference[s:]."""
-    ctx = engine.contexts["proposer"]
+    ctx = engine.contexts["target"]
     engine.tokens = []
     ctx.truncate(0)
     seq = list(tokens)
@@ -154,7 +154,7 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
     from tqdm import tqdm
 
     data = BenchData(prompts, prompt_tokens, runs)
-    proposer = models["proposer"]
+    proposer = models["target"]
     for r in runs:
         engine.prepare(r.settings)    # pass costs measured (or read from the cache) before any timing
     if warmup > 0 and prompt_tokens:
@@ -166,7 +166,7 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
     if pass_cost and prompt_tokens:
         ns = tuple(n for n in PASS_COST_NS if n <= pass_cost_max)
         seen: dict[int, dict] = {}
-        roles = [r for r in ("proposer", "verifier", "draft") if r in models and r in engine.contexts]
+        roles = [r for r in ("target", "verifier", "draft") if r in models and r in engine.contexts]
         bar = tqdm(roles, desc="pass cost", unit="model", disable=not progress, file=sys.stderr, leave=False)
         for role in bar:
             m = models[role]

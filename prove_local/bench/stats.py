@@ -237,7 +237,7 @@ def tokens_per_cycle(cycles) -> float | None:
 
 
 def measured_cycle_cost(cycles, ar_cycles, decode_only: bool = False) -> float | None:
-    """Mean cycle time of a mode in proposer-pass units: ÷ the mean AR cycle (one 1-token pass).
+    """Mean cycle time of a mode in target-pass units: ÷ the mean AR cycle (one 1-token pass).
     decode_only: count only the time inside llama_decode."""
     def mean_time(cs):
         if not cs:
@@ -279,14 +279,14 @@ def curve_ratio(curve: dict, n: float) -> float:
 
 
 def _unit_cost(curves: dict | None, flat: bool = False):
-    """t(role, n) in units of the proposer's 1-token pass, from pass-cost curves
-    {"proposer"|"verifier"|"draft": {n: seconds}}: the curve's t(n)/t(1), times the role's t(1)
-    relative to the proposer's (the paper's ρ) when those curves exist. flat=True: every pass of n
+    """t(role, n) in units of the target's 1-token pass, from pass-cost curves
+    {"target"|"verifier"|"draft": {n: seconds}}: the curve's t(n)/t(1), times the role's t(1)
+    relative to the target's (the paper's ρ) when those curves exist. flat=True: every pass of n
     tokens costs what its model's 1-token pass costs (the GPU-like regime of the paper's cost model)."""
     def rho(role):
-        if not curves or role not in curves or "proposer" not in curves or role == "proposer":
+        if not curves or role not in curves or "target" not in curves or role == "target":
             return 1.0
-        return curves[role][min(curves[role])] / curves["proposer"][min(curves["proposer"])]
+        return curves[role][min(curves[role])] / curves["target"][min(curves["target"])]
 
     def t(role, n):
         return rho(role) * (1.0 if flat or not curves or role not in curves else curve_ratio(curves[role], n))
@@ -295,13 +295,13 @@ def _unit_cost(curves: dict | None, flat: bool = False):
 
 def cycle_cost_units(mode: str, n_proposed: int, curves: dict | None, flat: bool = False) -> float:
     """Cost of one cycle of `mode` proposing n tokens (B slots, or k drafts), nothing pending, in
-    units of the proposer's 1-token pass: modes.cycle_cost (the planner's cost model) over the curves."""
+    units of the target's 1-token pass: modes.cycle_cost (the planner's cost model) over the curves."""
     m = get_mode(mode)                  # (an unknown mode: ModeError, a ValueError)
     return cycle_cost(_unit_cost(curves, flat), {r: 1 for r in m.roles}, m.plan(n_proposed, n_proposed))
 
 
 def cycle_cost_widths(widths: dict, curves: dict | None, flat: bool = False) -> float:
-    """Cost of one cycle in units of the proposer's 1-token pass from the widths actually fed
+    """Cost of one cycle in units of the target's 1-token pass from the widths actually fed
     (`Cycle.widths`: {role: [tokens per pass]}; a prove/mars proposal pass is pending + B - 1 wide,
     spec's first draft pass catches up on the pending tokens)."""
     return pass_cost(_unit_cost(curves, flat), widths)
@@ -314,7 +314,7 @@ def _cycle_cost(mode: str, c, curves, flat: bool = False) -> float:
 
 
 def projected(mode: str, cycles, curves: dict | None) -> dict:
-    """Projected cycle cost (proposer-pass units) and speedup = tokens per cycle ÷ cycle cost:
+    """Projected cycle cost (target-pass units) and speedup = tokens per cycle ÷ cycle cost:
     from the measured curves, and for a flat curve (`_flat`); from each cycle's own widths."""
     if not cycles:
         return {"cycle_cost": None, "speedup": None, "cycle_cost_flat": None, "speedup_flat": None}
@@ -326,7 +326,7 @@ def projected(mode: str, cycles, curves: dict | None) -> dict:
 
 
 def oracle_cost(match_runs: list[int], curve: dict | None, max_width: int = 16) -> float:
-    """The least total cost (proposer one-token passes) of lossless decoding along one greedy answer
+    """The least total cost (target one-token passes) of lossless decoding along one greedy answer
     knowing the outcome: `match_runs[s]` is how many leading slots of a full proposal at generated
     position s equal the greedy continuation (>= 1: slot 1 is the AR token). At s the best cycle is
     ar (1 token for t(1)) or a block of width v <= max_width verified whole (min(match_runs[s], v) + 1
@@ -408,7 +408,7 @@ def fmt(x, digits: int = 2, suffix: str = "") -> str:
 def acceptance_by_slot(cycles) -> dict:
     """Exact modes: per proposed slot i, how often it was accepted among the cycles that tested it
     (every slot before it accepted, and it was verified), and where the cycle sampled, the mean
-    acceptance probability min(1, p/q) it was tested with. Cycles cut by a stop are left out (the
+    acceptance probability min(1, q/p̃) it was tested with. Cycles cut by a stop are left out (the
     cut, not the rule, ended their run)."""
     tested: list[int] = []
     accepted: list[int] = []

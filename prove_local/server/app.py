@@ -157,12 +157,12 @@ async def read_body(state: State, request: Request) -> bytes:
 
 # ------------------------------------------------------------------------------ endpoints
 def model_list(state: State) -> dict:
-    """GET /v1/models: the loaded models in OpenAI's list format; the proposer's entry names the modes."""
+    """GET /v1/models: the loaded models in OpenAI's list format; the target's entry names the modes."""
     data = []
     for role, mid in state.model_ids.items():
         entry = {"id": mid, "object": "model", "created": state.created, "owned_by": "prove-local",
                  "prove": {"role": role}}
-        if role == "proposer":
+        if role == "target":
             entry["prove"]["modes"] = [m for m in modes.NAMES if m not in state.mode_errors]
             entry["prove"]["default_mode"] = state.defaults.mode
             entry["prove"]["n_ctx"] = state.pool.first.n_ctx
@@ -190,7 +190,7 @@ async def generate(state: State, request: Request, kind: str):
 async def start_job(state: State, request: Request, body, kind: str) -> Job:
     """The request's job, once it holds an engine: errors up to then (a bad request, a full queue)
     are answered with a 4xx/503 before any byte of the answer."""
-    model = state.pool.loaded.proposer
+    model = state.pool.loaded.target
     prompt = chat_prompt(model, body.messages) if kind == "chat" else completion_prompt(model, body)
     settings, notes = settings_for(state, body, len(prompt))
     stops = stop_list(body)

@@ -69,7 +69,7 @@ class Job:
             with pool.engine(prefer=self._affinity,
                              abandoned=lambda: self.cancel.is_set() or self.expired()) as (slot, engine):
                 self.slot = slot
-                model = pool.loaded.proposer
+                model = pool.loaded.target
                 answer = Answer(engine, model, self.prompt, self.settings, self.stops)
                 self.request, self.cycles = answer.request, answer.cycles
                 self._emit("start", slot)
@@ -175,7 +175,7 @@ class Job:
     def timings(self) -> dict:
         """llama-server's `timings` object (tools/server/server.cpp, result_timings; draft_n and
         draft_n_accepted from PR #12603), with its meanings: prompt_n the prompt tokens evaluated for
-        this request (those reused from the proposer's KV cache left out), prompt_ms their prefill
+        this request (those reused from the target's KV cache left out), prompt_ms their prefill
         (the last prompt token is evaluated in the first cycle, as llama-server evaluates it with the
         prompt: a difference of one token's pass); predicted_n the generated tokens, predicted_ms the
         decode time (engine.tokens_per_second's, so predicted_per_second is the `prove` object's

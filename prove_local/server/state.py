@@ -53,7 +53,7 @@ class State:
             except ModeError as e:
                 self.mode_errors[m] = str(e)
         self._name_models(loaded)
-        self.created = int(Path(loaded.proposer.path).stat().st_mtime) if Path(loaded.proposer.path).exists() else 0
+        self.created = int(Path(loaded.target.path).stat().st_mtime) if Path(loaded.target.path).exists() else 0
         self.defaults = defaults
         self.pool = pool                         # last: /health turns 200 now
         if self.closing:                         # the server stopped while the models loaded
@@ -61,7 +61,7 @@ class State:
 
     def _name_models(self, loaded) -> None:
         """The model ids of /v1/models: the file names, made unique when two roles use like-named files."""
-        for role, m in (("proposer", loaded.proposer), ("verifier", loaded.verifier), ("draft", loaded.draft)):
+        for role, m in (("target", loaded.target), ("verifier", loaded.verifier), ("draft", loaded.draft)):
             if m is not None:
                 mid = Path(m.path).stem
                 self.model_ids[role] = mid if mid not in self.model_ids.values() else f"{mid}-{role}"
@@ -72,7 +72,7 @@ class State:
 
     @property
     def model_id(self) -> str:
-        return self.model_ids.get("proposer", "prove-local")
+        return self.model_ids.get("target", "prove-local")
 
     def shutdown(self) -> None:
         """Stop the open generations at their next cycle; new requests are refused."""

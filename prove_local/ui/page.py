@@ -223,7 +223,7 @@ def unavailable_modes(runtime) -> str:
     """The modes these models cannot run, grouped by reason ("prove: needs --verifier V.gguf")."""
     def why(m, msg):
         if "mask token" in msg:
-            return "the proposer has no mask token"
+            return "the target model has no mask token"
         partner = MODES[m].partner
         return f"needs --{partner} {partner[0].upper()}.gguf" if partner else msg
     reasons: dict[str, list[str]] = {}

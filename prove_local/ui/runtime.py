@@ -28,7 +28,7 @@ class Runtime:
     def __init__(self, loaded: Loaded | None = None, *, parallel: int = 1, system: str | None = None,
                  error: str | None = None, n_ctx: int = 4096):
         self.loaded = loaded
-        self.proposer = loaded.proposer if loaded else None
+        self.target = loaded.target if loaded else None
         self.verifier = loaded.verifier if loaded else None
         self.draft = loaded.draft if loaded else None
         self.system = system
@@ -95,7 +95,7 @@ class Runtime:
         """File names by role; a MARS adapter on the stock model is listed as `adapter`."""
         adapter = self.loaded.adapter if self.loaded is not None else None
         return {role: m.path.name for role, m in
-                (("proposer", self.proposer), ("adapter", adapter), ("verifier", self.verifier), ("draft", self.draft))
+                (("target", self.target), ("adapter", adapter), ("verifier", self.verifier), ("draft", self.draft))
                 if m is not None}
 
     def engine(self, prefer: int | None = None):
@@ -107,17 +107,17 @@ class Runtime:
         """The conversation so far plus `user`, rendered with the GGUF's chat template (a model
         without a template gets a plain completion of `user`)."""
         try:
-            conv = Conversation(self.proposer, system=self.system)
+            conv = Conversation(self.target, system=self.system)
         except TemplateMissing:
-            return self.proposer.tokenize(user, add_special=True)
+            return self.target.tokenize(user, add_special=True)
         conv.messages += messages
         return conv.prompt_tokens(user)
 
     def token_text(self, token: int) -> str:
-        return token_label(self.proposer.piece(token, special=True))
+        return token_label(self.target.piece(token, special=True))
 
     def reply_text(self, tokens: list[int]) -> str:
-        return self.proposer.detokenize([t for t in tokens if not self.proposer.is_eog(t)])
+        return self.target.detokenize([t for t in tokens if not self.target.is_eog(t)])
 
 
 # ---------------------------------------------------------------------------- sessions
@@ -174,14 +174,14 @@ def run_turn(runtime: Runtime, sess: Session, user: str, settings: Settings):
         prompt = runtime.prompt_tokens(sess.messages, user)
     except Exception as e:   # jinja errors from a template
         raise UIError(f"the chat template failed: {e}") from e
-    turn = Turn(user, prompt, settings, AnswerView(runtime.proposer))
+    turn = Turn(user, prompt, settings, AnswerView(runtime.target))
     sess.turns.append(turn)
     error = None
     t0 = time.perf_counter()
     try:
         with runtime.engine(sess.engine_hint) as (idx, engine):
             sess.engine_hint = idx
-            answer = Answer(engine, runtime.proposer, prompt, settings)
+            answer = Answer(engine, runtime.target, prompt, settings)
             turn.seed, turn.request = answer.request.seed, answer.request
             with answer:
                 for piece in answer:
@@ -244,7 +244,7 @@ def compare_with_ar(runtime: Runtime, sess: Session, turn_index: int = -1) -> di
     try:
         with runtime.engine(sess.engine_hint) as (idx, engine):
             sess.engine_hint = idx
-            with Answer(engine, runtime.proposer, turn.prompt, settings) as answer:
+            with Answer(engine, runtime.target, turn.prompt, settings) as answer:
                 for _ in answer:
                     pass
     except (LlamaError, ModeError) as e:

@@ -96,13 +96,13 @@ class SlotRow:
     slot: int | None        # 1-based block slot; None for a correction / bonus token
     token: int
     text: str               # display text of the token
-    p: float | None         # proposer (spec: draft) confidence p̃
-    q: float | None
+    p: float | None         # p̃: the proposal's probability of the token (MARS slot, draft model, lookup score)
+    q: float | None         # the target's (prove: the verifier's) probability of it
     pq: float | None
     gate: bool | None       # the rule's test for this slot: True pass, False fail, None not evaluated
     verdict: str            # the gate's verdict in words
     status: str             # "committed", "dropped", "correction" or "bonus"
-    accept: float | None = None   # sampling (lossless, spec): min(1, p/q), the slot's acceptance probability
+    accept: float | None = None   # sampling (lossless, spec): min(1, q/p̃), the slot's acceptance probability
     source: str | None = None     # where the proposed token came from: "mask", "lookup", "draft" (Cycle.source)
 
 
@@ -131,7 +131,7 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
     n_checked = tested(cycle.plan)                  # the planner's verify width (lossless)
     extra = cycle.committed[na:]
     sampled = cycle.accept_prob is not None
-    who = "proposer's" if m.partner is None else "target's"
+    who = "target's"                               # the exact modes' reference: the target verifies
     # the equality test's reference token: the greedy token, or (coupled sampling) the target's sample
     # with the noise of the seed at that position
     greedy = "coupled sample" if getattr(cycle, "coupled", False) else "greedy token"
@@ -153,7 +153,7 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
         elif m.gate:                                  # a threshold on every slot (prove, mars)
             ok = gate[i]
             if committed:
-                verdict = f"{name} ≥ {thr}" if ok else f"{name} < {thr}, committed anyway: slot 1 is the proposer's AR token"
+                verdict = f"{name} ≥ {thr}" if ok else f"{name} < {thr}, committed anyway: slot 1 is the target's AR token"
             elif i < run:
                 verdict = cut
             elif i == first_fail:
@@ -162,7 +162,7 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
                 verdict = (f"{name} ≥ {thr}, but after the first failure" if ok
                            else f"{name} < {thr}, after the first failure")
         else:  # lossless, spec: matched against the target's greedy token, or (sampled) tested by
-            # exact speculative sampling with probability min(1, p/q)
+            # exact speculative sampling with probability min(1, q/p̃)
             if committed:
                 if lookup_slot:
                     verdict = (f"copied by lookup, accepted (probability p(x) = {_fmt(a)}: the draft is a point mass)"
@@ -171,7 +171,7 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
                     verdict = ("slot 1 is an exact sample of the target: always accepted" if sampled
                                else "slot 1 is the AR token: always matches")
                 else:
-                    verdict = f"accepted (probability min(1, p/q) = {_fmt(a)})" if sampled else f"= the {who} {greedy}"
+                    verdict = f"accepted (probability min(1, q/p̃) = {_fmt(a)})" if sampled else f"= the {who} {greedy}"
             elif i >= n_checked:
                 verdict = f"not verified: the planner verified the first {n_checked} of {k} slots"
             elif gate[i] is False and extra:
@@ -190,7 +190,7 @@ def inspect_cycle(cycle, mode: str, theta: float = 0.05, tau: float = 0.95, toke
         bonus = not cycle.residual
         if sampled:
             why = (f"drawn from the {who} distribution after a full match" if bonus
-                   else "drawn from norm(max(0, p − q)) at the first rejection")
+                   else "drawn from norm(max(0, q − p)) at the first rejection")
         else:
             why = (f"the {who} own next token after a full match" if bonus
                    else f"the {who} {greedy} at the first mismatch")
@@ -277,7 +277,7 @@ def inspector_html(cycle, rows: list[SlotRow], mode: str, *, theta: float, tau: 
     pr = ['<th class="rowhead">p̃</th>']
     qr = ['<th class="rowhead">q</th>']
     pqr = ['<th class="rowhead">p̃·q</th>']
-    acr = ['<th class="rowhead" title="acceptance probability of exact speculative sampling">min(1, p/q)</th>']
+    acr = ['<th class="rowhead" title="acceptance probability of exact speculative sampling">min(1, q/p̃)</th>']
     src = ['<th class="rowhead" title="where the proposed token came from">source</th>']
     gr_ = ['<th class="rowhead">gate</th>']
     st = ['<th class="rowhead">result</th>']
