@@ -40,12 +40,22 @@ _buffers: list[str] = []
 
 _backend_ready = False
 
+# Exact kernels: a batch's rows must be bit for bit the one-token rows, or lossless (and every exact
+# mode) parts from ar at near-ties. Two of ggml-cpu's faster paths break that on quantized weights
+# (measured with dev/row_equality.py, docs/adapter.md#exact-on-quantized-weights): its weight repacking
+# (Q4_0, Q4_K, Q8_0, IQ4_NL repacked into interleaved blocks, a gemm kernel from 4 rows, a gemv below)
+# and its tiled K-quant matmul (from 8 rows). Both are off unless PROVE_LOCAL_FAST_KERNELS=1; the
+# third, llamafile's sgemm, is compiled out (-DGGML_LLAMAFILE=OFF, set-up command 1).
+FAST_KERNELS = os.environ.get("PROVE_LOCAL_FAST_KERNELS", "") == "1"
+
 
 def _init_backend() -> None:
     global _backend_ready
     if not _backend_ready:
         if not os.environ.get("PROVE_LLAMA_LOG"):
             ll.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        if not FAST_KERNELS:
+            os.environ.setdefault("GGML_CPU_TILED_MM", "0")   # read by ggml-cpu once, at its first matmul
         ll.llama_backend_init()
         _backend_ready = True
 
@@ -138,6 +148,7 @@ class Model:
         _init_backend()
         params = ll.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        params.use_extra_bufts = FAST_KERNELS          # no CPU weight repacking (exact kernels, above)
         self.devices = list(devices or [])
         # the RPC servers this model's layers live on: checked before every pass (prove_local.rpc)
         self.endpoints = sorted({d.endpoint for d in self.devices if getattr(d, "endpoint", None)})

