@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--blocks", default="4,8,16")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv", choices=("f16", "f32"), default="f16", help="KV cache type of the main run (default f16)")
     ap.add_argument("--f32", action="store_true", help="also run the exactness check on the F32 dequantized base")
     ap.add_argument("--llama-bench", default=None, metavar="BIN",
                     help="llama.cpp's llama-bench binary: also measure its pass-cost curves (Q4_1, F16, F32)")
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
         return med
 
     results = {"blocks": blocks, "max_new": a.max_new, "threads": a.threads, "adapter": str(adapter_path),
-               "adapter_mib": adapter_path.stat().st_size / 2 ** 20, "runs": [run_all(model_path, "f16", True)]}
+               "adapter_mib": adapter_path.stat().st_size / 2 ** 20, "runs": [run_all(model_path, a.kv, True)]}
     from prove_local.convert.dequantize import dequantize_gguf
     with tempfile.TemporaryDirectory() as d:
         f32 = dequantize_gguf(model_path, Path(d) / "f32.gguf") if a.f32 or a.llama_bench else None
