@@ -117,6 +117,9 @@ class Engine:
         self._thread_curves: dict[str, dict] = {}
         self._recalibrated: dict[str, int] = {}     # per role: curves measured again (_recalibrate)
         self.closed = False
+        # batching.Member when the contexts are sequences of shared ones (pool.py): the engine tells the
+        # step barrier when its generation runs, hands a cycle to its consumer, and ends (_run)
+        self.member = None
 
     def close(self) -> None:
         """Free the contexts (their KV caches), each before its model; the models stay (they belong
@@ -141,10 +144,13 @@ class Engine:
 
     @classmethod
     def load(cls, target: Model, verifier: Model | None = None, draft: Model | None = None, *,
-             mask_token: int | None = None, adapter: Adapter | None = None, **context_options) -> "Engine":
+             mask_token: int | None = None, adapter: Adapter | None = None, contexts: dict | None = None,
+             **context_options) -> "Engine":
         """Contexts on the given models (options as for `Context`); checks that the verifier and
         draft share the target's vocabulary and that the mask token is in range. `adapter`: a gated
-        MARS adapter on the target (a stock model): its mask token and block are the adapter's."""
+        MARS adapter on the target (a stock model): its mask token and block are the adapter's.
+        `contexts`: ready contexts per role on these models instead (a batched pool's sequences of
+        shared contexts, batching.py); `context_options` are then what calibration measures with."""
         models = {"target": target, "verifier": verifier, "draft": draft}
         for role in ("verifier", "draft"):
             if models[role] is not None:
@@ -155,8 +161,12 @@ class Engine:
         mask = own if mask_token is None else mask_token
         if mask is not None and not 0 <= mask < target.n_vocab:
             raise ModeError(f"mask token id {mask} is outside the vocabulary of {target.path} (0..{target.n_vocab - 1})")
-        contexts = {role: Context(m, adapter=adapter if role == "target" else None, **context_options)
-                    for role, m in models.items() if m is not None}
+        if contexts is None:
+            contexts = {role: Context(m, adapter=adapter if role == "target" else None, **context_options)
+                        for role, m in models.items() if m is not None}
+        elif sorted(contexts) != sorted(r for r, m in models.items() if m is not None):
+            raise ModeError(f"contexts for {sorted(contexts)}; the models given are "
+                            f"{sorted(r for r, m in models.items() if m is not None)}")
         block = adapter.block_size if adapter is not None else target.block_size
         engine = cls(contexts, is_eog=target.is_eog, mask_token=mask, n_ctx=contexts["target"].n_ctx,
                      block_size=block, name=str(target.path) + (f" + {adapter.path.name}" if adapter else ""))
@@ -374,9 +384,25 @@ class Engine:
             self.active = None
 
     def _run(self, req: "Request") -> Iterator[rules.Cycle]:
+        member = self.member
         try:
-            yield from self._cycles(req)
+            if member is None:
+                yield from self._cycles(req)
+                return
+            # an engine of a batched pool (batching.py): the steps wait for its passes while its
+            # generation's code runs, not while a cycle is with the consumer, and never once it ended
+            member.resume()
+            cycles = self._cycles(req)
+            try:
+                for cycle in cycles:
+                    member.park()
+                    yield cycle
+                    member.resume()
+            finally:
+                cycles.close()
         finally:
+            if member is not None:
+                member.leave()
             self._release(req)
 
     def _cycles(self, req: "Request") -> Iterator[rules.Cycle]:
@@ -412,6 +438,9 @@ class Engine:
             cycle.passes = {r: c.n_decode - before[r][0] for r, c in self.contexts.items() if c.n_decode > before[r][0]}
             cycle.decode_seconds = {r: c.decode_seconds - before[r][1] for r, c in self.contexts.items()
                                     if c.n_decode > before[r][0]}
+            # batched contexts (batching.SeqView): (sequences, tokens) of each llama_decode of the cycle's passes
+            cycle.batch = {r: list(self.contexts[r].batches)[-n:] for r, n in cycle.passes.items()
+                           if hasattr(self.contexts[r], "batches")}
             if not cycle.committed:
                 raise RuntimeError(f"mode {s.mode}: a cycle committed no token (a decoding rule is broken)")
             if cycle.source is None:

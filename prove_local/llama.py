@@ -371,7 +371,7 @@ class Context:
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_threads: int | None = None,
                  n_batch: int = 512, flash_attn: bool | str = "auto", type_k: str = "f16", type_v: str = "f16",
-                 adapter: "Adapter | None" = None):
+                 adapter: "Adapter | None" = None, n_seq: int = 1):
         """adapter: a gated MARS adapter (Adapter) on the same model: on only for the passes that
         ask for it (`eval_view(..., adapter=True)`, the MARS proposal pass), off for every other.
         flash_attn: "auto" (default), "on" or "off" (True / False too): `flash_attn_setting`."""
@@ -381,12 +381,24 @@ class Context:
         self.adapter = adapter
         self._adapter_on = False
         params = ll.llama_context_default_params()
-        params.n_ctx = n_ctx
+        # n_seq > 1: a context of n_seq sequences, each with its own KV cells of n_ctx tokens (llama.cpp
+        # divides n_ctx by n_seq_max when kv_unified is off), decoded together by `decode_batch`
+        # (batching.py gives each sequence the interface of a one-sequence context)
+        self.n_seq = max(1, int(n_seq))
+        params.n_ctx = n_ctx * self.n_seq
         params.n_batch = params.n_ubatch = n_batch
-        params.n_seq_max = 1
+        params.n_seq_max = self.n_seq
+        if self.n_seq > 1:
+            params.kv_unified = False    # a KV stream per sequence: attention reads its own cells only
         threads = n_threads or default_threads(model)
         params.n_threads = params.n_threads_batch = threads
         self.flash_attn = flash_attn_setting(flash_attn, type_k, type_v)
+        if self.n_seq > 1 and self.flash_attn == "auto":
+            # several sequences (batching.py): off unless asked for. llama.cpp's CPU flash attention picks
+            # its kernel by the batch's shape (one query of one sequence over >= 512 cells: split over the
+            # threads; >= a tile of queries: tiled), so a sequence's rows would depend in the last bits on
+            # which others share its decodes; without it each row is computed alike in any batch
+            self.flash_attn = "off"
         params.flash_attn_type = {"on": ll.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": ll.LLAMA_FLASH_ATTN_TYPE_DISABLED,
                                   "auto": ll.LLAMA_FLASH_ATTN_TYPE_AUTO}[self.flash_attn]
         try:
@@ -397,10 +409,11 @@ class Context:
         _log_tail.clear()
         self._ctx = ll.llama_init_from_model(model._model, params)
         if not self._ctx:
-            raise LlamaError(f"{model.path}: could not create a context of {n_ctx} tokens ({_last_log()})")
+            raise LlamaError(f"{model.path}: could not create a context of {n_ctx} tokens"
+                             f"{f' x {self.n_seq} sequences' if self.n_seq > 1 else ''} ({_last_log()})")
         self._mem = ll.llama_get_memory(self._ctx)
         # llama.cpp rounds the cache up (to 256 cells) and clamps n_batch to the n_ctx asked for
-        self.n_ctx = min(n_ctx, ll.llama_n_ctx(self._ctx))
+        self.n_ctx = min(n_ctx, ll.llama_n_ctx(self._ctx) if self.n_seq == 1 else ll.llama_n_ctx_seq(self._ctx))
         self.n_batch = ll.llama_n_batch(self._ctx)
         self.n_vocab = model.n_vocab
         self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
@@ -412,6 +425,7 @@ class Context:
         np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self.n_batch,))[:] = 1
         for i in range(self.n_batch):
             self._batch.seq_id[i][0] = 0
+        self._seqs = np.zeros(self.n_batch, dtype=np.int32)   # the sequence id each batch slot holds now
         self.n_threads = threads
         self.n_past = 0
         self.n_decode = 0          # llama_decode calls, i.e. forward passes
@@ -520,6 +534,69 @@ class Context:
             arr = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
             self._view = cached = (addr, arr)
         return cached[1][:n_rows]
+
+    def decode_batch(self, passes: list, adapter: bool = False) -> list[np.ndarray]:
+        """One `llama_decode` of several sequences' passes (a context made with n_seq > 1; batching.py
+        drives it). `passes`: (seq, pos, tokens, rows) each, ascending by seq, every seq at most once:
+        `tokens` appended to sequence `seq` at positions pos.., logits wanted for `rows` (indices into
+        `tokens`). `adapter`: the context's adapter on for this decode (it is per context, so passes
+        that want it and passes that do not go in separate decodes). Returns each pass's rows as float32
+        [len(rows), n_vocab], a copy its caller owns (the next decode overwrites llama.cpp's buffer,
+        whoever asks for it). On failure every sequence is cut back to its pos (llama.cpp keeps what the
+        decode's earlier ubatches wrote) and LlamaError says why."""
+        if not getattr(self, "_ctx", None):
+            raise LlamaError(f"{self.model.path}: this context is closed")
+        n = sum(len(t) for _, _, t, _ in passes)
+        if not 0 < n <= self.n_batch:
+            raise LlamaError(f"a batch of {n} tokens; this context decodes 1..{self.n_batch} at once")
+        if self.model.endpoints:
+            rpc.check(self.model.endpoints)
+        wanted, i = [], 0
+        for seq, pos, tokens, rows in passes:
+            k = len(tokens)
+            if not 0 <= seq < self.n_seq or pos + k > self.n_ctx:
+                raise LlamaError(f"sequence {seq} positions {pos}..{pos + k - 1}: outside this context's "
+                                 f"{self.n_seq} sequences of {self.n_ctx} tokens")
+            self._tok[i:i + k] = tokens
+            self._pos[i:i + k] = self._positions[pos:pos + k]
+            for j in np.flatnonzero(self._seqs[i:i + k] != seq):   # (ctypes writes only where the layout changed)
+                self._batch.seq_id[i + j][0] = seq
+            self._seqs[i:i + k] = seq
+            self._out[i:i + k] = 0
+            u = np.unique(np.asarray(rows, dtype=np.int64))
+            if len(u) and (u[0] < 0 or u[-1] >= k):
+                raise LlamaError(f"rows {list(rows)} outside a pass of {k} tokens")
+            self._out[i + u] = 1
+            wanted.append(u)
+            i += k
+        self._batch.n_tokens = n
+        if adapter or self._adapter_on:
+            self._use_adapter(adapter)
+        t0 = time.perf_counter()
+        rc = ll.llama_decode(self._ctx, self._batch)
+        self.decode_seconds += time.perf_counter() - t0
+        self.n_decode += 1
+        if rc != 0:
+            why = "no KV slot" if rc == 1 else _last_log()
+            for seq, pos, _, _ in passes:
+                ll.llama_memory_seq_rm(self._mem, seq, pos, -1)
+            raise LlamaError(f"llama_decode failed with code {rc} for sequences "
+                             f"{', '.join(str(p[0]) for p in passes)} ({why})")
+        logits = self._logits_view(sum(len(u) for u in wanted))
+        out, r = [], 0
+        for (_, _, _, rows), u in zip(passes, wanted):
+            block = logits[r:r + len(u)]
+            r += len(u)
+            same = len(rows) == len(u) and all(int(a) == int(b) for a, b in zip(rows, u))
+            out.append(block.copy() if same else block[np.searchsorted(u, np.asarray(rows, dtype=np.int64))])
+        return out
+
+    def drop(self, seq: int, p0: int) -> None:
+        """Remove positions p0.. of sequence `seq` (a context made with n_seq > 1; `truncate` is sequence 0's)."""
+        if not getattr(self, "_ctx", None):
+            return
+        if not ll.llama_memory_seq_rm(self._mem, seq, p0, -1):
+            raise LlamaError(f"llama_memory_seq_rm refused to drop positions {p0}.. of sequence {seq} (recurrent model?)")
 
     def set_threads(self, n: int) -> None:
         """Change the CPU threads of later passes (the planner's thread re-check, calibrate.py)."""

@@ -188,9 +188,17 @@ class Loaded:
     mask_token: int | None = None
     adapter: object | None = None
 
-    def engine(self):
+    def engine(self, contexts: dict | None = None, **options):
+        """An engine on these models: contexts of its own, or `contexts` (a batched pool's sequences);
+        `options` override context options (what calibration measures the given contexts with)."""
         return Engine.load(self.target, self.verifier, self.draft, mask_token=self.mask_token,
-                           adapter=self.adapter, **self.context_options)
+                           adapter=self.adapter, contexts=contexts, **{**self.context_options, **options})
+
+    @property
+    def models(self) -> dict:
+        """{role: Model} of the roles that have one."""
+        return {r: m for r, m in (("target", self.target), ("verifier", self.verifier), ("draft", self.draft))
+                if m is not None}
 
     def close(self) -> None:
         """Free the models (each closes its contexts and adapter first)."""

@@ -12,6 +12,11 @@ only the new tokens are then evaluated. `prefer` may also be a function scoring 
 server scores by the prompt prefix an engine already holds, as llama-server picks a slot by prompt
 similarity). Engines are created on first use; the first one at once, so that bad models fail at
 start-up.
+
+With `parallel` > 1 (and `batched`, the default) the engines share one llama.cpp context per model with
+a sequence per engine (batching.py): every step of the requests in flight is one `llama_decode` per
+context, and each request's output is what it would be alone. `batched=False` gives each engine
+contexts of its own (each request its own `llama_decode` calls, competing for the same cores).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import contextlib
 import threading
 from typing import Callable
 
+from .batching import Shared
 from .errors import EngineBusy
 from .loading import Loaded
 
@@ -32,10 +38,16 @@ class Cancelled(EngineBusy):
 
 
 class EnginePool:
-    def __init__(self, loaded: Loaded, parallel: int = 1, max_queue: int | None = None):
+    def __init__(self, loaded: Loaded, parallel: int = 1, max_queue: int | None = None, batched: bool = True):
         self.loaded = loaded
         self.max_queue = max_queue
         self._engines = [None] * max(1, parallel)
+        # the shared contexts of a batched pool (one sequence per engine), made now: every slot's KV (a
+        # loader without models, such as the tests' fakes that make engines on scripted contexts, gets
+        # engines of their own)
+        models = getattr(loaded, "models", None)
+        self.shared = Shared(models, len(self._engines), adapter=loaded.adapter, **loaded.context_options) \
+            if batched and len(self._engines) > 1 and models else None
         self._busy = [False] * len(self._engines)
         self._cond = threading.Condition()
         self._tickets = 0               # arrival numbers: waiting requests are served in order
@@ -45,7 +57,21 @@ class EnginePool:
         self.peak_waiting = 0
         self.n_rejected = 0             # refused with QueueFull
         self.closed = False
-        self._engines[0] = loaded.engine()       # validates vocabularies and the mask token now
+        try:
+            self._engines[0] = self._make(0)     # validates vocabularies and the mask token now
+        except BaseException:
+            if self.shared is not None:
+                self.shared.close()
+            raise
+
+    def _make(self, i: int):
+        """Engine i: on sequence i of the shared contexts, or on contexts of its own."""
+        if self.shared is None:
+            return self.loaded.engine()
+        # (calibrated as the shared contexts run: flash attention is off there unless asked for)
+        engine = self.loaded.engine(contexts=self.shared.views(i), flash_attn=self.shared.flash_attn)
+        engine.member = self.shared.members[i]
+        return engine
 
     def close(self, timeout: float | None = None) -> bool:
         """Close the engines (their contexts) once the requests holding them have given them back; a
@@ -65,6 +91,8 @@ class EnginePool:
         for e in engines:
             if e is not None:
                 e.close()
+        if left == 0 and self.shared is not None:
+            self.shared.close()
         return left == 0
 
     def __enter__(self) -> "EnginePool":
@@ -142,7 +170,7 @@ class EnginePool:
             self._cond.notify_all()
         try:
             if self._engines[i] is None:
-                self._engines[i] = self.loaded.engine()
+                self._engines[i] = self._make(i)
             yield i, self._engines[i]
         finally:
             with self._cond:

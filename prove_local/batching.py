@@ -1,0 +1,369 @@
+"""Several requests decoded in one `llama_decode` per step (continuous batching, as llama-server's slots).
+
+The engines of a pool (pool.py) share one llama.cpp context per role (proposer, verifier, draft),
+made with `n_seq` sequences (llama.Context(n_seq=...): `n_seq_max` = the slots, `kv_unified` off, so
+each sequence has KV cells of its own and attention reads only them). Each engine gets a `SeqView`
+per role: the interface of a one-sequence `llama.Context` (`n_past`, `eval`, `eval_view`, `truncate`,
+`n_stock`, the adapter flag, the counters), so the decoding rules (rules.py, modes.py) and the engine
+are the same functions over it as over a context of their own: the batching lives below them.
+
+A view's `eval` submits its pass (tokens, positions, sequence id, the rows it reads, adapter on or
+off) to the pool's `Batcher` and blocks. A *step* starts when every engine that is in the middle of
+its generation's code has a pass waiting (an engine whose generation handed a cycle to its consumer
+is waited for `PARK_GRACE_S` at most; an idle one, not at all). The thread that completes the barrier
+drives the step, no thread of its own: it puts every waiting pass into one `llama_batch` per context
+(each token with its sequence id, logits only on the rows asked for), calls `llama_decode` once, and
+hands each view a copy of its rows. The adapter switch (`llama_set_adapters_lora`) is per context, so
+passes with the adapter on and passes with it off go into separate decodes of the same step; a step
+whose passes exceed the context's `n_batch` is several decodes. `truncate` is `llama_memory_seq_rm`
+on the view's sequence only; an engine keeps its committed sequence between requests (prefix reuse
+per sequence, as with a context of its own).
+
+Isolation: a decode that fails is retried pass by pass, alone, so only the pass that fails gets the
+error; a thread that gives up while its pass waits (an exception, an interrupt) takes the pass out
+of the step, or, when the step has it already, the positions it wrote are dropped; an engine whose
+generation ends (finished, closed, failed) leaves the barrier at once (Engine._run). Nothing of one
+request's decoding depends on which others share its steps: with F32 weights each sequence's rows
+are bitwise those of the same request alone (tests/test_batching.py).
+
+Limits (llama.cpp's, b of the vendored version): with `kv_unified` off llama.cpp splits a batch into
+ubatches of *equal* token counts over *consecutive* sequence ids (`split_equal`), so a step of passes of
+different widths, or of sequences 0 and 2 without 1, is computed as several graphs inside the one
+`llama_decode`; a step of one-token passes of sequences 0..k-1 is one.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+
+from .errors import ContextFull, LlamaError
+from .llama import Context
+
+PARK_GRACE_S = 0.005      # how long a step waits for an engine whose generation handed a cycle to its consumer
+
+IDLE, RUNNING, PENDING, PARKED = "idle", "running", "pending", "parked"
+
+
+class _Pass:
+    """One pass of one view: what to decode, and what came of it."""
+    __slots__ = ("view", "seq", "pos", "tokens", "rows", "adapter", "result", "error", "taken", "abandoned",
+                 "done", "batch", "seconds")
+
+    def __init__(self, view: "SeqView", pos: int, tokens: list[int], rows: list[int], adapter: bool):
+        self.view, self.seq, self.pos, self.tokens, self.rows, self.adapter = view, view.seq, pos, tokens, rows, adapter
+        self.result: np.ndarray | None = None
+        self.error: BaseException | None = None
+        self.taken = False           # a step has it (it is no longer in the waiting list)
+        self.abandoned = False       # its thread gave up waiting for it
+        self.done = False            # result or error handed over (set with the lock held, when its step ends)
+        self.batch = (0, 0)          # (sequences, tokens) of the llama_decode it was in
+        self.seconds = 0.0           # its share of that decode's time, by tokens
+
+
+class Member:
+    """One engine's place in the steps (the same sequence id in every shared context). The engine
+    calls `resume` when its generation's code runs (a step then waits for its next pass), `park`
+    when the generation hands a cycle to its consumer, and `leave` when the generation ends."""
+
+    def __init__(self, batcher: "Batcher", seq: int):
+        self.batcher, self.seq = batcher, seq
+        self.state = IDLE
+        self.generating = False
+        self.parked_at = 0.0
+
+    def resume(self) -> None:
+        self.batcher._set(self, RUNNING, True)
+
+    def park(self) -> None:
+        self.batcher._set(self, PARKED, True)
+
+    def leave(self) -> None:
+        self.batcher._set(self, IDLE, False)
+
+
+class Batcher:
+    """The step barrier of a pool's engines. `grace`: seconds a step waits for a parked engine."""
+
+    def __init__(self, grace: float = PARK_GRACE_S):
+        self._cond = threading.Condition(threading.Lock())
+        self._llama = threading.RLock()          # llama.cpp calls on the shared contexts: one at a time
+        self.members: list[Member] = []
+        self._waiting: list[_Pass] = []
+        self._driving = False
+        self.grace = grace
+        self.steps = 0                           # steps run, and llama_decode calls made in them
+        self.decodes = 0
+
+    def member(self, seq: int) -> Member:
+        m = Member(self, seq)
+        with self._cond:
+            self.members.append(m)
+        return m
+
+    def _set(self, m: Member, state: str, generating: bool) -> None:
+        with self._cond:
+            m.generating = generating
+            if m.state != PENDING:               # (a pending member is blocked in run(): its own thread)
+                m.state = state
+                if state == PARKED:
+                    m.parked_at = time.monotonic()
+            self._cond.notify_all()
+
+    def _blocked(self) -> tuple[bool, float | None]:
+        """Whether a step must wait (lock held), and for how long at most (None: until notified)."""
+        now, wait = time.monotonic(), None
+        for m in self.members:
+            if m.state == RUNNING:
+                return True, None
+            if m.state == PARKED and m.generating:
+                left = m.parked_at + self.grace - now
+                if left > 0:
+                    wait = left if wait is None else min(wait, left)
+        return wait is not None, wait
+
+    def run(self, p: _Pass) -> np.ndarray:
+        """Decode pass `p` in the next step (its view's thread; blocks); its rows, or its error raised."""
+        m = p.view.member
+        cond = self._cond
+        with cond:
+            back = RUNNING if m.generating else IDLE
+            m.state = PENDING
+            self._waiting.append(p)
+            cond.notify_all()
+            try:
+                while not p.done:
+                    wait = None
+                    if not self._driving:
+                        blocked, wait = self._blocked()
+                        if not blocked:
+                            self._drive(cond)
+                            continue
+                    cond.wait(wait)
+            except BaseException:
+                if p in self._waiting:
+                    self._waiting.remove(p)
+                p.abandoned = True
+                if m.state == PENDING:
+                    m.state = back
+                cond.notify_all()
+                raise
+        if p.error is not None:
+            raise p.error
+        return p.result
+
+    def _drive(self, cond) -> None:
+        """Run one step with every waiting pass (lock held on entry and on return, released meanwhile)."""
+        self._driving = True
+        step, self._waiting = self._waiting, []
+        for q in step:
+            q.taken = True
+        cond.release()
+        try:
+            self._step(step)
+        finally:
+            cond.acquire()
+            self._driving = False
+            self.steps += 1
+            for q in step:
+                if q.result is not None or q.error is not None:
+                    q.done = True                # its thread runs on from here: the next step waits for it
+                    mem = q.view.member
+                    if mem.state == PENDING:
+                        mem.state = RUNNING if mem.generating else IDLE
+                elif not q.abandoned:            # the step was interrupted before it: it waits again
+                    q.taken = False
+                    self._waiting.append(q)
+            cond.notify_all()
+
+    def _step(self, step: list[_Pass]) -> None:
+        groups: dict[tuple[int, bool], list[_Pass]] = {}
+        for q in step:
+            if not q.abandoned:
+                groups.setdefault((id(q.view.shared), q.adapter), []).append(q)
+        with self._llama:
+            try:
+                for (_, adapter), qs in groups.items():
+                    qs.sort(key=lambda q: q.seq)
+                    ctx = qs[0].view.shared
+                    part, n = [], 0
+                    for q in qs:
+                        if part and n + len(q.tokens) > ctx.n_batch:
+                            self._decode(ctx, part, adapter)
+                            part, n = [], 0
+                        part.append(q)
+                        n += len(q.tokens)
+                    self._decode(ctx, part, adapter)
+            finally:
+                for q in step:                   # what a pass nobody waits for, or an unfinished one, wrote
+                    if q.abandoned or (q.result is None and q.error is None):
+                        q.view.shared.drop(q.seq, q.pos)
+
+    def _decode(self, ctx: Context, qs: list[_Pass], adapter: bool) -> None:
+        """One llama_decode of passes `qs` on `ctx` (the _llama lock held); a failure is retried pass by
+        pass, so that only the pass that fails gets the error."""
+        before = ctx.decode_seconds
+        try:
+            outs = ctx.decode_batch([(q.seq, q.pos, q.tokens, q.rows) for q in qs], adapter)
+        except Exception as e:       # noqa: BLE001 - handed to the pass's own thread
+            self.decodes += 1
+            if len(qs) == 1:
+                qs[0].error = e
+            else:
+                for q in qs:
+                    self._decode(ctx, [q], adapter)
+            return
+        self.decodes += 1
+        seconds = ctx.decode_seconds - before
+        n = sum(len(q.tokens) for q in qs)
+        for q, out in zip(qs, outs):
+            q.batch, q.seconds = (len(qs), n), seconds * len(q.tokens) / n
+            q.result = out
+
+
+class SeqView:
+    """Sequence `seq` of a shared context, as the decoding rules see a context: `n_past`, `eval(tokens,
+    rows)`, `eval_view` (here the same copy: llama.cpp's buffer is every sequence's), `truncate(n)`,
+    `n_stock` and `gated` (a gated MARS adapter), `n_decode` and `decode_seconds` (its share, by
+    tokens, of each llama_decode its passes were in), `batches` ((sequences, tokens) of the recent ones)."""
+
+    def __init__(self, shared: Context, seq: int, member: Member):
+        self.shared, self.seq, self.member, self.batcher = shared, seq, member, member.batcher
+        self.model, self.adapter = shared.model, shared.adapter
+        self.n_ctx, self.n_batch, self.n_vocab = shared.n_ctx, shared.n_batch, shared.n_vocab
+        self.n_past = 0
+        self.n_stock = 0            # as llama.Context.n_stock: positions [0, n_stock) hold stock KV
+        self.n_decode = 0
+        self.decode_seconds = 0.0
+        self.batches: collections.deque = collections.deque(maxlen=256)
+        self.closed = False
+
+    @property
+    def _ctx(self):
+        """The llama context this view decodes on; None once the view or the shared context is closed
+        (as llama.Context's, which the engine's and the tests' closing checks read)."""
+        return None if self.closed else getattr(self.shared, "_ctx", None)
+
+    @property
+    def gated(self) -> bool:
+        return self.adapter is not None
+
+    @property
+    def n_threads(self) -> int:
+        return self.shared.n_threads
+
+    @property
+    def flash_attn(self):
+        return getattr(self.shared, "flash_attn", None)
+
+    def set_threads(self, n: int) -> None:
+        """The shared context's threads (every sequence's passes: they are decoded together)."""
+        with self.batcher._llama:
+            self.shared.set_threads(n)
+
+    def eval(self, tokens: list[int], rows: list[int] | None = None, adapter: bool = False) -> np.ndarray:
+        return self._eval(tokens, rows, adapter)
+
+    def eval_view(self, tokens: list[int], rows: list[int] | None = None, adapter: bool = False) -> np.ndarray:
+        return self._eval(tokens, rows, adapter)
+
+    def _eval(self, tokens, rows, adapter: bool) -> np.ndarray:
+        if not self._ctx:
+            raise LlamaError(f"{self.model.path}: this context is closed")
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise LlamaError(f"{self.model.path}: a pass of no tokens")
+        rows = [len(tokens) - 1] if rows is None else [int(r) for r in rows]
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise ContextFull(f"{self.n_past} + {len(tokens)} tokens do not fit the {self.n_ctx}-token context")
+        if adapter and self.adapter is None:
+            raise LlamaError(f"{self.model.path}: an adapter pass on a context without an adapter")
+        start = self.n_past
+        if len(tokens) <= self.n_batch:          # one chunk: every pass of a cycle
+            out = self._pass(tokens, rows, adapter)
+        else:
+            outs, where = [], []
+            for first in range(0, len(tokens), self.n_batch):
+                chunk = tokens[first:first + self.n_batch]
+                mine = [i for i, r in enumerate(rows) if first <= r < first + len(chunk)]
+                outs.append(self._pass(chunk, [rows[i] - first for i in mine], adapter))
+                where += mine
+            out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
+            if rows:
+                out[where] = np.concatenate(outs)
+        if adapter:                              # (as llama.Context: an adapter pass writes no stock KV)
+            self.n_stock = min(self.n_stock, start)
+        elif self.n_stock == start:
+            self.n_stock = start + len(tokens)
+        return out
+
+    def _pass(self, tokens: list[int], rows: list[int], adapter: bool) -> np.ndarray:
+        p = _Pass(self, self.n_past, tokens, rows, adapter)
+        out = self.batcher.run(p)
+        self.n_past += len(tokens)
+        self.n_decode += 1
+        self.decode_seconds += p.seconds
+        self.batches.append(p.batch)
+        return out
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens of this sequence (`llama_memory_seq_rm` on it alone)."""
+        if not self._ctx:
+            return
+        if n < 0 or n > self.n_past:
+            raise LlamaError(f"cannot truncate a context of {self.n_past} tokens to {n}")
+        with self.batcher._llama:
+            self.shared.drop(self.seq, n)
+        self.n_past = n
+        self.n_stock = min(self.n_stock, n)
+
+    def close(self) -> None:
+        """Empty this sequence and refuse later passes (the shared context is its owner's to close)."""
+        if not self.closed:
+            self.truncate(0)
+            self.closed = True
+
+    def __enter__(self) -> "SeqView":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Shared:
+    """The shared contexts of `n_seq` engines on the same models: one llama.Context with `n_seq`
+    sequences per role, one Batcher, a Member per sequence. `views(i)`: sequence i's contexts (what
+    Engine.load takes as `contexts`); `close` frees the contexts (after the engines: Engine.close
+    empties its sequences)."""
+
+    def __init__(self, models: dict, n_seq: int, *, adapter=None, grace: float = PARK_GRACE_S, **context_options):
+        if n_seq < 1:
+            raise LlamaError(f"a shared context needs at least one sequence, not {n_seq}")
+        self.n_seq = n_seq
+        self.batcher = Batcher(grace)
+        self.contexts: dict[str, Context] = {}
+        try:
+            for role, m in models.items():
+                if m is not None:
+                    self.contexts[role] = Context(m, adapter=adapter if role == "target" else None,
+                                                  n_seq=n_seq, **context_options)
+        except BaseException:
+            self.close()
+            raise
+        self.members = [self.batcher.member(i) for i in range(n_seq)]
+
+    @property
+    def flash_attn(self) -> str:
+        """The shared contexts' flash attention ("on" or "off": llama.Context.flash_attn)."""
+        return next(iter(self.contexts.values())).flash_attn
+
+    def views(self, i: int) -> dict[str, SeqView]:
+        if not 0 <= i < self.n_seq:
+            raise LlamaError(f"sequence {i} of a {self.n_seq}-sequence shared context")
+        return {role: SeqView(ctx, i, self.members[i]) for role, ctx in self.contexts.items()}
+
+    def close(self) -> None:
+        for ctx in self.contexts.values():
+            ctx.close()

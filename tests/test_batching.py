@@ -1,0 +1,365 @@
+"""Several requests decoded in one llama_decode per step (prove_local/batching.py), on real llama.cpp
+contexts with tiny random-weight F32 models and an F32 KV cache: each request's output in a batch is
+the same request's output alone, token for token (greedy and seeded sampling), with requests in flight
+at different phases (different prompt lengths, one finishing early, one in prefill while the others
+decode, modes mixed); every sequence's cache then holds exactly its committed tokens (bitwise the
+logits of a fresh context); one request's decode error, cancellation or abandoned consumer never ends
+or hangs another; the pool's engines share the contexts."""
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+
+from prove_local.batching import PENDING, Shared, SeqView
+from prove_local.engine import Engine, Settings
+from prove_local.errors import ContextFull, LlamaError
+from prove_local.llama import Context, Model
+from prove_local.loading import Loaded
+from prove_local.pool import EnginePool
+from tests.reference import next_logits
+from tests.tiny import tiny_gguf
+
+F32 = dict(n_ctx=512, n_threads=1, type_k="f32", type_v="f32", n_batch=64)   # a 200-token prompt: 4 chunks
+SLOTS = 4
+LONG = 60.0          # a step waits this long for a parked engine: batching in these tests is by the barrier
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("batching")
+    prop = Model(tiny_gguf(d, seed=0))
+    ver = Model(tiny_gguf(d, seed=1, hidden=32, role="verifier"))
+    draft = Model(tiny_gguf(d, seed=0, mask=False, role="verifier"))   # the proposer's weights: long accepted drafts
+    yield {"target": prop, "verifier": ver, "draft": draft}
+
+
+@pytest.fixture(scope="module")
+def solo(models):
+    return Engine.load(models["target"], models["verifier"], models["draft"], **F32)
+
+
+def shared_engines(models, n=SLOTS, grace=LONG, **opts):
+    shared = Shared(models, n, grace=grace, **{**F32, **opts})
+    engines = []
+    for i in range(n):
+        e = Engine.load(models["target"], models["verifier"], models["draft"], contexts=shared.views(i), **F32)
+        e.member = shared.members[i]
+        engines.append(e)
+    return shared, engines
+
+
+def prompt(models, i: int, n: int) -> list[int]:
+    """A prompt of n tokens, different for each i."""
+    base = models["target"].tokenize(f"Question {i}: what is {i} + {3 * i}? The quick brown fox {i}. ")
+    return (base * (n // len(base) + 1))[:n]
+
+
+def alone(engine, p, s) -> list[int]:
+    return [t for c in engine.generate(p, s) for t in c.committed]
+
+
+def run_together(engines, jobs):
+    """jobs[i] = (prompt, Settings, start) on engines[i] in its own thread; `start` None (at once) or
+    (j, k): after job j has yielded its k-th cycle. Returns (outputs, cycles, errors) per job."""
+    n = len(jobs)
+    outs, cycles, errors = [None] * n, [[] for _ in range(n)], [None] * n
+    seen = [threading.Event() for _ in range(n)]
+    reached = {}
+    gate = threading.Barrier(sum(1 for j in jobs if j[2] is None))
+
+    def work(i):
+        p, s, start = jobs[i]
+        try:
+            if start is None:
+                gate.wait()
+            else:
+                reached.setdefault(start, threading.Event()).wait()
+            out = []
+            for c in engines[i].generate(p, s):
+                cycles[i].append(c)
+                out += c.committed
+                key = (i, len(cycles[i]))
+                if key in reached:
+                    reached[key].set()
+            outs[i] = out
+        except BaseException as e:       # noqa: BLE001 - reported by the test
+            errors[i] = e
+        finally:
+            seen[i].set()
+            for (j, _), ev in reached.items():      # a job that ends early releases the ones waiting on it
+                if j == i:
+                    ev.set()
+
+    for j in jobs:
+        if j[2] is not None:
+            reached[j[2]] = threading.Event()
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs, cycles, errors
+
+
+def batched_cycles(cycles) -> int:
+    return sum(1 for c in cycles if any(b[0] > 1 for bs in c.batch.values() for b in bs))
+
+
+def check_caches(models, engines):
+    """Every sequence's cache holds exactly its engine's committed tokens: the next-token logits of
+    each view equal, bitwise, those of a fresh context fed the same tokens."""
+    for e in engines:
+        for role, view in e.contexts.items():
+            if not e.tokens or view.n_past == 0:
+                continue
+            with Context(models[role], **F32) as fresh:
+                want = next_logits(fresh, e.tokens)
+            assert np.array_equal(next_logits(view, e.tokens), want), role
+
+
+def test_one_step_is_one_llama_decode_with_each_sequence_exact(models):
+    """Two sequences' passes of different widths in one step: one llama_decode, and each pass's rows
+    bitwise those of a context of its own."""
+    shared, _ = shared_engines(models, 2)
+    try:
+        ctx = shared.contexts["target"]
+        a, b = (SeqView(ctx, i, shared.members[i]) for i in (0, 1))
+        pa, pb = prompt(models, 1, 7), prompt(models, 2, 3)
+        for m in shared.members:
+            m.resume()                    # both in their generation: the step waits for both passes
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("a", a.eval(pa, rows=[6, 2, 4])))
+        before = ctx.n_decode
+        t.start()
+        while shared.members[0].state != PENDING:
+            t.join(0.01)
+        got["b"] = b.eval(pb, rows=[0, 2])
+        t.join()
+        assert ctx.n_decode == before + 1
+        assert a.batches[-1] == b.batches[-1] == (2, 10)
+        for m in shared.members:
+            m.leave()
+        with Context(models["target"], **F32) as fresh:
+            assert np.array_equal(got["a"], fresh.eval(pa, rows=[6, 2, 4]))
+            fresh.truncate(0)
+            assert np.array_equal(got["b"], fresh.eval(pb, rows=[0, 2]))
+        a.truncate(3)
+        assert (a.n_past, b.n_past) == (3, 3)
+        with Context(models["target"], **F32) as fresh:   # b's cache was not touched by a's truncate
+            assert np.array_equal(next_logits(b, pb), next_logits(fresh, pb))
+    finally:
+        shared.close()
+
+
+def test_each_sequence_has_the_context_size_asked_for(models):
+    shared, _ = shared_engines(models, 3, n_batch=512)
+    try:
+        ctx = shared.contexts["target"]
+        views = [SeqView(ctx, i, shared.members[i]) for i in range(3)]
+        assert all(v.n_ctx == 512 for v in views)
+        views[1].eval(prompt(models, 5, 512), rows=[])
+        with pytest.raises(ContextFull, match="512-token context"):
+            views[1].eval([5])
+        views[0].eval(prompt(models, 6, 300), rows=[])
+        views[2].eval(prompt(models, 7, 511), rows=[])
+        assert [v.n_past for v in views] == [300, 512, 511]
+    finally:
+        shared.close()
+
+
+MIXED = [  # (prompt index, prompt length, settings, start)
+    (0, 9, Settings(mode="ar", max_new=48), None),
+    (1, 23, Settings(mode="lossless", max_new=64, block=4), None),
+    (2, 5, Settings(mode="spec", max_new=12, draft_k=3), None),                 # finishes early
+    (3, 200, Settings(mode="lossless", max_new=40, block=8), (0, 6)),          # prefills while the others decode
+]
+
+
+def test_mixed_requests_in_flight_equal_their_solo_runs(models, solo):
+    shared, engines = shared_engines(models)
+    try:
+        jobs = [(prompt(models, i, n), s, start) for i, n, s, start in MIXED]
+        want = [alone(solo, p, s) for p, s, _ in jobs]
+        outs, cycles, errors = run_together(engines, jobs)
+        assert errors == [None] * len(jobs)
+        for i, (out, w) in enumerate(zip(outs, want)):
+            assert out == w, f"request {i} ({jobs[i][1].mode}) differs from its run alone"
+        assert len(outs[2]) == 12 and len(outs[0]) == 48
+        assert all(batched_cycles(c) > 0 for c in cycles[:2]), "no cycle was decoded with another request"
+        assert batched_cycles(cycles[3]) > 0
+        for cs in cycles:                 # passes counted per cycle = the rule's declared passes
+            for c in cs:
+                assert c.passes == {r: sum(math.ceil(x / F32["n_batch"]) for x in w) for r, w in c.widths.items() if w}
+                assert {r: len(b) for r, b in c.batch.items()} == c.passes
+        check_caches(models, engines)
+        # the next request on each engine reuses its sequence's prefix and is still exact
+        outs2, _, errors2 = run_together(engines, [(p + o[:3], Settings(mode="lossless", max_new=20, block=4), None)
+                                                   for (p, _, _), o in zip(jobs, outs)])
+        assert errors2 == [None] * len(jobs)
+        for (p, _, _), o, o2 in zip(jobs, outs, outs2):
+            assert o2 == alone(solo, p + o[:3], Settings(mode="lossless", max_new=20, block=4))
+    finally:
+        shared.close()
+
+
+def test_planned_widths_and_prove_in_a_batch_equal_greedy(models, solo):
+    """The planner's widths (block auto, calibrated) and prove with a gate that never passes: exact too."""
+    shared, engines = shared_engines(models, 3)
+    try:
+        jobs = [(prompt(models, 10, 14), Settings(mode="lossless", max_new=40, block="auto"), None),
+                (prompt(models, 11, 30), Settings(mode="prove", max_new=40, block=6, theta=1.01), None),
+                (prompt(models, 12, 8), Settings(mode="lookup", max_new=40, lookup=3), None)]
+        want = [alone(solo, p, Settings(mode="ar", max_new=40)) for p, _, _ in jobs]
+        outs, cycles, errors = run_together(engines, jobs)
+        assert errors == [None] * 3
+        assert outs == want
+        assert sum(batched_cycles(c) for c in cycles) > 0
+        check_caches(models, engines)
+    finally:
+        shared.close()
+
+
+@pytest.mark.parametrize("sampler", ["coupled", "rejection"])
+def test_seeded_sampling_in_a_batch_equals_the_same_request_alone(models, solo, sampler):
+    shared, engines = shared_engines(models, 3)
+    try:
+        kw = dict(temperature=0.9, sampler=sampler)
+        jobs = [(prompt(models, 20, 11), Settings(mode="ar", max_new=40, seed=1, **kw), None),
+                (prompt(models, 21, 17), Settings(mode="lossless", max_new=40, block=4, seed=2, **kw), None),
+                (prompt(models, 22, 6), Settings(mode="spec", max_new=30, draft_k=3, seed=3, **kw), (0, 4))]
+        want = [alone(solo, p, s) for p, s, _ in jobs]
+        outs, cycles, errors = run_together(engines, jobs)
+        assert errors == [None] * 3
+        assert outs == want
+        assert sum(batched_cycles(c) for c in cycles) > 0
+    finally:
+        shared.close()
+
+
+def test_a_failing_decode_fails_only_its_request(models, solo):
+    """A prompt with a token outside the vocabulary: llama.cpp refuses the whole batch it is in; the
+    step retries each pass alone, so only that request fails, and its engine serves the next one."""
+    shared, engines = shared_engines(models, 3)
+    try:
+        bad = prompt(models, 30, 10)
+        bad[4] = models["target"].n_vocab + 7
+        jobs = [(prompt(models, 31, 12), Settings(mode="ar", max_new=40), None),
+                (bad, Settings(mode="lossless", max_new=40, block=4), None),
+                (prompt(models, 32, 20), Settings(mode="lossless", max_new=40, block=4), None)]
+        outs, _, errors = run_together(engines, jobs)
+        assert isinstance(errors[1], LlamaError) and "llama_decode failed" in str(errors[1])
+        assert errors[0] is None and errors[2] is None
+        assert outs[0] == alone(solo, *jobs[0][:2]) and outs[2] == alone(solo, *jobs[2][:2])
+        assert engines[1].contexts["target"].n_past == 0      # nothing of the failed pass stays
+        good = prompt(models, 33, 9)
+        assert alone(engines[1], good, Settings(mode="lossless", max_new=20, block=4)) == \
+            alone(solo, good, Settings(mode="lossless", max_new=20, block=4))
+        check_caches(models, engines)
+    finally:
+        shared.close()
+
+
+def test_cancelled_and_abandoned_requests_never_stop_the_others(models, solo):
+    """Request 0 is closed after 3 cycles; request 1's consumer stops iterating after 2 cycles and
+    neither closes nor drops its generation (it is waited for a grace period, not forever); the
+    others finish exactly, and both engines then serve exact requests."""
+    shared, engines = shared_engines(models, 4, grace=0.005)
+    try:
+        s = Settings(mode="lossless", max_new=40, block=4)
+        held = {}
+        done = threading.Event()
+
+        def cancel():
+            g = engines[0].generate(prompt(models, 40, 10), s)
+            for k, _ in enumerate(g):
+                if k == 2:
+                    break
+            g.close()
+
+        def abandon():
+            g = engines[1].generate(prompt(models, 41, 10), s)
+            held["g"] = g
+            next(g), next(g)
+            done.wait()              # holds the open generation until the others are done
+
+        jobs = [(prompt(models, 42, 15), s, None), (prompt(models, 43, 7), Settings(mode="ar", max_new=50), None)]
+        side = [threading.Thread(target=cancel, daemon=True), threading.Thread(target=abandon, daemon=True)]
+        for t in side:
+            t.start()
+        outs, _, errors = run_together(engines[2:], jobs)
+        done.set()
+        for t in side:
+            t.join()
+        assert errors == [None, None]
+        assert outs == [alone(solo, p, st) for p, st, _ in jobs]
+        held["g"].close()
+        for e in engines[:2]:
+            p = prompt(models, 44, 12)
+            assert alone(e, p, s) == alone(solo, p, s)
+        check_caches(models, engines)
+    finally:
+        shared.close()
+
+
+def test_the_pool_shares_contexts_and_each_answer_equals_its_own(models, solo):
+    loaded = Loaded(models["target"], models["verifier"], models["draft"], dict(F32))
+    pool = EnginePool(loaded, parallel=3)
+    try:
+        assert pool.shared is not None
+        results, errs = {}, []
+
+        def ask(i):
+            try:
+                with pool.engine() as (slot, engine):
+                    assert isinstance(engine.contexts["target"], SeqView)
+                    assert engine.contexts["target"].shared is pool.shared.contexts["target"]
+                    results[i] = alone(engine, prompt(models, 50 + i, 8 + 3 * i),
+                                       Settings(mode="lossless" if i % 2 else "ar", max_new=30, block=4))
+            except BaseException as e:   # noqa: BLE001
+                errs.append(e)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(5)]   # 5 requests, 3 slots
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errs == []
+        for i in range(5):
+            assert results[i] == alone(solo, prompt(models, 50 + i, 8 + 3 * i),
+                                       Settings(mode="lossless" if i % 2 else "ar", max_new=30, block=4))
+    finally:
+        assert pool.close()
+    assert all(c._ctx is None for c in pool.shared.contexts.values())
+    unbatched = EnginePool(loaded, parallel=2, batched=False)
+    try:
+        assert unbatched.shared is None and isinstance(unbatched.first.contexts["target"], Context)
+    finally:
+        unbatched.close()
+
+
+def test_flash_attention_is_off_in_shared_contexts_unless_asked_for(models, solo):
+    """With an F16 KV cache flash attention `auto` is on in a context of its own and off in a shared one
+    (its CPU kernel depends on the batch's shape); `on` is honoured. Batched on F16 KV equals the same
+    request alone with flash attention off."""
+    f16 = dict(F32, type_k="f16", type_v="f16")
+    with Context(models["target"], **f16) as own:
+        assert own.flash_attn == "auto"
+    shared, engines = shared_engines(models, 2, **f16)
+    try:
+        assert shared.flash_attn == "off"
+        jobs = [(prompt(models, 60, 13), Settings(mode="ar", max_new=30), None),
+                (prompt(models, 61, 21), Settings(mode="lossless", max_new=30, block=4), None)]
+        outs, cycles, errors = run_together(engines, jobs)
+        assert errors == [None, None]
+        ref = Engine.load(models["target"], models["verifier"], models["draft"], **dict(f16, flash_attn="off"))
+        assert outs == [alone(ref, p, s) for p, s, _ in jobs]
+    finally:
+        shared.close()
+    on = Shared({"target": models["target"]}, 2, **dict(f16, flash_attn="on"))
+    try:
+        assert on.flash_attn == "on"
+    finally:
+        on.close()
