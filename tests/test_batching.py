@@ -363,3 +363,48 @@ def test_flash_attention_is_off_in_shared_contexts_unless_asked_for(models, solo
         assert on.flash_attn == "on"
     finally:
         on.close()
+
+
+def test_gated_adapter_passes_in_a_batch_equal_the_stock_model_alone(tmp_path):
+    """A stock model with a gated MARS adapter: adapter-on proposal passes and stock passes of one step
+    are separate decodes of the shared context; lossless (fixed and planned widths) and mars beside ar
+    each equal the same request alone, and every sequence ends with stock KV only."""
+    torch = pytest.importorskip("torch")
+    from prove_local.llama import Adapter
+    from prove_local.train import adapter as ad
+
+    path = tiny_gguf(tmp_path, seed=3, mask=False)
+    lm = ad.StockLM(path)
+    lora = ad.Lora(lm, 4, alpha=8, seed=1)
+    g = torch.Generator().manual_seed(101)
+    with torch.no_grad():
+        for k in lora.b:
+            lora.b[k].copy_(torch.randn(lora.b[k].shape, generator=g) * 0.05)
+    gguf = ad.export(lm, lora, tmp_path / "random.gguf", mask=ad.choose_mask(lm), block=8, dtype="f32")
+    with Model(path) as m:
+        a = Adapter(m, gguf)
+        solo = Engine.load(m, adapter=a, **F32)
+        shared = Shared({"target": m}, 4, adapter=a, grace=LONG, **F32)
+        engines = []
+        for i in range(4):
+            e = Engine.load(m, adapter=a, contexts=shared.views(i), **F32)
+            e.member = shared.members[i]
+            engines.append(e)
+        try:
+            base = m.tokenize("Question: what is 7 times 8? Answer: ")
+            jobs = [(base + base[:3], Settings(mode="lossless", max_new=40, block=4), None),
+                    (base[:9], Settings(mode="ar", max_new=40), None),
+                    (base * 2, Settings(mode="lossless", max_new=40, block="auto"), None),
+                    (base[4:], Settings(mode="mars", max_new=30, block=4, tau=0.5), (1, 3))]
+            want = [alone(solo, p, s) for p, s, _ in jobs]
+            outs, cycles, errors = run_together(engines, jobs)
+            assert errors == [None] * 4
+            assert outs == want
+            assert batched_cycles(cycles[0]) > 0
+            for e in engines:
+                v = e.contexts["target"]
+                assert v.gated and v.n_stock == v.n_past <= len(e.tokens)     # no adapter KV left behind
+            check = {"target": m}
+            check_caches(check, engines)
+        finally:
+            shared.close()
