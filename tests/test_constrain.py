@@ -150,6 +150,28 @@ def test_forbidden_lookup_draft_is_rejected_by_verification():
     assert out == masked_greedy(prompt, 12, no_forbidden_no_sevens, model=lambda prefix: FORBIDDEN)
 
 
+def test_coupled_sampling_under_a_grammar_gives_ar_text_in_every_exact_mode():
+    """The coupled sampler's identity (a seed means a text, whatever the mode and width) under a
+    grammar: lossless (whose slot 2 proposes FORBIDDEN), lossless with lookup drafts, lookup and spec,
+    each drawing and testing on rows masked by the state its tokens reach, commit ar's tokens for
+    every seed; the seeds give many texts."""
+    g = FakeGrammar(no_forbidden_no_sevens)
+    kw = dict(max_new=24, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, grammar=g)
+    runs = [("lossless", dict(block=4, lookup=0), lambda: make_engine(proposer(wrong=(2,)))),
+            ("lossless", dict(block=4, lookup=2), lambda: make_engine(proposer(wrong=(2,)))),
+            ("lookup", dict(lookup=3), lambda: make_engine()),
+            ("spec", dict(draft_k=3, lookup=0), lambda: make_engine(draft=FakeContext(verifier(), V)))]
+    texts = set()
+    for seed in range(30):
+        _, ar = run(make_engine(), PROMPT, mode="ar", seed=seed, **kw)
+        assert ar and all_allowed(ar)
+        texts.add(tuple(ar))
+        for mode, extra, engine in runs:
+            _, out = run(engine(), PROMPT, mode=mode, seed=seed, **kw, **extra)
+            assert out == ar, (mode, extra, seed)
+    assert len(texts) > 10, len(texts)
+
+
 def test_sampled_lossless_under_a_grammar_is_distributed_as_ar():
     """Sampled lossless with unmasked MARS slots that propose FORBIDDEN: the first two tokens follow
     the closed form of ar sampling under the grammar (the masked, renormalised target), chi-square."""

@@ -159,6 +159,13 @@ def _cycles(cycle, s):
     return run
 
 
+def likely_drafts(t):
+    """Two drafted tokens the target often confirms (the argmax of its raw rows), so that filled
+    proposals reach their MARS slots."""
+    a = int(np.argmax(ar_dist(t)))
+    return [a, int(np.argmax(ar_dist(t + [a])))], [0.5, 0.5]
+
+
 def fake_cycle(mode, s, block=4, k=3):
     if mode == "ar":
         ctx = FakeContext(ar_dist, V)
@@ -169,6 +176,9 @@ def fake_cycle(mode, s, block=4, k=3):
     if mode == "lookup":
         ctx = FakeContext(ar_dist, V)
         return _cycles(lambda t: rules.lookup_cycle(ctx, t, [t[-2], t[-1]], [0.5, 0.5], sampler=s), s)
+    if mode == "fill":              # a MARS block filled by two lookup tokens (rules.lossless_fill_cycle)
+        ctx = FakeContext(mars_dist, V)
+        return _cycles(lambda t: rules.lossless_fill_cycle(ctx, t, *likely_drafts(t), block, MASK, sampler=s), s)
     tgt, dft = FakeContext(ar_dist, V), FakeContext(draft_dist, V)
     return _cycles(lambda t: rules.spec_cycle(tgt, dft, t, k, sampler=s), s)
 
@@ -187,6 +197,26 @@ def test_identity_on_fakes_and_its_negative_control():
     assert mismatches(CoupledSampler) == []
     bad = mismatches(CycleKeyed)
     assert len(bad) > 60, bad                  # of 120: keyed by cycle, the modes' texts are not ar's
+
+
+def test_identity_on_filled_proposals_and_its_negative_control():
+    """A filled proposal (lookup tokens in front of the masks, then the MARS slots verified in a second
+    pass when they all hold) gives ar's text for the seed; both of its passes ran in some cycles; keyed
+    by the cycle, the texts are not ar's."""
+    full = 0
+    for seed in range(40):
+        s = CoupledSampler(seed, **FAKE_SETTINGS)
+        cycle = fake_cycle("fill", s)
+
+        def counted(t):
+            nonlocal full
+            c = cycle(t)
+            full += len(c.widths["target"]) == 2          # the lookup tokens held: the MARS slots verified
+            return c
+        first_tokens(counted, 12)
+    assert full > 20, full
+    assert mismatches(CoupledSampler, modes=("fill",)) == []
+    assert len(mismatches(CycleKeyed, modes=("fill",))) > 20       # of 40
 
 
 @pytest.mark.parametrize("mode,sampler_cls,ok", [
