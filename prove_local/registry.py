@@ -33,7 +33,7 @@ class RegistryError(ValueError):
 
 
 @dataclass(frozen=True)
-class Model:
+class KnownModel:
     name: str
     roles: tuple[str, ...]
     source: str                 # "hf:OWNER/REPO", "embedded:FILE.gguf" or "pypi:DIST==VERSION/FILE.gguf"
@@ -83,11 +83,11 @@ class Pair:
 
 @dataclass
 class Registry:
-    models: dict[str, Model]
+    models: dict[str, KnownModel]
     pairs: dict[str, Pair]
     path: str = "models.txt"
 
-    def get(self, name: str) -> Model | Pair:
+    def get(self, name: str) -> KnownModel | Pair:
         if name in self.models:
             return self.models[name]
         if name in self.pairs:
@@ -109,7 +109,7 @@ def parse_size(text: str) -> int:
 
 
 def parse(text: str, path: str = "models.txt") -> Registry:
-    models: dict[str, Model] = {}
+    models: dict[str, KnownModel] = {}
     pairs: dict[str, Pair] = {}
     pair_lines: list[tuple[int, list[str]]] = []
 
@@ -188,7 +188,7 @@ def parse(text: str, path: str = "models.txt") -> Registry:
             fail(f"{name}: {e}")
         if mem_b < size_b:
             fail(f"{name}: memory {memory} is less than the file size {size}")
-        models[name] = Model(name, role_list, source, shape_key, quant, block_n, size_b, mem_b, lineno)
+        models[name] = KnownModel(name, role_list, source, shape_key, quant, block_n, size_b, mem_b, lineno)
 
     for lineno, cols in pair_lines:
         def fail(msg: str):
@@ -248,7 +248,7 @@ def parse(text: str, path: str = "models.txt") -> Registry:
     return Registry(models, pairs, path)
 
 
-def _family(m: Model) -> str | None:
+def _family(m: KnownModel) -> str | None:
     """Tokenizer family from the shape name (qwen2.5-7b -> qwen2.5); None for embedded files."""
     return m.shape.split("-")[0] if m.shape else None
 

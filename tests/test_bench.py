@@ -12,7 +12,7 @@ from prove_local.bench import data as bdata
 from prove_local.bench import stats
 from prove_local.bench.markdown import summary_markdown
 from prove_local.bench.results import build_results, write_outputs
-from prove_local.bench.runner import BenchData, Generation, Run, make_runs
+from prove_local.bench.runner import BenchData, Record, Run, make_runs
 from prove_local.engine import Settings
 from prove_local.rules import Cycle, Plan
 
@@ -276,13 +276,13 @@ def synthetic() -> BenchData:
     ref = [10, 11, 12, 13]
     gens = []
     for i in range(2):
-        gens.append(Generation(i, "ar", ref, [cyc(k, [t], [t], seconds=0.01) for k, t in enumerate(ref)], 0.04, text="#### 13"))
-        gens.append(Generation(i, "lossless", ref, [cyc(0, [10, 11, 12, 99], ref, passes={"target": 2}, seconds=0.02,
+        gens.append(Record(i, "ar", ref, [cyc(k, [t], [t], seconds=0.01) for k, t in enumerate(ref)], 0.04, text="#### 13"))
+        gens.append(Record(i, "lossless", ref, [cyc(0, [10, 11, 12, 99], ref, passes={"target": 2}, seconds=0.02,
                                                         p=[0.9, 0.8, 0.7, 0.1], q=[0.9, 0.9, 0.9, 0.2])], 0.02, text="#### 13"))
         bad = [10, 11, 50, 51]
-        gens.append(Generation(i, "prove@0.01", bad, [cyc(0, [10, 11, 50, 51], bad, passes={"target": 1, "verifier": 1},
+        gens.append(Record(i, "prove@0.01", bad, [cyc(0, [10, 11, 50, 51], bad, passes={"target": 1, "verifier": 1},
                                                           seconds=0.01, p=[0.9, 0.8, 0.5, 0.4], q=[0.9, 0.9, 0.3, 0.2])], 0.01, text="#### 50"))
-        gens.append(Generation(i, "prove@0.1", ref[:2] + [12, 13],
+        gens.append(Record(i, "prove@0.1", ref[:2] + [12, 13],
                                [cyc(0, [10, 11, 50, 51], [10, 11], passes={"target": 1, "verifier": 1}, seconds=0.01,
                                     p=[0.9, 0.8, 0.5, 0.4], q=[0.9, 0.9, 0.1, 0.2]),
                                 cyc(2, [12, 13, 7, 7], [12, 13], passes={"target": 1, "verifier": 1}, seconds=0.01,

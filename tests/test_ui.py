@@ -410,5 +410,5 @@ def test_inspector_shows_the_planners_widths():
     assert "no proposal in this cycle" in html and "auto chose ar: X" in html
     assert "Fix the block length" in view.inspector_html(ar, rows, "lossless", theta=0.05, tau=0.95)
     assert "no proposal" not in view.inspector_html(ar, rows, "ar", theta=0.05, tau=0.95)   # ar mode itself
-    chat = view.chat_html([view.Message("q", [view.Span("a", 0, "run")], hint="auto chose ar: <why>")])
+    chat = view.chat_html([view.ChatItem("q", [view.Span("a", 0, "run")], hint="auto chose ar: <why>")])
     assert '<div class="hint">auto chose ar: &lt;why&gt;</div>' in chat

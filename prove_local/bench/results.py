@@ -15,7 +15,7 @@ from . import stats
 from .data import Prompt, check_answer
 from .markdown import summary_markdown
 from .plots import make_plots, roc_data
-from .runner import BenchData, Generation, Run
+from .runner import BenchData, Record, Run
 from .stats import conditional_slot_rates
 
 SCHEMA_VERSION = 1
@@ -459,7 +459,7 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
                   for k, c in enumerate(g["cycles"])]
         if cycles:
             cycles[-1].stop = g["stop"] if "stop" in g else stops.get((g["prompt"], g["run"]))
-        gens.append(Generation(index[g["prompt"]], g["run"], toks, cycles, g["seconds"],
+        gens.append(Record(index[g["prompt"]], g["run"], toks, cycles, g["seconds"],
                                g["prefill"][0], g["prefill"][1], g["text"], g.get("sample", 0), g.get("seed")))
     data = BenchData(prompts, [[0] * p["n_prompt_tokens"] for p in res["prompts"]], runs, gens,
                      {role: dict(zip(v["n"], v["seconds"])) for role, v in _roles(res.get("pass_cost", {})).items()},

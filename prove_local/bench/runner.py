@@ -27,7 +27,7 @@ class Run:
 
 
 @dataclass
-class Generation:
+class Record:
     prompt: int                   # index into the prompt list
     run: str
     tokens: list[int]             # generated token ids (committed, including a final EOG)
@@ -45,7 +45,7 @@ class BenchData:
     prompts: list[Prompt]
     prompt_tokens: list[list[int]]
     runs: list[Run]
-    generations: list[Generation] = field(default_factory=list)
+    generations: list[Record] = field(default_factory=list)
     pass_cost: dict = field(default_factory=dict)     # role -> {n: seconds}
     warmup_seconds: float = 0.0
     interrupted: bool = False     # Ctrl-C: only the prompts whose runs all finished are kept
@@ -189,7 +189,7 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
                     seed = (run.settings.seed or 0) + 10 ** 8 * runs.index(run) + 1000 * i + j
                     cycles, seconds, (n_pre, t_pre) = generate_once(engine, tokens, replace(run.settings, seed=seed))
                     out = [t for c in cycles for t in c.committed]
-                    data.generations.append(Generation(i, run.name, out, cycles, seconds, n_pre, t_pre,
+                    data.generations.append(Record(i, run.name, out, cycles, seconds, n_pre, t_pre,
                                                        proposer.detokenize([t for t in out if not proposer.is_eog(t)]),
                                                        sample=j, seed=seed))
                     bar.update(1)

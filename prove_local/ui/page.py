@@ -68,7 +68,7 @@ class Page:
 
     # ------------------------------------------------------------------ rendering
     def chat(self, sess) -> str:
-        messages = [view.Message(t.user, t.view.spans, view.stats_line(live_stats(t), t.settings.mode), t.running,
+        messages = [view.ChatItem(t.user, t.view.spans, view.stats_line(live_stats(t), t.settings.mode), t.running,
                                  t.note, t.planner_note or "") for t in sess.turns]
         return view.chat_html(messages, sess.selected, PLACEHOLDER)
 

@@ -232,7 +232,7 @@ def stats_line(stats: dict | None, mode: str) -> str:
 
 
 @dataclass
-class Message:
+class ChatItem:
     """One exchange as the chat shows it."""
     user: str
     spans: list[Span]
@@ -242,7 +242,7 @@ class Message:
     hint: str = ""          # e.g. why the planner decoded plain ar cycles, and how to see ProVe cycles
 
 
-def chat_html(messages: list[Message], selected: tuple[int, int] | None = None, placeholder: str = "") -> str:
+def chat_html(messages: list[ChatItem], selected: tuple[int, int] | None = None, placeholder: str = "") -> str:
     if not messages:
         return f'<div class="chat-scroll"><div class="chat-empty">{esc(placeholder)}</div></div>'
     parts = []
