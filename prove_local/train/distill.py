@@ -1,4 +1,4 @@
-"""Distil the embedded verifier on the proposer's own outputs (issue 16; ProVe paper: a verifier
+"""Distil the embedded verifier on the proposer's own outputs (the ProVe paper: a verifier
 fine-tuned on the proposer's outputs commits 6-10 % more tokens per cycle at the same error rate).
 
     python -m prove_local.train.distill --out runs/distill

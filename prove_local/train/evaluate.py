@@ -7,7 +7,9 @@ that equals g is committed plus one model token (the correction, or the bonus af
 Reports mean committed tokens per cycle, the per-slot match-rate curve, and the share of
 generated tokens inside repeated 8-grams (loop check).
 
-    python -m prove_local.train.evaluate runs/embedded/hf/proposer --dev ../shared/datasets/gsm8k/test_dev.jsonl --n 40
+    python -m prove_local.train.evaluate runs/embedded/hf/proposer --dev $GSM8K_DEV --n 40
+
+(`$GSM8K_DEV`: GSM8K test questions as jsonl, as in the README's headline figures.)
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Self-distil the embedded MARS proposer on its own greedy continuations (issue 21; Medusa-2's
+"""Self-distil the embedded MARS proposer on its own greedy continuations (Medusa-2's
 self-distillation, DistillSpec: a drafter trained on its target's outputs is accepted more often).
 
     python -m prove_local.train.self_distill --out runs/self-distill --install
