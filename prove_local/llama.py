@@ -252,7 +252,7 @@ class Model:
                 raise LlamaError(
                     f"{other.path}: vocabulary differs from {self.path} at token {i} "
                     f"({other.piece(i, True)!r} vs {self.piece(i, True)!r}); a verifier or draft "
-                    "must share the proposer's tokenizer")
+                    "must share the target's tokenizer")
         longer = self if self.n_vocab > n else other
         for i in range(n, longer.n_vocab):
             if not longer.token_unused(i):

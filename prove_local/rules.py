@@ -271,7 +271,7 @@ def lossless_cycle(ctx, tokens: list[int], block: int, mask: int, verify=None, s
                  gate=_tested(n, residual, block))
 
 
-def prove_cycle(ctx_prop, ctx_ver, tokens: list[int], block: int, mask: int, theta: float, sampler=None) -> Cycle:
+def prove_cycle(ctx_tgt, ctx_ver, tokens: list[int], block: int, mask: int, theta: float, sampler=None) -> Cycle:
     """ProVe: a stock AR verifier reads the block teacher-forced; q_i is its probability of d_i
     after d[:i]. Commit the longest leading run with p̃_i * q_i >= theta, at least slot 1 (the
     target's own AR token). No correction token: the next cycle starts at the first failure.
@@ -279,8 +279,8 @@ def prove_cycle(ctx_prop, ctx_ver, tokens: list[int], block: int, mask: int, the
     p̃_i, q_i are the processed probabilities of the drawn token under the target's proposal and under the
     verifier with the same chain and prefix."""
     s = sampler or GREEDY
-    width = len(_pending(ctx_prop, tokens)) + block - 1
-    d, p, _ = s.slots(proposal_logits(ctx_prop, tokens, block, mask), tokens)
+    width = len(_pending(ctx_tgt, tokens)) + block - 1
+    d, p, _ = s.slots(proposal_logits(ctx_tgt, tokens, block, mask), tokens)
     pending = _pending(ctx_ver, tokens)
     feed = pending + d[:-1]
     q = s.probs(_logits(ctx_ver, feed, rows=list(range(len(pending) - 1, len(feed)))), tokens, d)
