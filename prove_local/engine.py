@@ -267,7 +267,8 @@ class Engine:
                     return (Plan(LOOKUP, lookup=min(req.lookup, room - 1)),
                             Hooks(propose_lookup=self._committable(self.index.propose, req)))
             else:                              # the planner's: only what the n-gram statistics back
-                offer = self.index.offer       # looked up only if the planner may use it
+                # looked up only if the planner may use it, and only as long as it may use it
+                offer = lambda: self.index.offer(self.planner.lookup_need)          # noqa: E731
         if req.auto:
             plan, choose = self.planner.plan_cycle(req.settings.mode, self._pending(), req.block, room, key=req.key,
                                                    lookup=offer)

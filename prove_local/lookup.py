@@ -223,8 +223,14 @@ class NgramIndex:
             tail.append(t)
         return len(draft)
 
-    def offer(self) -> Match | None:
-        """The match, if the statistics back at least its first slot (what the planner is offered)."""
+    def offer(self, min_length: int = 1) -> Match | None:
+        """The match, if the statistics back at least its first slot (what the planner is offered).
+        `min_length` > 1: the planner can use no shorter match, so none is searched for unless the
+        sequence's last min(min_length, n_max) tokens occurred before (one dict lookup)."""
+        if min_length > 1:
+            n, seq = min(min_length, self.n_max), self.tokens
+            if len(seq) <= n or (seq[-1] if n == 1 else tuple(seq[-n:])) not in self._maps[n]:
+                return None
         m = self.match()
         return m if m is not None and self.supported(m, 1) else None
 

@@ -46,11 +46,13 @@ LOOKUP_K_MAX = 16                               # longest lookup draft the plann
 LOOKUP_DECAY = 0.995                            # lookup statistics follow the text faster than a model's slots
 LOOKUP_REFRESH = 8                              # lookup cycles between recomputations of the lookup table
 LOOKUP_LOCAL_WEIGHT = 4.0                       # the engine-wide lookup record counts as this many of the request's own slots
-LOOKUP_LOCAL_EAGER = 16                         # the request's first lookup cycles each recompute the table
+LOOKUP_LOCAL_EAGER = 16                         # the request's first lookup cycles recompute the table:
+LOOKUP_EAGER_EVERY = 4                          # after each miss, and after every 4th lookup cycle
 LOOKUP_START = 2                                # a request's first lookup drafts are at most this long (slow start)
 
 
 AR_SAMPLE = 8                                   # ar cycles per one whose cost the planner records
+SWITCH_AFTER = 4                                # ar cycles after a wider pass whose excess time is the switch's
 AFTER_EXPLORATION = 8                           # cycles after an exploration whose excess time is charged to it
 CATCH_UP = 2                                    # a partner's pending tokens counted in its planned pass
 
@@ -314,6 +316,11 @@ class _LookupTable:
     any: bool = False            # some match length gets a plan
     local: int = 0               # the request's lookup cycles when it was made
     rates: object = None         # [match length, k - 1]: expected tokens per second of a k-token draft
+    costs: object = None         # the plans' costs it was made with (reused while only acceptance moved)
+    min_match: int = MAX_MATCH + 1   # the shortest match length that gets a plan (MAX_MATCH + 1: none)
+
+    def __post_init__(self):
+        self.min_match = next((m for m, r in enumerate(self.rows) if m and r is not None), MAX_MATCH + 1)
 
 
 @dataclass
@@ -360,6 +367,11 @@ class Planner:
         self.explore_by_rate = explore_by_rate
         self._options: dict = {}
         self._ar_seen = 0
+        # the switch: the one-token passes right after a wider one cost more than in a run of them (the
+        # CPU's caches and llama.cpp's threads settle). Per distance d = 1..SWITCH_AFTER from the last
+        # wider pass, an average of the ar cycles' decode seconds, and of the ar cycles further away
+        self._since_wide = SWITCH_AFTER + 1
+        self._after_wide = [[0.0, 0] for _ in range(SWITCH_AFTER + 1)]    # [0]: the steady ar cycles
         self.explore, self.explore_wide, self.ar_margin = explore, explore_wide, ar_margin
         self.hysteresis, self.replan_every, self.k_max = hysteresis, replan_every, k_max
         self.rng = random.Random(seed)
@@ -379,6 +391,8 @@ class Planner:
         # the longest lookup draft the request's own record allows (slow start, see observe): none
         # outside a request; start_request sets LOOKUP_START
         self._lookup_cap = LOOKUP_K_MAX
+        self._lookup_missed = False                   # a lookup draft missed since the table was made
+        self.lookup_need = 1                          # the shortest lookup match the next offer may use
 
     # ---------------------------------------------------------------------- statistics
     def start_request(self) -> None:
@@ -387,6 +401,8 @@ class Planner:
         self._lookup_local = SlotStats(decay=1.0)
         self._lookup_cap = LOOKUP_START
         self._ltables.clear()
+        self._lookup_missed = False
+        self._since_wide = 1                      # the prompt's prefill was a wide pass
 
     def stats_for(self, mode: str) -> SlotStats:
         if mode not in self.stats:
@@ -406,11 +422,18 @@ class Planner:
                 self._account(cycle)
         plan = cycle.plan
         kind, b = plan.kind, plan_width(plan)
+        if kind != "ar":
+            self._since_wide = 1                  # (a wider pass: the switch_cost of the ar cycles after it)
         if kind == "ar":
             # an ar cycle has no acceptance to learn; its cost and overhead are sampled (1 in
             # AR_SAMPLE), which keeps the planner's own time per ar cycle near nothing (a 0.35 ms
-            # pass of the embedded proposer leaves no room for ~20 us of bookkeeping on every cycle)
+            # pass of the embedded proposer leaves no room for ~20 us of bookkeeping on every cycle);
+            # the few right after a wider pass are all recorded for the switch's cost
             self._ar_seen += 1
+            d = self._since_wide
+            if d <= SWITCH_AFTER or not self._ar_seen % AR_SAMPLE:
+                self._record_switch(0 if d > SWITCH_AFTER else d, sum(cycle.decode_seconds.values()))
+            self._since_wide = d + 1
             if self._ar_seen % AR_SAMPLE:
                 return False
         elif plan.lookup:
@@ -430,6 +453,7 @@ class Planner:
             ok = min(cycle.n_accepted, n_l)
             self._lookup_cap = min(LOOKUP_K_MAX, max(self._lookup_cap, 2 * n_l)) if ok == n_l \
                 else max(LOOKUP_START, ok + 1)
+            self._lookup_missed |= ok < n_l
             if filled(plan) and plan.verify:
                 self.stats_for(key or kind).record(cycle.p[n_l:], 1, plan.verify, cycle.n_accepted - n_l)
         else:
@@ -453,6 +477,25 @@ class Planner:
             self.slow_streak = 0
             return True
         return False
+
+    def _record_switch(self, d: int, seconds: float) -> None:
+        """An ar cycle's decode seconds, d cycles after a wider pass (0: further away)."""
+        rec = self._after_wide[d]
+        rec[1] += 1
+        if rec[1] > 1:
+            seconds = min(seconds, 3.0 * rec[0])               # one stalled pass moves it by little
+        rec[0] += (seconds - rec[0]) / min(rec[1], 32)         # the mean, then a moving average
+
+    def switch_cost(self) -> float:
+        """Seconds a cycle that is not ar costs the ar cycles after it, beyond what they cost in a run
+        of ar cycles: the sum over d = 1..SWITCH_AFTER of (mean decode seconds d cycles after a wider
+        pass - the steady mean), where each is measured (8 cycles) and above it. Measured on the
+        embedded proposer (1 thread, 8 GSM8K dev questions): the first ar pass after a lookup verify
+        1.16x the steady one, the next ones within noise."""
+        steady = self._after_wide[0]
+        if steady[1] < 8:
+            return 0.0
+        return sum(max(0.0, m - steady[0]) for m, n in self._after_wide[1:] if n >= 8)
 
     def set_curve(self, role: str, curve: dict[int, float]) -> None:
         """New calibrated t(n) of a role (after the caller changed its thread count)."""
@@ -626,22 +669,32 @@ class Planner:
         cur = self.current.get(key)
         local = self._lookup_local.n_cycles
         if (tab is None or tab.cur is not cur or st.n_cycles - tab.made_at >= LOOKUP_REFRESH
-                or tab.pend != pending.get("target", 1) or tab.local > local
-                or (local < LOOKUP_LOCAL_EAGER and local != tab.local)):
+                or tab.pend != pending.get("target", 1) or tab.local > local):
             tab = self._ltables[key] = self._lookup_table(mode, key, pending, block_max)
-        explore = False
-        if not tab.any:
-            if self.explore <= 0.0 or self.rng.random() >= self.explore:
-                return None
-            explore = True
+            self._lookup_missed = False
+        elif local < LOOKUP_LOCAL_EAGER and local != tab.local and (
+                self._lookup_missed or local - tab.local >= LOOKUP_EAGER_EVERY):
+            # the request's own record moved (its first lookup cycles; a miss at once, so that a text that
+            # does not copy stops drafting fast): the acceptance again, at the same costs
+            self._lookup_missed = False
+            made_at = tab.made_at
+            tab = self._ltables[key] = self._lookup_table(mode, key, pending, block_max, costs=tab.costs)
+            tab.made_at = made_at
+        # the exploration draw comes first: without one, only the match lengths the table has a plan for
+        # can matter, and the index is asked for those alone (`lookup_need`: a text without a repeated
+        # n-gram of that length costs one dict lookup a cycle instead of a search)
+        explore = self.explore > 0.0 and self.rng.random() < self.explore
+        if not tab.any and not explore:
+            return None
+        self.lookup_need = 1 if explore else tab.min_match
         match = lookup()
         if match is None:
             return None
         m = min(max(1, match.length), MAX_MATCH)
-        plan = None if explore else tab.rows[m]
+        plan = tab.rows[m] if tab.any else None
         exploring = plan is None
         if plan is None:
-            if not explore and (self.explore <= 0.0 or self.rng.random() >= self.explore):
+            if not explore:
                 return None
             k, rate = tab.best[m]
             if not self._budget_left() or (self.explore_by_rate and self.rng.random() * tab.rate >= rate):
@@ -666,25 +719,32 @@ class Planner:
         key = ("plans", tuple(sorted(pend.items())), tuple((p.kind, p.block, p.verify, p.lookup) for p in plans))
         lay = self._layouts.get(key)
         if lay is None:
-            idx, roles, ns = [], [], []
+            by_role: dict[str, tuple[list, list]] = {}
             for i, plan in enumerate(plans):
                 for role, ws in MODES[plan.kind].widths(pend, plan).items():
+                    idx, ns = by_role.setdefault(role, ([], []))
                     idx += [i] * len(ws)
-                    roles += [role] * len(ws)
                     ns += ws
-            lay = self._layouts[key] = (np.asarray(idx, dtype=int), roles, np.asarray(ns, dtype=int))
-        idx, roles, ns = lay
-        ts = np.array([self.costs.t(r, n) for r, n in zip(roles, ns)]) if len(ns) else np.zeros(0)
-        return np.bincount(idx, weights=ts, minlength=len(plans))
+            lay = self._layouts[key] = {r: (np.asarray(i, dtype=int), np.asarray(n, dtype=int))
+                                        for r, (i, n) in by_role.items()}
+        out = np.zeros(len(plans))
+        for role, (idx, ns) in lay.items():       # the curves' tables, one lookup per role (t() past their end)
+            table = self.costs.table(role)
+            ts = table[ns] if ns.max() < len(table) else np.array([self.costs.t(role, int(n)) for n in ns])
+            out += np.bincount(idx, weights=ts, minlength=len(plans))
+        return out
 
-    def _lookup_table(self, mode: str, key: str, pending: dict, block_max: int) -> _LookupTable:
+    def _lookup_table(self, mode: str, key: str, pending: dict, block_max: int, costs=None) -> _LookupTable:
         """For every match length m: the expected tokens per second of a lookup draft of k = 1..LOOKUP_K_MAX
         tokens, E(m, k) / (cost(k) + overhead), with E(m, k) = 1 + sum over j <= k of the product of the
         calibrated acceptance of slots 1..j (slot j's score: lookup.score(m + j - 1)) and cost(k) modes.cycle_cost
         of the lookup plan; where the mode proposes with masks, also a MARS proposal of the current best
         block B (verify v) filled by k lookup tokens: E = E(m, k) + P(all k accepted) x (E_B - 1), its cost the
         filled plan's when all k are accepted (proposal and verify pass), else the proposal pass alone
-        (verify = 0). A row gets the best plan if its rate beats the current choice's by lookup_margin."""
+        (verify = 0). A row gets the best plan if its rate beats the current choice's by lookup_margin.
+        While ar is the choice, a lookup cycle among ar cycles also pays the switch (`switch_cost`: the
+        one-token passes right after a wider one run slower). `costs`: the costs of a table made since
+        the last refresh (only the request's acceptance record moved), reused."""
         st = self.stats_for(LOOKUP)
         pend = {"target": pending.get("target", 1)}
         if pending.get(GATED):
@@ -694,29 +754,39 @@ class Planner:
         base = cur.rate if cur is not None else 1.0 / t_ar
         ks = np.arange(1, LOOKUP_K_MAX + 1)
         ms = np.arange(0, MAX_MATCH + 1)
-        sc = (ms[:, None] + ks[None, :] - 1).astype(float)
-        sc = np.where(sc > 0, sc / np.maximum(sc + 1.0, 1.0), 0.0)      # lookup.score(m + j - 1)
-        a = self._lookup_rates(sc.ravel()).reshape(sc.shape)
+        # slot j of a match of m extends a match of m + j - 1 tokens: its score lookup.score(m + j - 1);
+        # the acceptance of the MAX_MATCH + LOOKUP_K_MAX distinct scores, then spread over the table
+        u = np.arange(MAX_MATCH + LOOKUP_K_MAX, dtype=float)
+        a = self._lookup_rates(np.where(u > 0, u / (u + 1.0), 0.0))[ms[:, None] + ks[None, :] - 1]
         run = np.cumprod(a, axis=1)                              # P(slots 1..j all accepted)
         gain = 1.0 + np.cumsum(run, axis=1)                      # E(m, k)
-        oh = np.array([self._oh(LOOKUP, int(k)) for k in ks])
-        cost = self._plan_costs(pend, [Plan(LOOKUP, lookup=int(k)) for k in ks]) + oh
-        rate = gain / np.maximum(cost, 1e-12)[None, :]
-        best_i = rate.argmax(axis=1)
-        best_r = rate[ms, best_i]
-        plans = [Plan(LOOKUP, lookup=int(k)) for k in ks]
-        rows = [plans[best_i[m]] for m in ms]
-        # a MARS proposal filled by k lookup tokens (only where the mode proposes with masks)
+        plans = self._lookup_plans(LOOKUP)
         options = self._options.get(key) or []
         mars = [o for o in options[1:] if o.kind == mode and o.width > 1] \
             if MODES[mode].source == "mask" and block_max > 1 else []
-        if mars:
-            best = max(mars, key=lambda o: o.rate)
-            B, v = best.width, best.verify if best.verify is not None else best.width
-            full = self._plan_costs(pend, [Plan(mode, B, verify=v, lookup=int(k)) for k in ks])
-            short = self._plan_costs(pend, [Plan(mode, B, verify=0, lookup=int(k)) for k in ks])
+        best = max(mars, key=lambda o: o.rate) if mars else None
+        if costs is None:
+            switch = self.switch_cost() if cur is None or cur.kind == "ar" else 0.0
+            oh = np.array([self._oh(LOOKUP, int(k)) for k in ks])
+            cost = self._plan_costs(pend, plans) + oh + switch
+            full = short = None
+            if best is not None:
+                B, v = best.width, best.verify if best.verify is not None else best.width
+                full = self._plan_costs(pend, self._lookup_plans(mode, B, v)) + self._oh(mode, B) + switch
+                short = self._plan_costs(pend, self._lookup_plans(mode, B, 0)) + self._oh(mode, B) + switch
+            costs = (cost, full, short, best)
+        cost, full, short, was = costs
+        if was is not best:                      # (the MARS options changed: a replan, which rebuilds the costs)
+            best, full = None, None
+        rate = gain / np.maximum(cost, 1e-12)[None, :]
+        best_i = rate.argmax(axis=1)
+        best_r = rate[ms, best_i]
+        rows = [plans[best_i[m]] for m in ms]
+        # a MARS proposal filled by k lookup tokens (only where the mode proposes with masks)
+        if best is not None and full is not None:
+            B = best.width
             f_rate = (gain + run * (best.tokens - 1.0)) / np.maximum(
-                run * full[None, :] + (1.0 - run) * short[None, :] + self._oh(mode, B), 1e-12)
+                run * full[None, :] + (1.0 - run) * short[None, :], 1e-12)
             f_i = f_rate.argmax(axis=1)
             f_r = f_rate[ms, f_i]
             for m in np.flatnonzero(f_r > best_r):
@@ -725,7 +795,17 @@ class Planner:
         rows = [r if good and m else None for m, (r, good) in enumerate(zip(rows, ok))]
         bests = [(int(ks[i]), float(rate[m, i])) for m, i in enumerate(best_i)]
         return _LookupTable(rows, bests, base, st.n_cycles, cur, pend["target"], any(r is not None for r in rows),
-                            self._lookup_local.n_cycles, rate)
+                            self._lookup_local.n_cycles, rate, costs)
+
+    def _lookup_plans(self, kind: str, block: int = 1, verify: int | None = None) -> list[Plan]:
+        """The plans of k = 1..LOOKUP_K_MAX lookup tokens (a lookup verify, or a `block`-slot proposal
+        filled by them), made once: the lookup table is recomputed often in a request's first cycles."""
+        key = ("lookup plans", kind, block, verify)
+        plans = self._layouts.get(key)
+        if plans is None:
+            plans = self._layouts[key] = [Plan(kind, block, verify=verify, lookup=k) if kind != LOOKUP
+                                          else Plan(LOOKUP, lookup=k) for k in range(1, LOOKUP_K_MAX + 1)]
+        return plans
 
     def _lookup_rates(self, scores: np.ndarray) -> np.ndarray:
         """Acceptance of lookup slots with these scores: this request's record per score bin, with the

@@ -1,0 +1,113 @@
+"""The planner's lookup policy on text that does not copy (planner.py): a lookup draft among ar cycles
+pays for the switch it causes (the one-token passes after a wider pass run slower), and the lookup
+table costs little to keep. Fakes only: scripted cycles with scripted decode seconds, no timing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from prove_local.modes import LOOKUP, MODES
+from prove_local.planner import SWITCH_AFTER, Costs, Planner
+from prove_local.rules import AR_PLAN, Cycle, Plan
+
+ROLE = MODES["lossless"].roles[0]          # the model that proposes and verifies
+
+
+def cycle(plan: Plan, decode: float, k: int = 0, accepted: int = 0) -> Cycle:
+    n = max(1, k)
+    return Cycle(proposed=[5] * n, p=[0.5] * n, q=None, committed=[5] * (accepted + 1), n_accepted=accepted,
+                 widths={ROLE: [1 + k]}, decode_seconds={ROLE: decode}, seconds=decode, plan=plan)
+
+
+def planner(curve=None, accept: float = 0.6) -> Planner:
+    pl = Planner(Costs({ROLE: curve or {1: 1e-3, 2: 1.5e-3, 4: 2.5e-3, 16: 9e-3}}), explore=0.0)
+    pl.overhead = {"ar": 0.0, LOOKUP: 0.0, (LOOKUP, 1): 0.0}
+    pl._lookup_rates = lambda scores: np.full(len(scores), accept)       # every lookup slot: `accept`
+    pl.start_request()
+    return pl
+
+
+def test_the_switch_cost_is_learned_from_the_ar_cycles_after_a_wider_pass():
+    """ar passes cost 1 ms in a run of them and 1.5 ms right after a lookup verify (d = 1), 1.1 ms at d = 2:
+    the switch costs 0.6 ms; ar cycles far from a wider pass are sampled, those right after it all seen."""
+    pl = planner()
+    assert pl.switch_cost() == 0.0                        # nothing measured yet
+    for _ in range(40):
+        pl.observe(cycle(Plan(LOOKUP, lookup=1), 1.5e-3, k=1), LOOKUP)
+        for d in range(1, 3 * SWITCH_AFTER):
+            pl.observe(cycle(AR_PLAN, {1: 1.5e-3, 2: 1.1e-3}.get(d, 1e-3)), "lossless")
+    assert pl.switch_cost() == pytest.approx(0.6e-3, rel=1e-6)
+    # a stalled pass moves the average by little
+    pl.observe(cycle(Plan(LOOKUP, lookup=1), 1.5e-3, k=1), LOOKUP)
+    pl.observe(cycle(AR_PLAN, 1.0), "lossless")
+    assert pl.switch_cost() < 0.6e-3 + 3 * 1.5e-3 / 32
+
+
+def test_a_lookup_draft_that_only_pays_without_the_switch_is_not_drafted():
+    """k = 1 at 60 % acceptance, t(2) = 1.5 t(1): 1.6 tokens for 1.5 passes beats ar (1.07x); with a
+    switch of 0.2 ms after it, 1.6 tokens cost 1.7 passes (0.94x): the table has no plan."""
+    free = planner()
+    tab = free._lookup_table("lossless", "lossless", {ROLE: 1}, 0)
+    assert tab.any and tab.rows[4] == Plan(LOOKUP, lookup=1)
+    dear = planner()
+    dear._after_wide = [[1e-3, 100], [1.2e-3, 100]] + [[1e-3, 100]] * (SWITCH_AFTER - 1)
+    assert dear.switch_cost() == pytest.approx(0.2e-3)
+    tab = dear._lookup_table("lossless", "lossless", {ROLE: 1}, 0)
+    assert not tab.any and all(r is None for r in tab.rows)
+    # the switch is a cost of leaving ar: a current choice that is not ar pays none
+    dear.current["lossless"] = type("C", (), {"kind": "lossless", "rate": 1e3, "width": 2})()
+    assert dear._lookup_table("lossless", "lossless", {ROLE: 1}, 0).any
+
+
+def test_an_eager_refresh_reuses_the_costs_and_gives_the_same_table():
+    """The first lookup cycles of a request recompute the table from its new acceptance record, at the
+    costs of the table before it: the same plans as a full recomputation."""
+    pl = planner(accept=0.9)
+    full = pl._lookup_table("lossless", "lossless", {ROLE: 1}, 0)
+    again = pl._lookup_table("lossless", "lossless", {ROLE: 1}, 0, costs=full.costs)
+    assert again.rows == full.rows and np.array_equal(again.rates, full.rates)
+    pl._lookup_rates = lambda scores: np.full(len(scores), 0.2)        # the request's drafts failed
+    worse = pl._lookup_table("lossless", "lossless", {ROLE: 1}, 0, costs=full.costs)
+    assert full.any and not worse.any
+
+
+def test_a_missed_draft_refreshes_the_lookup_table_at_once_a_hit_waits():
+    """In a request's first lookup cycles the table follows its own record: at once after a draft that
+    missed (a text that does not copy stops drafting fast), after every LOOKUP_EAGER_EVERY-th otherwise."""
+    from prove_local.lookup import Match
+    from prove_local.planner import LOOKUP_EAGER_EVERY
+    pl = planner(accept=0.9)
+    offer = lambda: Match(pos=0, length=4)                                # noqa: E731
+    plan = lambda: pl.plan_cycle("lossless", {ROLE: 1}, 0, 100, "lossless", lookup=offer)[0]   # noqa: E731
+    assert plan() == Plan(LOOKUP, lookup=2)                              # (slow start: 2 tokens at first)
+    first = pl._ltables["lossless"]
+    for i in range(1, LOOKUP_EAGER_EVERY):
+        pl.observe(cycle(Plan(LOOKUP, lookup=2), 1.5e-3, k=2, accepted=2), "lossless")
+        plan()
+        assert pl._ltables["lossless"] is first, i                       # hits: the same table
+    pl.observe(cycle(Plan(LOOKUP, lookup=2), 1.5e-3, k=2, accepted=2), "lossless")
+    plan()
+    second = pl._ltables["lossless"]
+    assert second is not first                                           # the 4th: made again
+    pl.observe(cycle(Plan(LOOKUP, lookup=2), 1.5e-3, k=2, accepted=0), "lossless")
+    plan()
+    assert pl._ltables["lossless"] is not second                         # a miss: at once
+
+
+def test_the_index_is_searched_only_for_match_lengths_the_planner_can_use():
+    """offer(min_length): None at once unless the last min(min_length, 4) tokens occurred before; the
+    planner asks for the shortest match length its table has a plan for (exploring: any)."""
+    from prove_local.lookup import NgramIndex
+    idx = NgramIndex()
+    idx.sync([1, 2, 3, 4, 5, 9, 9, 3, 4, 5])          # 3 4 5 occurred before, 2 3 4 5 did not
+    assert idx.offer() is not None and idx.offer().length == 3
+    assert idx.offer(3) is not None and idx.offer(4) is None and idx.offer(16) is None
+    idx.sync([1, 2, 3, 4, 5, 9, 9, 3, 4, 5, 6, 1, 2, 3, 4, 5])   # now 2 3 4 5 has: a match of 5
+    assert idx.offer(16) is not None and idx.offer(16).length == 5
+    pl = planner()
+    pl._lookup_rates = lambda scores: scores          # a slot extending a match of m holds m/(m+1) of the time
+    asked = []
+    pl.plan_cycle("lossless", {ROLE: 1}, 0, 100, "lossless", lookup=lambda: asked.append(pl.lookup_need))
+    tab = pl._ltables["lossless"]
+    assert asked == [tab.min_match] and 1 < tab.min_match <= 16 and tab.rows[tab.min_match] is not None
+    assert all(r is None for r in tab.rows[:tab.min_match])
