@@ -1,6 +1,6 @@
 """Several requests decoded in one `llama_decode` per step (continuous batching, as llama-server's slots).
 
-The engines of a pool (pool.py) share one llama.cpp context per role (proposer, verifier, draft),
+The engines of a pool (pool.py) share one llama.cpp context per role (target, verifier, draft),
 made with `n_seq` sequences (llama.Context(n_seq=...): `n_seq_max` = the slots, `kv_unified` off, so
 each sequence has KV cells of its own and attention reads only them). Each engine gets a `SeqView`
 per role: the interface of a one-sequence `llama.Context` (`n_past`, `eval`, `eval_view`, `truncate`,
@@ -10,10 +10,10 @@ are the same functions over it as over a context of their own: the batching live
 A view's `eval` submits its pass (tokens, positions, sequence id, the rows it reads, adapter on or
 off) to the pool's `Batcher` and blocks. A *step* starts when every engine that is in the middle of
 its generation's code has a pass waiting (an engine whose generation handed a cycle to its consumer
-is waited for `PARK_GRACE_S` at most; an idle one, not at all). The thread that completes the barrier
-drives the step, no thread of its own: it puts every waiting pass into one `llama_batch` per context
-(each token with its sequence id, logits only on the rows asked for), calls `llama_decode` once, and
-hands each view a copy of its rows. The adapter switch (`llama_set_adapters_lora`) is per context, so
+is waited for `PARK_GRACE_S` at most; an idle one, not at all). The batcher's one decode thread then
+puts every waiting pass into one `llama_batch` per context (each token with its sequence id, logits
+only on the rows asked for), calls `llama_decode` once, and hands each view a copy of its rows (every
+decode on one OS thread: see Batcher). The adapter switch (`llama_set_adapters_lora`) is per context, so
 passes with the adapter on and passes with it off go into separate decodes of the same step; a step
 whose passes exceed the context's `n_batch` is several decodes. `truncate` is `llama_memory_seq_rm`
 on the view's sequence only; an engine keeps its committed sequence between requests (prefix reuse
@@ -26,7 +26,7 @@ generation ends (finished, closed, failed) leaves the barrier at once (Engine._r
 request's decoding depends on which others share its steps: with F32 weights each sequence's rows
 are bitwise those of the same request alone (tests/test_batching.py).
 
-Limits (llama.cpp's, b of the vendored version): with `kv_unified` off llama.cpp splits a batch into
+Limits (llama.cpp's, in the vendored version): with `kv_unified` off llama.cpp splits a batch into
 ubatches of *equal* token counts over *consecutive* sequence ids (`split_equal`), so a step of passes of
 different widths, or of sequences 0 and 2 without 1, is computed as several graphs inside the one
 `llama_decode`; a step of one-token passes of sequences 0..k-1 is one.
@@ -85,17 +85,23 @@ class Member:
 
 
 class Batcher:
-    """The step barrier of a pool's engines. `grace`: seconds a step waits for a parked engine."""
+    """The step barrier of a pool's engines, and the one thread that decodes their steps.
+
+    Every `llama_decode` of the shared contexts runs on this thread: ggml's CPU backend (an OpenMP build)
+    keeps a team of worker threads per calling thread, which spin a while after each decode, so decodes
+    driven by whichever request thread completed the barrier would keep a team per request thread
+    spinning on the same cores. `grace`: seconds a step waits for a parked engine."""
 
     def __init__(self, grace: float = PARK_GRACE_S):
         self._cond = threading.Condition(threading.Lock())
         self._llama = threading.RLock()          # llama.cpp calls on the shared contexts: one at a time
         self.members: list[Member] = []
         self._waiting: list[_Pass] = []
-        self._driving = False
         self.grace = grace
         self.steps = 0                           # steps run, and llama_decode calls made in them
         self.decodes = 0
+        self.closed = False
+        self._thread: threading.Thread | None = None
 
     def member(self, seq: int) -> Member:
         m = Member(self, seq)
@@ -129,19 +135,18 @@ class Batcher:
         m = p.view.member
         cond = self._cond
         with cond:
+            if self.closed:
+                raise LlamaError(f"{p.view.model.path}: this context is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="prove-local batch", daemon=True)
+                self._thread.start()
             back = RUNNING if m.generating else IDLE
             m.state = PENDING
             self._waiting.append(p)
             cond.notify_all()
             try:
                 while not p.done:
-                    wait = None
-                    if not self._driving:
-                        blocked, wait = self._blocked()
-                        if not blocked:
-                            self._drive(cond)
-                            continue
-                    cond.wait(wait)
+                    cond.wait()
             except BaseException:
                 if p in self._waiting:
                     self._waiting.remove(p)
@@ -154,29 +159,50 @@ class Batcher:
             raise p.error
         return p.result
 
-    def _drive(self, cond) -> None:
-        """Run one step with every waiting pass (lock held on entry and on return, released meanwhile)."""
-        self._driving = True
-        step, self._waiting = self._waiting, []
-        for q in step:
-            q.taken = True
-        cond.release()
-        try:
-            self._step(step)
-        finally:
-            cond.acquire()
-            self._driving = False
-            self.steps += 1
-            for q in step:
-                if q.result is not None or q.error is not None:
-                    q.done = True                # its thread runs on from here: the next step waits for it
-                    mem = q.view.member
-                    if mem.state == PENDING:
-                        mem.state = RUNNING if mem.generating else IDLE
-                elif not q.abandoned:            # the step was interrupted before it: it waits again
-                    q.taken = False
-                    self._waiting.append(q)
-            cond.notify_all()
+    def close(self) -> None:
+        """Stop the decode thread; a pass still waiting gets LlamaError."""
+        with self._cond:
+            self.closed = True
+            for q in self._waiting:
+                q.error, q.done = LlamaError(f"{q.view.model.path}: this context was closed"), True
+            self._waiting = []
+            self._cond.notify_all()
+            t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(30)
+
+    def _loop(self) -> None:
+        """The decode thread: one step whenever the barrier allows, until closed."""
+        cond = self._cond
+        with cond:
+            while not self.closed:
+                blocked, wait = self._blocked() if self._waiting else (True, None)
+                if blocked:
+                    cond.wait(wait)
+                    continue
+                step, self._waiting = self._waiting, []
+                for q in step:
+                    q.taken = True
+                cond.release()
+                try:
+                    self._step(step)
+                except Exception as e:       # noqa: BLE001 - a bug here must not hang the requests
+                    for q in step:
+                        if q.result is None and q.error is None:
+                            q.error = e
+                finally:
+                    cond.acquire()
+                    self.steps += 1
+                    for q in step:
+                        if q.result is not None or q.error is not None:
+                            q.done = True        # its thread runs on from here: the next step waits for it
+                            mem = q.view.member
+                            if mem.state == PENDING:
+                                mem.state = RUNNING if mem.generating else IDLE
+                        elif not q.abandoned:    # (not reached: every pass of a step ends with one)
+                            q.taken = False
+                            self._waiting.append(q)
+                    cond.notify_all()
 
     def _step(self, step: list[_Pass]) -> None:
         groups: dict[tuple[int, bool], list[_Pass]] = {}
@@ -365,5 +391,7 @@ class Shared:
         return {role: SeqView(ctx, i, self.members[i]) for role, ctx in self.contexts.items()}
 
     def close(self) -> None:
-        for ctx in self.contexts.values():
-            ctx.close()
+        self.batcher.close()
+        with self.batcher._llama:
+            for ctx in self.contexts.values():
+                ctx.close()

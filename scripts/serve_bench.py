@@ -7,7 +7,8 @@ greedy, side by side, on loopback.
 Starts `prove-local serve --parallel N` (its default model, SmolLM2-135M-Instruct Q4_1 with its MARS
 adapter, unless --model names another GGUF; extra serve arguments after `--`), and, with
 --llama-server, `llama-server -np N` on the same base GGUF with the same threads and context per slot.
-Against each it runs, per concurrency level C, C clients that each send R chat requests one after
+(`--unbatched`: also `serve --no-batching`, an engine with contexts of its own per request.) Against
+each it runs, per concurrency level C, C clients that each send R chat requests one after
 another (the prompts of scripts/load_test.py, max_tokens, temperature 0; prove-local's requests name
 the mode), after one warm-up request. Per server, mode and C: completion tokens / wall time (tokens/s),
 p50 and p95 latency per request, the requests that failed; with --rounds K each configuration runs K
@@ -214,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", "-t", type=int, default=2, help="CPU threads of both servers (default 2)")
     p.add_argument("--ctx", type=int, default=2048, help="context tokens per slot (default 2048)")
     p.add_argument("--llama-server", type=Path, help="llama-server binary: run it too, on the same GGUF")
+    p.add_argument("--unbatched", action="store_true",
+                   help="also run prove-local serve --no-batching (an engine of its own per request), mode ar")
     p.add_argument("--llama-server-args", default="", help="extra llama-server arguments (one string)")
     p.add_argument("--rounds", type=int, default=1, help="rounds, servers interleaved; medians (default 1)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per request (default 300)")
@@ -234,23 +237,26 @@ def main(argv: list[str] | None = None) -> int:
     serve_args = ([str(model)] if args.model else []) + ["--parallel", str(args.parallel), "--threads", str(args.threads),
                                                          "--ctx", str(args.ctx), "--queue", str(max(args.clients) * 2),
                                                          *extra]
-    servers: list[tuple[str, object, str, Path]] = []
+    servers: list[tuple[str, object, str, list]] = []     # (name, process, base URL, modes)
     runs: list[dict] = []
     try:
-        proc, base, log = start_server(serve_args, deadline)
-        servers.append(("prove-local", proc, base, log))
+        proc, base, _ = start_server(serve_args, deadline)
+        servers.append(("prove-local", proc, base, args.modes))
+        if args.unbatched:
+            proc, base, _ = start_server(serve_args + ["--no-batching"], deadline)
+            servers.append(("prove-local unbatched", proc, base, ["ar"]))
         if args.llama_server:
-            proc, base, log = start_llama_server(args.llama_server, model, args.parallel, args.threads, args.ctx,
-                                                 deadline, args.llama_server_args.split())
-            servers.append(("llama-server", proc, base, log))
-        for name, _, base, _ in servers:                 # warm-up (prove-local calibrates at its first request)
-            for mode in (args.modes if name == "prove-local" else [None]):
+            proc, base, _ = start_llama_server(args.llama_server, model, args.parallel, args.threads, args.ctx,
+                                               deadline, args.llama_server_args.split())
+            servers.append(("llama-server", proc, base, [None]))
+        for name, _, base, modes in servers:             # warm-up (prove-local calibrates at its first request)
+            for mode in modes:
                 chat(int(base.rsplit(":", 1)[1]), {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
                                                    "temperature": 0, **({"mode": mode} if mode else {})}, args.timeout)
         for rnd in range(args.rounds):
             for c in args.clients:
-                for name, _, base, _ in servers:
-                    for mode in (args.modes if name == "prove-local" else [None]):
+                for name, _, base, modes in servers:
+                    for mode in modes:
                         if time.monotonic() > deadline:
                             break
                         r = load(int(base.rsplit(":", 1)[1]), c, args.requests, args.max_tokens, mode, args.timeout,

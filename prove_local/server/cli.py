@@ -31,7 +31,11 @@ def add_parser(sub) -> None:
                    help=f"address to listen on (default {DEFAULT_HOST}: this machine only)")
     p.add_argument("--port", type=int_in(0, 65535, " (0: a free port)"), default=DEFAULT_PORT,
                    help=f"port (default {DEFAULT_PORT}; 0 picks a free one and prints it)")
-    p.add_argument("--parallel", type=PARALLEL, default=1, help="requests decoded at the same time (default 1)")
+    p.add_argument("--parallel", type=PARALLEL, default=1,
+                   help="requests decoded at the same time, batched into one llama_decode per step (default 1)")
+    p.add_argument("--no-batching", action="store_true",
+                   help="with --parallel N: an engine with contexts of its own per request instead of one batch "
+                        "per step (for comparison)")
     p.add_argument("--queue", type=int_in(0), default=DEFAULT_QUEUE,
                    help=f"requests that may wait for a free engine; beyond that: 503 (default {DEFAULT_QUEUE})")
     keys = p.add_mutually_exclusive_group()

@@ -39,7 +39,8 @@ class State:
 
     def load(self, args) -> None:
         loaded = load_models(args, parallel=args.parallel)
-        pool = EnginePool(loaded, args.parallel, max_queue=args.queue)
+        pool = EnginePool(loaded, args.parallel, max_queue=args.queue,
+                          batched=not getattr(args, "no_batching", False))
         first = pool.first
         mode = args.mode or first.default_mode()
         defaults = Settings(mode=mode, block=args.block, theta=args.theta, tau=args.tau, draft_k=args.draft_k,
@@ -68,7 +69,9 @@ class State:
 
     def describe(self) -> str:
         models = ", ".join(f"{r} {i}" for r, i in self.model_ids.items())
-        return f"{models}; mode {self.defaults.mode}, {self.pool.parallel} parallel, queue {self.pool.max_queue}"
+        batched = ", batched" if getattr(self.pool, "shared", None) is not None else ""
+        return (f"{models}; mode {self.defaults.mode}, {self.pool.parallel} parallel{batched}, "
+                f"queue {self.pool.max_queue}")
 
     @property
     def model_id(self) -> str:
