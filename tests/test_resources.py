@@ -180,11 +180,14 @@ def test_the_server_closes_its_pool_then_its_models_at_shutdown(tiny):
     from prove_local.server.app import create_app
 
     loaded = Loaded(Model(tiny), context_options=dict(OPTS))
-    state = State()
-    state.pool = EnginePool(loaded, parallel=2)
+    state = State(pool=EnginePool(loaded, parallel=2), owns=True)     # as State.load leaves it
     with state.pool.engine() as (_, e):
         prompt = loaded.target.tokenize("hi", add_special=True)
         assert len([t for c in e.generate(prompt, Settings(mode="ar", max_new=2)) for t in c.committed]) == 2
+    borrowed = State(pool=state.pool)             # an app on a pool it did not make leaves it open
+    with TestClient(create_app(borrowed), base_url="http://127.0.0.1") as client:
+        assert client.get("/health").status_code == 200
+    assert borrowed.closing and not e.closed and loaded.target._model
     with TestClient(create_app(state), base_url="http://127.0.0.1") as client:
         assert client.get("/health").status_code == 200
         assert not e.closed and loaded.target._model
@@ -201,7 +204,7 @@ def test_the_server_keeps_its_models_while_an_engine_is_still_busy():
 
     from prove_local.server.state import State
     loaded = Models()
-    state = State(pool=EnginePool(loaded, parallel=1))
+    state = State(pool=EnginePool(loaded, parallel=1), owns=True)
     held, release = threading.Event(), threading.Event()
 
     def hold():

@@ -36,6 +36,7 @@ class State:
     policy: Policy = field(default_factory=Policy)      # Host / Origin rules (guard.py)
     read_timeout: float = DEFAULT_READ_TIMEOUT
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+    owns: bool = False                       # close frees the pool and the models (load sets it: it made them)
 
     def load(self, args) -> None:
         loaded = load_models(args, parallel=args.parallel)
@@ -56,6 +57,7 @@ class State:
         self._name_models(loaded)
         self.created = int(Path(loaded.target.path).stat().st_mtime) if Path(loaded.target.path).exists() else 0
         self.defaults = defaults
+        self.owns = True
         self.pool = pool                         # last: /health turns 200 now
         if self.closing:                         # the server stopped while the models loaded
             self.close()
@@ -85,11 +87,12 @@ class State:
 
     def close(self, timeout: float = 5.0) -> bool:
         """At the server's shutdown (the app's lifespan): stop the open generations, free the engines
-        (the pool waits up to `timeout` seconds for the requests holding them), then the models. With an
-        engine still busy after that the models stay loaded (the process is ending). Whether all was freed."""
+        (the pool waits up to `timeout` seconds for the requests holding them), then the models, where
+        this state made them (`owns`: a pool handed in stays its owner's). With an engine still busy
+        after that the models stay loaded (the process is ending). Whether all it owns was freed."""
         self.shutdown()
         pool = self.pool
-        if pool is None:                         # still loading (load closes what it loads) or failed
+        if pool is None or not self.owns:        # still loading (load closes what it loads), or not ours
             return True
         if not pool.close(timeout):
             return False
