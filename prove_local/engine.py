@@ -604,5 +604,18 @@ def summarize(cycles: list[rules.Cycle], seconds: float) -> dict:
         "tokens_per_second": tokens_per_second(n_tokens, seconds),
         "decode_seconds": decode,
         "overhead_share": 1.0 - sum(decode.values()) / cycle_seconds if cycle_seconds > 0 else 0.0,
+        "batch": batch_summary(cycles),
         "stop": cycles[-1].stop if cycles else None,
     }
+
+
+def batch_summary(cycles: list[rules.Cycle]) -> dict | None:
+    """How the answer's passes were batched with other requests' (Cycle.batch, batching.py): the
+    llama_decode calls, and the mean and largest sequences and tokens per decode; None when no pass
+    went through a batched context."""
+    got = [b for c in cycles for bs in getattr(c, "batch", {}).values() for b in bs]
+    if not got:
+        return None
+    return {"decodes": len(got), "sequences_mean": round(sum(b[0] for b in got) / len(got), 3),
+            "sequences_max": max(b[0] for b in got), "tokens_mean": round(sum(b[1] for b in got) / len(got), 3),
+            "tokens_max": max(b[1] for b in got)}

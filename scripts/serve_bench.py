@@ -217,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-server", type=Path, help="llama-server binary: run it too, on the same GGUF")
     p.add_argument("--unbatched", action="store_true",
                    help="also run prove-local serve --no-batching (an engine of its own per request), mode ar")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
+                   help="also run prove-local serve with these extra arguments, mode ar, labelled 'prove-local LABEL' "
+                        "(e.g. 'fa-on=--flash-attn on'); repeatable")
     p.add_argument("--llama-server-args", default="", help="extra llama-server arguments (one string)")
     p.add_argument("--rounds", type=int, default=1, help="rounds, servers interleaved; medians (default 1)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per request (default 300)")
@@ -242,9 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         proc, base, _ = start_server(serve_args, deadline)
         servers.append(("prove-local", proc, base, args.modes))
-        if args.unbatched:
-            proc, base, _ = start_server(serve_args + ["--no-batching"], deadline)
-            servers.append(("prove-local unbatched", proc, base, ["ar"]))
+        variants = (["unbatched=--no-batching"] if args.unbatched else []) + args.variant
+        for v in variants:
+            label, _, more = v.partition("=")
+            if not label or not more:
+                p.error(f"--variant {v!r}: expected LABEL=ARGS")
+            proc, base, _ = start_server(serve_args + more.split(), deadline)
+            servers.append((f"prove-local {label}", proc, base, ["ar"]))
         if args.llama_server:
             proc, base, _ = start_llama_server(args.llama_server, model, args.parallel, args.threads, args.ctx,
                                                deadline, args.llama_server_args.split())

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from prove_local.batching import PENDING, Shared, SeqView
-from prove_local.engine import Engine, Settings
+from prove_local.engine import Engine, Settings, batch_summary
 from prove_local.errors import ContextFull, LlamaError
 from prove_local.llama import Context, Model
 from prove_local.loading import Loaded
@@ -59,6 +59,10 @@ def prompt(models, i: int, n: int) -> list[int]:
 
 def alone(engine, p, s) -> list[int]:
     return [t for c in engine.generate(p, s) for t in c.committed]
+
+
+def solo_cycles(engine, job) -> list:
+    return list(engine.generate(job[0], job[1]))
 
 
 def run_together(engines, jobs):
@@ -189,6 +193,9 @@ def test_mixed_requests_in_flight_equal_their_solo_runs(models, solo):
             assert out == w, f"request {i} ({jobs[i][1].mode}) differs from its run alone"
         assert len(outs[2]) == 12 and len(outs[0]) == 48
         assert all(batched_cycles(c) > 0 for c in cycles[:2]), "no cycle was decoded with another request"
+        b = batch_summary(cycles[1])
+        assert b["sequences_max"] >= 2 and b["decodes"] == sum(sum(c.passes.values()) for c in cycles[1])
+        assert batch_summary(solo_cycles(solo, jobs[1])) is None
         assert batched_cycles(cycles[3]) > 0
         for cs in cycles:                 # passes counted per cycle = the rule's declared passes
             for c in cs:
@@ -408,3 +415,68 @@ def test_gated_adapter_passes_in_a_batch_equal_the_stock_model_alone(tmp_path):
             check_caches(check, engines)
         finally:
             shared.close()
+
+
+def test_closing_the_shared_contexts_fails_a_waiting_pass_instead_of_hanging_it(models):
+    shared, _ = shared_engines(models, 2)
+    a = SeqView(shared.contexts["target"], 1, shared.members[1])
+    shared.members[0].resume()            # sequence 0 is in its generation's code: the step waits for it
+    got = []
+
+    def wait():
+        try:
+            a.eval(prompt(models, 70, 5))
+        except LlamaError as e:
+            got.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    while shared.members[1].state != PENDING:
+        t.join(0.01)
+    shared.close()
+    t.join()
+    assert len(got) == 1 and "closed" in str(got[0])
+    with pytest.raises(LlamaError, match="closed"):
+        a.eval([5])
+
+
+class FakeShared:
+    """What the batcher needs of a shared context, recording its decodes (no llama.cpp)."""
+
+    def __init__(self):
+        self.model, self.adapter, self.n_ctx, self.n_batch, self.n_vocab, self.n_threads = \
+            type("M", (), {"path": "fake.gguf"})(), None, 64, 16, 3, 1
+        self._ctx, self.decode_seconds, self.calls, self.dropped = object(), 0.0, [], []
+
+    def decode_batch(self, passes, adapter=False):
+        self.calls.append([(seq, pos, list(tokens)) for seq, pos, tokens, _ in passes])
+        return [np.full((len(rows), self.n_vocab), seq, dtype=np.float32) for seq, _, _, rows in passes]
+
+    def drop(self, seq, p0):
+        self.dropped.append((seq, p0))
+
+
+@pytest.mark.parametrize("grace", [0.0, LONG])
+def test_a_parked_engine_is_waited_for_only_its_grace(grace):
+    """Engine 0 has handed a cycle to its consumer (parked): a step waits for it `grace` seconds, so with
+    a long grace engine 1's pass is decoded only when engine 0 leaves, and with none at once."""
+    from prove_local.batching import Batcher
+
+    b, fake = Batcher(grace), FakeShared()
+    m0, m1 = b.member(0), b.member(1)
+    v1 = SeqView(fake, 1, m1)
+    m0.resume()
+    m0.park()
+    m1.resume()
+    out = []
+    t = threading.Thread(target=lambda: out.append(v1.eval([7, 8])))
+    t.start()
+    if grace:
+        while m1.state != PENDING:
+            t.join(0.01)
+        assert fake.calls == [] and out == []        # waiting for the parked engine
+        m0.leave()
+    t.join()
+    assert fake.calls == [[(1, 0, [7, 8])]] and out[0].tolist() == [[1.0, 1.0, 1.0]]
+    m1.leave()
+    b.close()

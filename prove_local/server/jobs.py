@@ -162,6 +162,8 @@ class Job:
             "seconds": round(seconds, 6),
             "tokens_per_second": round(s["tokens_per_second"], 3),
             "prefill": {"tokens": prefill[0], "seconds": round(prefill[1], 6)},
+            # --parallel N: how its passes were batched with other requests' (engine.batch_summary)
+            "batch": s.get("batch"),
             # the request's seed (its own, or the one drawn for it: send it back to replay a sampled answer)
             "seed": self.request.seed if self.request is not None else self.settings.seed,
             "sampler": self.settings.sampler,
