@@ -85,10 +85,6 @@ class Cycle:
     passes: dict[str, int] | None = None
     widths: dict[str, list[int]] = field(default_factory=dict)   # tokens fed in each pass, per model
     decode_seconds: dict[str, float] = field(default_factory=dict)
-    # per model, when requests are batched (batching.py, a pool's engines): (sequences, tokens) of each
-    # llama_decode the cycle's passes were in, i.e. the step's batch size; empty for contexts of their own.
-    # decode_seconds is then the request's share of those decodes, by tokens
-    batch: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     seconds: float = 0.0          # wall time of the whole cycle
     index: int = 0                # set by the driver
     start: int = 0                # generated tokens before this cycle
@@ -114,6 +110,10 @@ class Cycle:
     # sampled with the coupled sampler (sampling.CoupledSampler: set by the engine): the tests were
     # equalities with the target's position-keyed sample, not greedy tokens
     coupled: bool = False
+    # per model, when requests are batched (batching.py, a pool's engines): (sequences, tokens) of each
+    # llama_decode the cycle's passes were in, i.e. the step's batch size; empty for contexts of their own.
+    # decode_seconds is then the request's share of those decodes, by tokens
+    batch: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.passes is None:
