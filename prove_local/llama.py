@@ -75,8 +75,9 @@ def flash_attn_setting(flash_attn, type_k: str = "f16", type_v: str = "f16") -> 
     LLAMA_FLASH_ATTN_TYPE_AUTO: on where the backend has it for the KV type, as llama.cpp's own
     tools default to). `flash_attn`: "auto" (the default), "on" / True, "off" / False. Under "auto" an
     F32 KV cache gets "off": with flash attention an F32 cache decodes slower here (SmolLM2 Q4_1,
-    2 threads: 51 tokens/s against 61-64 without; docs/run.md), and F32 weights with F32 KV are the
-    configuration the exactness tests compare token for token."""
+    2 threads, ar: 60 tokens/s against 72 without, while an F16 cache gains 1.11-1.13x with it;
+    dev/fa_bench.py, docs/run.md), and F32 weights with F32 KV are the configuration the exactness
+    tests compare token for token."""
     if flash_attn is True or flash_attn == "on":
         return "on"
     if flash_attn is False or flash_attn == "off":

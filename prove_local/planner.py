@@ -490,8 +490,8 @@ class Planner:
         """Seconds a cycle that is not ar costs the ar cycles after it, beyond what they cost in a run
         of ar cycles: the sum over d = 1..SWITCH_AFTER of (mean decode seconds d cycles after a wider
         pass - the steady mean), where each is measured (8 cycles) and above it. Measured on the
-        embedded proposer (1 thread, 8 GSM8K dev questions): the first ar pass after a lookup verify
-        1.16x the steady one, the next ones within noise."""
+        embedded target (1 thread, 16 GSM8K-style questions, 7 runs): the first ar pass after a
+        lookup verify 1.10-1.17x the steady one, the next ones within noise (docs/bench.md)."""
         steady = self._after_wide[0]
         if steady[1] < 8:
             return 0.0
