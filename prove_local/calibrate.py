@@ -75,7 +75,8 @@ def model_key(model) -> str:
 def config_key(model, options: dict, threads: int) -> str:
     type_k, type_v = options.get("type_k", "f16"), options.get("type_v", "f16")
     return json.dumps({"threads": threads, "n_gpu_layers": getattr(model, "n_gpu_layers", 0),
-                       "flash_attn": flash_attn_setting(options.get("flash_attn", "auto"), type_k, type_v),
+                       "flash_attn": flash_attn_setting(options.get("flash_attn", "auto"), type_k, type_v,
+                                                        gpu=getattr(model, "n_gpu_layers", 0) != 0),
                        "type_k": type_k, "type_v": type_v}, sort_keys=True)
 
 

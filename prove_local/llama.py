@@ -70,21 +70,27 @@ GGML_TYPES = {"f32": ll.GGML_TYPE_F32, "f16": ll.GGML_TYPE_F16, "q8_0": ll.GGML_
 FLASH_ATTN = ("auto", "on", "off")
 
 
-def flash_attn_setting(flash_attn, type_k: str = "f16", type_v: str = "f16") -> str:
+def flash_attn_setting(flash_attn, type_k: str = "f16", type_v: str = "f16", gpu: bool = False) -> str:
     """What a context's flash attention option comes to: "on", "off", or "auto" (llama.cpp's
     LLAMA_FLASH_ATTN_TYPE_AUTO: on where the backend has it for the KV type, as llama.cpp's own
-    tools default to). `flash_attn`: "auto" (the default), "on" / True, "off" / False. Under "auto" an
-    F32 KV cache gets "off": with flash attention an F32 cache decodes slower here (SmolLM2 Q4_1,
-    2 threads, ar: 60 tokens/s against 72 without, while an F16 cache gains 1.11-1.13x with it;
-    dev/fa_bench.py, docs/run.md), and F32 weights with F32 KV are the configuration the exactness
-    tests compare token for token."""
+    tools default to). `flash_attn`: "auto" (the default), "on" / True, "off" / False; `gpu`: the
+    model's layers are offloaded (to a GPU or an RPC server).
+
+    Under "auto" a CPU model gets "off": llama.cpp's CPU kernel picks its path by the pass's shape
+    (one query over >= 512 cached cells: split over the threads; a tile of queries or more: tiled),
+    so a verify pass's rows differ from the one-token rows `ar` reads once the context is long
+    (SmolLM2 Q4_1, F16 KV, 900 tokens cached: 0 of 2-16 rows equal, up to 1.1 logits apart;
+    dev/row_equality.py --prefix 900), and lossless would leave `ar`'s text at near-ties. What it
+    costs: `ar` on an F16 cache gains 1.11-1.13x with it on (dev/fa_bench.py, docs/run.md); `--flash-attn
+    on` takes that, exact only below 512 cached tokens. An F32 KV cache gets "off" everywhere (slower
+    with it: 60 tokens/s against 72 here). On a GPU "auto" is llama.cpp's."""
     if flash_attn is True or flash_attn == "on":
         return "on"
     if flash_attn is False or flash_attn == "off":
         return "off"
     if flash_attn != "auto":
         raise LlamaError(f"flash attention must be one of {', '.join(FLASH_ATTN)}, not {flash_attn!r}")
-    return "off" if "f32" in (type_k, type_v) else "auto"
+    return "off" if not gpu or "f32" in (type_k, type_v) else "auto"
 
 
 def gpu_offload_supported() -> bool:
@@ -393,7 +399,7 @@ class Context:
             params.kv_unified = False    # a KV stream per sequence: attention reads its own cells only
         threads = n_threads or default_threads(model)
         params.n_threads = params.n_threads_batch = threads
-        self.flash_attn = flash_attn_setting(flash_attn, type_k, type_v)
+        self.flash_attn = flash_attn_setting(flash_attn, type_k, type_v, gpu=model.n_gpu_layers != 0)
         if self.n_seq > 1 and self.flash_attn == "auto":
             # several sequences (batching.py): off unless asked for. llama.cpp's CPU flash attention picks
             # its kernel by the batch's shape (one query of one sequence over >= 512 cells: split over the

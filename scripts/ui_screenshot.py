@@ -57,7 +57,7 @@ def main() -> int:
         d = Path(tempfile.mkdtemp(prefix="ui-shot-"))
         model, verifier = str(tiny_gguf(d, seed=0)), str(tiny_gguf(d, seed=1, hidden=32, role="verifier"))
     args = Namespace(model=model, verifier=verifier, draft=a.draft, adapter=a.adapter, ctx=4096, threads=a.threads, kv_type=None,
-                     flash_attn=False, n_gpu_layers=None, mask_token=None, parallel=1, system=None)
+                     flash_attn="auto", n_gpu_layers=None, mask_token=None, parallel=1, system=None)
     runtime = Runtime.from_args(args)
     if runtime.error:
         print(f"error: {runtime.error}", file=sys.stderr)

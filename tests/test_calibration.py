@@ -184,15 +184,19 @@ def test_flash_attention_auto_is_keyed_as_what_it_comes_to(fake_llama):
     key = lambda **o: calibrate.config_key(model, o, 2)      # noqa: E731
     assert key(flash_attn="auto", type_k="f32", type_v="f32") == key(flash_attn="off", type_k="f32", type_v="f32")
     assert key(flash_attn=False, type_k="f32", type_v="f32") == key(type_k="f32", type_v="f32")
+    assert key(flash_attn="auto") == key() == key(flash_attn="off") != key(flash_attn=True)   # a CPU model
+    model.n_gpu_layers = -1                                  # offloaded: auto is llama.cpp's own
     assert key(flash_attn="auto") == key() != key(flash_attn="off") != key(flash_attn=True)
     assert key(flash_attn="on") == key(flash_attn=True)
 
 
 def test_flash_attention_setting():
-    assert flash_attn_setting("auto", "f16", "f16") == "auto"
-    assert flash_attn_setting("auto", "q8_0", "q8_0") == "auto"
-    assert flash_attn_setting("auto", "f32", "f32") == "off"
-    assert flash_attn_setting("auto", "f16", "f32") == "off"
+    assert flash_attn_setting("auto", "f16", "f16", gpu=True) == "auto"
+    assert flash_attn_setting("auto", "q8_0", "q8_0", gpu=True) == "auto"
+    assert flash_attn_setting("auto", "f32", "f32", gpu=True) == "off"
+    assert flash_attn_setting("auto", "f16", "f32", gpu=True) == "off"
+    for kv in ("f16", "q8_0", "f32"):          # on a CPU: off (not exact across pass widths, see llama.py)
+        assert flash_attn_setting("auto", kv, kv) == "off"
     assert flash_attn_setting(True, "f32", "f32") == "on" and flash_attn_setting("on") == "on"
     assert flash_attn_setting(False) == "off" and flash_attn_setting("off", "q8_0", "q8_0") == "off"
     with pytest.raises(Exception, match="flash attention must be one of auto, on, off, not 'yes'"):
