@@ -132,8 +132,9 @@ def add_model_args(p: argparse.ArgumentParser, *, positional: bool = True) -> No
 def add_flash_attn_arg(p: argparse.ArgumentParser) -> None:
     """--flash-attn [auto|on|off] (llama.cpp's -fa): auto by default; the flag alone means on."""
     p.add_argument("--flash-attn", nargs="?", const="on", default="auto", choices=FLASH_ATTN,
-                   help="flash attention: auto (default, as llama.cpp: on where the backend has it for the KV "
-                        "type, off with an F32 KV cache, where it is slower), on, off; the flag alone: on")
+                   help="flash attention: auto (default: off on a CPU, where llama.cpp's kernel is not exact across "
+                        "pass widths deep in a context; on a GPU llama.cpp's auto; off with an F32 KV cache), on, off; "
+                        "the flag alone: on")
 
 
 def add_rpc_args(p: argparse.ArgumentParser) -> None:
@@ -228,7 +229,7 @@ def model_paths(args, *, want_verifier: bool | None = None) -> tuple[Path, Path 
     """Proposer, verifier, draft and adapter paths. Without a model (or with 'smollm2'): SmolLM2 and
     its MARS adapter (default_pair). With 'embedded': the embedded proposer, and the embedded verifier
     when `want_verifier` (None: when it is installed)."""
-    model = getattr(args, "model", None) or getattr(args, "target", None)
+    model = getattr(args, "model", None) or getattr(args, "proposer", None)
     adapter = Path(args.adapter) if getattr(args, "adapter", None) else None
     embedded = model == EMBEDDED_NAME
     if model in (None, DEFAULT_NAME):
