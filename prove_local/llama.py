@@ -177,7 +177,7 @@ class Model:
         # (from llama.cpp's log; empty when PROVE_LLAMA_LOG sends the log to stderr instead)
         self.placement = {m.group(1): float(m.group(2)) for m in
                           (re.search(r"load_tensors:\s+(\S+) model buffer size =\s+([\d.]+) MiB", b) for b in _buffers) if m}
-        self._vocab = ll.llama_model_get_vocab(self._model)
+        self._vocab_ptr = ll.llama_model_get_vocab(self._model)
         self.n_vocab = ll.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train = ll.llama_model_n_ctx_train(self._model)
         self.n_params = ll.llama_model_n_params(self._model)
@@ -269,6 +269,13 @@ class Model:
     @property
     def arch(self) -> str | None:
         return self.meta("general.architecture")
+
+    @property
+    def _vocab(self):
+        """The vocabulary, for llama.cpp's calls; after close() an error instead of a freed pointer."""
+        if getattr(self, "_model", None) is None:
+            raise LlamaError(f"{self.path}: the model is closed")
+        return self._vocab_ptr
 
     def _own(self, resource) -> None:
         """Register a context or adapter, closed (newest first) before this model is freed. Held by

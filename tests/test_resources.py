@@ -144,6 +144,17 @@ def test_engine_contexts_close_before_the_model_and_a_closed_context_refuses_to_
     assert scorer._ctx is None and m._model is None   # the model closed the context made on it first
 
 
+def test_a_closed_model_refuses_its_vocabulary_instead_of_crashing(tiny):
+    """tokenize, piece, special_text on a closed model: an error naming the file (llama.cpp would read
+    the freed vocabulary and crash the process)."""
+    m = Model(tiny)
+    assert m.tokenize("hello") and m.piece(5) is not None
+    m.close()
+    for call in (lambda: m.tokenize("hello"), lambda: m.piece(5), lambda: m.special_text("eos")):
+        with pytest.raises(LlamaError, match=rf"{tiny.name}: the model is closed"):
+            call()
+
+
 def test_an_engine_whose_model_was_closed_first_cleans_up_without_touching_freed_memory(tiny):
     m = Model(tiny)
     e = Engine.load(m, **OPTS)
