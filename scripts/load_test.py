@@ -80,6 +80,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def one_request(host: str, port: int, body: dict, key: str | None, timeout: float) -> dict:
+    """One chat completion: status, seconds, completion tokens, text (and prove-local's tokens per cycle)."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     headers = {"Content-Type": "application/json"}
     if key:
@@ -97,9 +98,11 @@ def one_request(host: str, port: int, body: dict, key: str | None, timeout: floa
     if r.status == 200:
         resp = json.loads(data)
         out["tokens"] = resp["usage"]["completion_tokens"]
-        out["tokens_per_cycle"] = resp["prove"]["tokens_per_cycle"]
+        out["text"] = resp["choices"][0]["message"]["content"]
+        if "prove" in resp:                 # prove-local's statistics (llama-server has none)
+            out["tokens_per_cycle"] = resp["prove"].get("tokens_per_cycle")
     else:
-        out["error"] = data[:200].decode("utf-8", "replace")
+        out["error"] = data[:300].decode("utf-8", "replace")
     return out
 
 

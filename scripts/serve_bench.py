@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import PROMPTS, percentile, start_server, stop_server  # noqa: E402  (scripts/load_test.py)
+from load_test import PROMPTS, one_request, percentile, start_server, stop_server  # noqa: E402  (scripts/load_test.py)
 
 
 def parse_list(text: str, cast=str) -> list:
@@ -78,27 +78,8 @@ def start_llama_server(binary: Path, model: Path, parallel: int, threads: int, c
 
 
 def chat(port: int, body: dict, timeout: float) -> dict:
-    """One chat completion; status, seconds, completion tokens (and prove-local's tokens per cycle)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    t0 = time.perf_counter()
-    try:
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        data = r.read()
-    except OSError as e:
-        return {"status": None, "error": str(e), "seconds": time.perf_counter() - t0}
-    finally:
-        conn.close()
-    out = {"status": r.status, "seconds": time.perf_counter() - t0}
-    if r.status == 200:
-        resp = json.loads(data)
-        out["tokens"] = resp["usage"]["completion_tokens"]
-        out["text"] = resp["choices"][0]["message"]["content"]
-        if "prove" in resp:
-            out["tokens_per_cycle"] = resp["prove"].get("tokens_per_cycle")
-    else:
-        out["error"] = data[:300].decode("utf-8", "replace")
-    return out
+    """One chat completion on 127.0.0.1 (load_test.one_request)."""
+    return one_request("127.0.0.1", port, body, None, timeout)
 
 
 def load(port: int, clients: int, requests: int, max_tokens: int, mode: str | None, timeout: float,
