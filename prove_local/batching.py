@@ -100,8 +100,19 @@ class Batcher:
         self.grace = grace
         self.steps = 0                           # steps run, and llama_decode calls made in them
         self.decodes = 0
+        self.tokens = 0                          # tokens those decodes evaluated
+        self.decode_seconds = 0.0                # time inside them (llama_decode)
+        self.step_seconds = 0.0                  # time in steps (the decodes and the batches' host work)
         self.closed = False
         self._thread: threading.Thread | None = None
+
+    def stats(self) -> dict:
+        """Counters since start: steps, llama_decode calls, tokens they evaluated, seconds inside them
+        and seconds in steps (a front end's metrics; step seconds over wall time is how busy the
+        decode thread was, decode over step seconds how much of a step llama.cpp took)."""
+        with self._cond:
+            return {"steps": self.steps, "decodes": self.decodes, "tokens": self.tokens,
+                    "decode_seconds": self.decode_seconds, "step_seconds": self.step_seconds}
 
     def member(self, seq: int) -> Member:
         m = Member(self, seq)
@@ -184,6 +195,7 @@ class Batcher:
                 for q in step:
                     q.taken = True
                 cond.release()
+                t0 = time.perf_counter()
                 try:
                     self._step(step)
                 except Exception as e:       # noqa: BLE001 - a bug here must not hang the requests
@@ -193,6 +205,7 @@ class Batcher:
                 finally:
                     cond.acquire()
                     self.steps += 1
+                    self.step_seconds += time.perf_counter() - t0
                     for q in step:
                         if q.result is not None or q.error is not None:
                             q.done = True        # its thread runs on from here: the next step waits for it
@@ -244,6 +257,8 @@ class Batcher:
         self.decodes += 1
         seconds = ctx.decode_seconds - before
         n = sum(len(q.tokens) for q in qs)
+        self.tokens += n
+        self.decode_seconds += seconds
         for q, out in zip(qs, outs):
             q.batch, q.seconds = (len(qs), n), seconds * len(q.tokens) / n
             q.result = out

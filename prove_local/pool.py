@@ -116,11 +116,15 @@ class EnginePool:
             return sum(self._busy)
 
     def stats(self) -> dict:
-        """A consistent snapshot for metrics: slots, busy, waiting, peak waiting, rejected."""
+        """A consistent snapshot for metrics: slots, busy, waiting, peak waiting, rejected; `batch`, the
+        steps of a batched pool (batching.Batcher.stats)."""
         with self._cond:
-            return {"slots": len(self._engines), "busy": sum(self._busy), "waiting": self.n_waiting,
-                    "queue_capacity": self.max_queue, "peak_waiting": self.peak_waiting,
-                    "rejected": self.n_rejected}
+            out = {"slots": len(self._engines), "busy": sum(self._busy), "waiting": self.n_waiting,
+                   "queue_capacity": self.max_queue, "peak_waiting": self.peak_waiting,
+                   "rejected": self.n_rejected}
+        if self.shared is not None:                  # a batched pool: its steps (batching.Batcher.stats)
+            out["batch"] = self.shared.batcher.stats()
+        return out
 
     def _pick(self, prefer) -> int:
         free = [i for i, b in enumerate(self._busy) if not b]

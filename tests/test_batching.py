@@ -337,12 +337,16 @@ def test_the_pool_shares_contexts_and_each_answer_equals_its_own(models, solo):
         for i in range(5):
             assert results[i] == alone(solo, prompt(models, 50 + i, 8 + 3 * i),
                                        Settings(mode="lossless" if i % 2 else "ar", max_new=30, block=4))
+        b = pool.stats()["batch"]                  # the decode thread's counters (the server's /metrics)
+        assert 0 < b["steps"] <= b["decodes"] and b["tokens"] >= 5 * 30 - 5
+        assert 0 < b["decode_seconds"] <= b["step_seconds"]
     finally:
         assert pool.close()
     assert all(c._ctx is None for c in pool.shared.contexts.values())
     unbatched = EnginePool(loaded, parallel=2, batched=False)
     try:
         assert unbatched.shared is None and isinstance(unbatched.first.contexts["target"], Context)
+        assert "batch" not in unbatched.stats()
     finally:
         unbatched.close()
 

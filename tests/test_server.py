@@ -308,9 +308,12 @@ def test_raw_sse_format(server):
 
 
 # ------------------------------------------------------------------------------ concurrency
-def test_parallel_requests_equal_alone(client, local):
+def test_parallel_requests_equal_alone(server, client, local):
+    """Four requests on two batched slots each equal their answer alone; the batch counters of
+    /metrics count the steps that decoded them (a step: one llama_decode per model and adapter state)."""
     prompts = ["The cat sat on the mat.", "def f(x): return x * 2", "12345 + 678 = ?", "Natalia sold clips"]
     alone = [local.complete(p, 120)[1] for p in prompts]
+    before = metrics(server)
 
     def one(p):
         return client.completions.create(model="any", prompt=p, max_tokens=120)
@@ -318,6 +321,13 @@ def test_parallel_requests_equal_alone(client, local):
     with ThreadPoolExecutor(4) as ex:
         results = list(ex.map(one, prompts))
     assert [r.choices[0].text for r in results] == alone
+    m = metrics(server)
+    grew = {k: m[f"prove_batch_{k}"] - before[f"prove_batch_{k}"]
+            for k in ("steps_total", "decodes_total", "tokens_total", "decode_seconds_total", "step_seconds_total")}
+    generated = m["prove_tokens_generated_total"] - before["prove_tokens_generated_total"]
+    assert 0 < grew["steps_total"] <= grew["decodes_total"]
+    assert grew["tokens_total"] >= generated      # each prompt's new tokens, then all but its last committed token
+    assert 0 < grew["decode_seconds_total"] <= grew["step_seconds_total"]
 
 
 def test_both_slots_decode_at_once(server, local):

@@ -114,6 +114,17 @@ class Metrics:
             metric("queue_peak", "gauge", "most requests that waited at once", [({}, pool_stats["peak_waiting"])])
             metric("requests_rejected_total", "counter", "requests refused with 503 (queue full)",
                    [({}, pool_stats["rejected"])])
+            b = pool_stats.get("batch")
+            if b is not None:        # a batched pool (batching.py): every slot's passes in one decode per step
+                metric("batch_steps_total", "counter", "batched steps (each slot's next pass, decoded together)",
+                       [({}, b["steps"])])
+                metric("batch_decodes_total", "counter", "llama_decode calls of the batched steps", [({}, b["decodes"])])
+                metric("batch_tokens_total", "counter", "tokens those decodes evaluated", [({}, b["tokens"])])
+                metric("batch_decode_seconds_total", "counter", "seconds inside those llama_decode calls",
+                       [({}, round(b["decode_seconds"], 6))])
+                metric("batch_step_seconds_total", "counter",
+                       "seconds the decode thread spent in steps (over wall time: how busy it was)",
+                       [({}, round(b["step_seconds"], 6))])
         return "\n".join(out) + "\n"
 
 
