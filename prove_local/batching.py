@@ -87,10 +87,9 @@ class Member:
 class Batcher:
     """The step barrier of a pool's engines, and the one thread that decodes their steps.
 
-    Every `llama_decode` of the shared contexts runs on this thread: ggml's CPU backend (an OpenMP build)
-    keeps a team of worker threads per calling thread, which spin a while after each decode, so decodes
-    driven by whichever request thread completed the barrier would keep a team per request thread
-    spinning on the same cores. `grace`: seconds a step waits for a parked engine."""
+    This thread runs the steps (builds each batch, hands out the rows); their llama_decode calls, like
+    every other of the process, run on llama.py's compute thread (llama.decode: one OpenMP team for the
+    whole process, or ggml's barriers stop spinning). `grace`: seconds a step waits for a parked engine."""
 
     def __init__(self, grace: float = PARK_GRACE_S):
         self._cond = threading.Condition(threading.Lock())

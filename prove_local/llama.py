@@ -8,8 +8,10 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import queue
 import re
 import sys as _sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -58,6 +60,68 @@ def _init_backend() -> None:
             os.environ.setdefault("GGML_CPU_TILED_MM", "0")   # read by ggml-cpu once, at its first matmul
         ll.llama_backend_init()
         _backend_ready = True
+
+
+class _ComputeThread:
+    """The one thread of this process that runs llama_decode (`decode`).
+
+    ggml's CPU backend is an OpenMP build: each thread that calls llama_decode becomes the master of
+    an OpenMP team of its own, and the team stays (its workers asleep) while that thread lives. Once
+    two live threads have had teams, libgomp manages more threads than there are cores and stops
+    spinning at barriers (its "throttled" wait), and ggml meets a barrier after every graph op: on this
+    2-core machine a batched step of four one-token passes took 55-151 ms instead of 49 once the main
+    thread had decoded one pass (calibration, a solo run) beside the pool's decode thread
+    (dev/omp_teams.py; a pool of four `ar` requests: 21 tokens/s instead of 65). So every decode of the
+    process goes to this thread, whichever thread asks; the asking thread waits (the hand-off: 28 us
+    against a 12-50 ms pass, measured there too)."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="prove-local llama", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                job[2] = ll.llama_decode(job[0], job[1])
+            except BaseException as e:   # noqa: BLE001 - handed to the caller
+                job[3] = e
+            job[4].set()
+
+
+_compute: _ComputeThread | None = None
+_compute_lock = threading.Lock()
+
+
+def decode(ctx, batch) -> int:
+    """llama_decode(ctx, batch) on the process's compute thread (_ComputeThread); returns its code.
+    The caller's wait cannot be cut short: an interrupt (Ctrl-C) is raised once the decode is over, so
+    nothing touches the context while llama.cpp still works on it."""
+    global _compute
+    c = _compute
+    if c is None or c.pid != os.getpid():           # first use, or a forked child (threads do not fork)
+        with _compute_lock:
+            if _compute is None or _compute.pid != os.getpid():
+                _compute = _ComputeThread()
+            c = _compute
+    if threading.current_thread() is c.thread:
+        return ll.llama_decode(ctx, batch)
+    job = [ctx, batch, None, None, threading.Event()]
+    c.jobs.put(job)
+    interrupted = None
+    while True:
+        try:
+            job[4].wait()
+            break
+        except BaseException as e:    # noqa: BLE001 - re-raised below, after the decode
+            interrupted = e
+    if interrupted is not None:
+        raise interrupted
+    if job[3] is not None:
+        raise job[3]
+    return job[2]
 
 
 def _last_log(n: int = 3) -> str:
@@ -517,7 +581,7 @@ class Context:
                 self._out[:n] = wanted[start:start + n]
                 n_rows = int(wanted[start:start + n].sum())
             t0 = time.perf_counter()
-            rc = ll.llama_decode(self._ctx, self._batch)
+            rc = decode(self._ctx, self._batch)
             self.decode_seconds += time.perf_counter() - t0
             self.n_decode += 1
             if rc != 0:
@@ -587,7 +651,7 @@ class Context:
         if adapter or self._adapter_on:
             self._use_adapter(adapter)
         t0 = time.perf_counter()
-        rc = ll.llama_decode(self._ctx, self._batch)
+        rc = decode(self._ctx, self._batch)
         self.decode_seconds += time.perf_counter() - t0
         self.n_decode += 1
         if rc != 0:
@@ -690,7 +754,7 @@ def greedy_batched(model: Model, prompts: list[list[int]], max_new: int, *, n_se
                     n += 1
                 rows.append((seq, n - 1))
             batch.n_tokens = n
-            rc = ll.llama_decode(ctx, batch)
+            rc = decode(ctx, batch)
             if rc != 0:
                 raise LlamaError(f"llama_decode failed with code {rc} ({_last_log()})")
             for seq, row in rows:

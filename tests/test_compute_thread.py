@@ -1,0 +1,85 @@
+"""Every llama_decode of the process runs on its one compute thread (llama.decode), whichever thread
+asks: with a second OpenMP team alive, libgomp stops spinning at ggml's barriers and a batched step
+ran up to 3x slower (dev/omp_teams.py). A Ctrl-C while a pass is on that thread is raised once the
+pass is over, so nothing touches the context while llama.cpp still works on it."""
+import signal
+import threading
+import time
+
+import llama_cpp as ll
+import numpy as np
+import pytest
+
+from prove_local import llama
+from prove_local.llama import Context, Model
+from tests.tiny import tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    m = Model(tiny_gguf(tmp_path_factory.mktemp("compute-thread"), seed=3))
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """llama_decode wrapped: the names of the threads it ran on (the real call still made)."""
+    names, real = [], ll.llama_decode
+
+    def spy(ctx, batch):
+        names.append(threading.current_thread().name)
+        return real(ctx, batch)
+
+    monkeypatch.setattr(ll, "llama_decode", spy)
+    return names
+
+
+def test_decodes_from_any_thread_run_on_the_compute_thread(model, recorded):
+    prompt = [1, 5, 9, 2, 7, 3]
+    with Context(model, n_ctx=64, n_threads=1) as ctx:
+        here = ctx.eval(prompt, rows=[2, 5])
+    out = {}
+
+    def elsewhere():
+        with Context(model, n_ctx=64, n_threads=1) as ctx:
+            out["rows"] = ctx.eval(prompt, rows=[2, 5])
+        with Context(model, n_ctx=64, n_threads=1, n_seq=2) as shared:
+            out["batch"] = shared.decode_batch([(0, 0, prompt, [2, 5]), (1, 0, prompt[:3], [2])])
+
+    t = threading.Thread(target=elsewhere, name="a request thread")
+    t.start()
+    t.join()
+    assert len(recorded) == 3
+    assert set(recorded) == {"prove-local llama"}          # neither the main thread nor the request thread
+    assert np.array_equal(here, out["rows"])
+    assert np.array_equal(out["batch"][0], here) and np.array_equal(out["batch"][1][0], here[0])
+
+
+def test_a_ctrl_c_during_a_decode_comes_after_it(model, monkeypatch):
+    real, started, finished = ll.llama_decode, threading.Event(), threading.Event()
+
+    def slow(ctx, batch):
+        started.set()
+        time.sleep(0.3)                        # long enough for the signal to land during the pass
+        rc = real(ctx, batch)
+        finished.set()
+        return rc
+
+    monkeypatch.setattr(ll, "llama_decode", slow)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)   # whatever this process inherited
+    try:
+        def interrupt():
+            started.wait(30)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+        threading.Thread(target=interrupt).start()
+        with Context(model, n_ctx=64, n_threads=1) as ctx:
+            with pytest.raises(KeyboardInterrupt):
+                ctx.eval([1, 5, 9])
+            assert finished.is_set()           # the pass was over before the interrupt came out
+            ctx.truncate(0)                    # and the context is usable: the engine's clean-up, then a pass
+            monkeypatch.setattr(ll, "llama_decode", real)
+            assert ctx.eval([1, 5, 9]).shape == (1, model.n_vocab)
+    finally:
+        signal.signal(signal.SIGINT, old)
