@@ -262,12 +262,17 @@ class Batcher:
             q.batch, q.seconds = (len(qs), n), seconds * len(q.tokens) / n
             q.result = out
 
+    def others_generating(self, m: Member) -> bool:
+        """Whether an engine other than `m`'s is in the middle of a generation (its passes join the steps)."""
+        return any(o.generating for o in self.members if o is not m)
+
 
 class SeqView:
     """Sequence `seq` of a shared context, as the decoding rules see a context: `n_past`, `eval(tokens,
     rows)`, `eval_view` (here the same copy: llama.cpp's buffer is every sequence's), `truncate(n)`,
     `n_stock` and `gated` (a gated MARS adapter), `n_decode` and `decode_seconds` (its share, by
-    tokens, of each llama_decode its passes were in), `batches` ((sequences, tokens) of the recent ones)."""
+    tokens, of each llama_decode its passes were in), `batches` ((sequences, tokens) of the recent ones),
+    `others` ((other sequences, their tokens) in the decodes of its recent stock passes)."""
 
     def __init__(self, shared: Context, seq: int, member: Member):
         self.shared, self.seq, self.member, self.batcher = shared, seq, member, member.batcher
@@ -277,7 +282,11 @@ class SeqView:
         self.n_stock = 0            # as llama.Context.n_stock: positions [0, n_stock) hold stock KV
         self.n_decode = 0
         self.decode_seconds = 0.0
+        self.wait_seconds = 0.0     # time in Batcher.run beyond its passes' share of the decodes (Cycle.waited)
         self.batches: collections.deque = collections.deque(maxlen=256)
+        # (other sequences, their tokens) in the llama_decode of each recent stock pass (not the
+        # adapter's: those decode apart from the stock passes): the load the planner prices widths in (Engine._load)
+        self.others: collections.deque = collections.deque(maxlen=16)
         self.closed = False
 
     @property
@@ -341,11 +350,15 @@ class SeqView:
 
     def _pass(self, tokens: list[int], rows: list[int], adapter: bool) -> np.ndarray:
         p = _Pass(self, self.n_past, tokens, rows, adapter)
+        t0 = time.perf_counter()
         out = self.batcher.run(p)
+        self.wait_seconds += max(0.0, time.perf_counter() - t0 - p.seconds)
         self.n_past += len(tokens)
         self.n_decode += 1
         self.decode_seconds += p.seconds
         self.batches.append(p.batch)
+        if not adapter:
+            self.others.append((p.batch[0] - 1, p.batch[1] - len(tokens)))
         return out
 
     def truncate(self, n: int) -> None:

@@ -24,6 +24,7 @@ from .planner import Costs, Planner
 
 MAX_LOGPROBS = 20                 # alternatives per token (OpenAI's top_logprobs limit)
 MAX_RECALIBRATIONS = 2            # per role and engine: curves measured again because the passes disputed them
+LOAD_PASSES = 8                   # recent stock passes whose step loads the planner prices against (Engine._load)
 
 
 @dataclass
@@ -270,6 +271,8 @@ class Engine:
                 # looked up only if the planner may use it, and only as long as it may use it
                 offer = lambda: self.index.offer(self.planner.lookup_need)          # noqa: E731
         if req.auto:
+            if self.member is not None:        # a batched pool: price the widths in the steps they join
+                self.planner.set_load(*self._load())
             plan, choose = self.planner.plan_cycle(req.settings.mode, self._pending(), req.block, room, key=req.key,
                                                    lookup=offer)
             draft = self._committable(self.index.propose_supported, req) if plan.lookup else None
@@ -278,6 +281,20 @@ class Engine:
             return AR_PLAN, NO_HOOKS
         k = req.settings.draft_k if req.settings.draft_k != "auto" else DEFAULT_DRAFT_K
         return MODES[req.settings.mode].plan(max(1, min(req.block, room)), max(0, min(k, room))), NO_HOOKS
+
+    def _load(self) -> tuple[dict[str, int], int]:
+        """Other requests' tokens per role in the steps this engine's next passes will join, and the
+        number of those requests (Planner.set_load): none while no other engine of the pool is
+        generating, else medians over this engine's last LOAD_PASSES stock passes (SeqView.others)."""
+        if not self.member.batcher.others_generating(self.member):
+            return {}, 0
+        out, seqs = {}, 0
+        for role, ctx in self.contexts.items():
+            recent = list(getattr(ctx, "others", ()))[-LOAD_PASSES:]
+            if recent:
+                out[role] = sorted(n for _, n in recent)[len(recent) // 2]
+                seqs = max(seqs, sorted(k for k, _ in recent)[len(recent) // 2])
+        return out, seqs
 
     def _committable(self, propose, req: "Request"):
         """A lookup drafting function cut to what the request can still commit: at most the tokens
@@ -427,7 +444,7 @@ class Engine:
         index = 0
         while s.max_new > 0:
             n_gen = len(self.tokens) - req.n_prompt
-            before = {r: (c.n_decode, c.decode_seconds) for r, c in self.contexts.items()}
+            before = {r: (c.n_decode, c.decode_seconds, getattr(c, "wait_seconds", 0.0)) for r, c in self.contexts.items()}
             t0 = time.perf_counter()        # the planner's time counts as the cycle's
             plan, hooks = self.plan(req)
             contexts = self.contexts if req.watch is None else req.watch.begin(self.tokens)
@@ -442,6 +459,7 @@ class Engine:
             # batched contexts (batching.SeqView): (sequences, tokens) of each llama_decode of the cycle's passes
             cycle.batch = {r: list(self.contexts[r].batches)[-n:] for r, n in cycle.passes.items()
                            if hasattr(self.contexts[r], "batches")}
+            cycle.waited = sum(getattr(c, "wait_seconds", 0.0) - before[r][2] for r, c in self.contexts.items())
             if not cycle.committed:
                 raise RuntimeError(f"mode {s.mode}: a cycle committed no token (a decoding rule is broken)")
             if cycle.source is None:

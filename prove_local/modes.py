@@ -163,7 +163,9 @@ def lossless_widths(pend: dict, plan: Plan) -> dict:
     v = plan.block if plan.verify is None else plan.verify
     first = pend["target"] + plan.lookup + plan.block - 1
     if pend.get(GATED):
-        return {"target": [first, pend["target"] + plan.lookup + max(1, v)]}
+        # (the adapter's pass under its own key: in a batched step it is a llama_decode of its own,
+        # apart from the stock passes: planner.Costs.t)
+        return {GATED: [first], "target": [pend["target"] + plan.lookup + max(1, v)]}
     return {"target": [first, v] if v else [first]}
 
 

@@ -103,6 +103,8 @@ class Costs:
         self._off: dict[str, dict[int, float]] = {}         # per role: widths off the calibration beyond the shape's reach
         self._disputes: dict[str, int] = {}                 # per role: observations in a row while disputed
         self.flagged: dict[str, str] = {}                   # per role: why its curve should be measured again
+        self.load: dict[str, int] = {}                      # per role: other tokens in the steps its passes join (set_load)
+        self.others = 0                                     # the other sequences in those steps
         for role, curve in curves.items():
             self.set_curve(role, curve)
 
@@ -129,7 +131,11 @@ class Costs:
         self._disputes[role] = 0
         self.flagged.pop(role, None)
 
-    def t(self, role: str, n: int) -> float:
+    def solo(self, role: str, n: int) -> float:
+        """t(n) of a pass decoded alone: the curve, times the scale and the shape (role GATED: the
+        target's adapter pass, priced as the target's pass)."""
+        if role == GATED:
+            role = "target"
         b = self.base[role]
         sh = self.shape.get(role)
         n = int(n)
@@ -138,20 +144,71 @@ class Costs:
             return float(b[-1] + slope * (n - len(b) + 1)) * self.scale[role] * (1.0 if sh is None else float(sh[-1]))
         return float(b[n]) * self.scale[role] * (1.0 if sh is None else float(sh[n]))
 
-    def table(self, role: str) -> np.ndarray:
+    def t(self, role: str, n: int) -> float:
+        """What a pass of n tokens costs: alone, t(n); in a batched step that decodes `load[role]` = M
+        other tokens (batching.py), what it adds to the step. A one-token pass joins the other
+        one-token passes in one graph: t(M + 1) - t(M). A wider pass is a graph of its own: llama.cpp
+        splits a batch of several sequences into ubatches of equal widths (`split_equal`, with
+        `kv_unified` off), so its step runs t(n) longer, on any backend (on a GPU a whole pass,
+        where one more token in a graph is nearly free); so is a gated adapter's pass (role GATED),
+        a llama_decode of its own."""
+        m = self.load.get(role, 0)
+        if m and n == 1:
+            return self.solo(role, m + 1) - self.solo(role, m)
+        return self.solo(role, n)
+
+    def solo_table(self, role: str) -> np.ndarray:
+        if role == GATED:
+            role = "target"
         sh = self.shape.get(role)
         return self.base[role] * self.scale[role] * (1.0 if sh is None else sh)
 
-    def observe(self, role: str, widths: list[int], seconds: float, alpha: float = 0.1) -> float | None:
+    def table(self, role: str) -> np.ndarray:
+        """t(n) for n = 0 .. n_max (`t`: under a load, a one-token pass at its marginal cost)."""
+        solo = self.solo_table(role)
+        if not self.load.get(role, 0):
+            return solo
+        out = solo.copy()
+        out[1] = self.t(role, 1)
+        return out
+
+    def set_load(self, load: dict[str, int], sequences: int = 0) -> bool:
+        """The other tokens per role that the next passes will be decoded with (batching.py: a pool's
+        step), and the other sequences they belong to; {} alone. Returns whether it changed (cached
+        costs are then stale)."""
+        load = {r: int(m) for r, m in load.items() if m > 0 and r in self.base}
+        sequences = int(sequences) if load else 0
+        if (load, sequences) == (self.load, self.others):
+            return False
+        self.load, self.others = load, sequences
+        return True
+
+    def step_rest(self) -> tuple[float, float]:
+        """(tokens, seconds) of the rest of the step a pass joins: the other sequences' tokens
+        committed per step (one each, at least: an ar request's), and what their decodes cost
+        (the solo t(M) of each role's load); (0, 0) alone."""
+        if not self.load:
+            return 0.0, 0.0
+        return float(self.others), sum(self.solo(r, m) for r, m in self.load.items())
+
+    def observe(self, role: str, widths: list[int], seconds: float, alpha: float = 0.1,
+                batch: list[tuple[int, int]] | None = None) -> float | None:
         """Fold one cycle's measured decode seconds of `role` into its scale (every cycle) and, when
         the cycle ran one pass (ar, a lookup verify), into the shape at its width; returns measured /
         predicted (before the update), or None when nothing was predicted. A cycle of several passes
         (lossless: proposal and verify back to back; spec's draft passes) teaches the scale only: on
         the embedded proposer two 3-token lossless passes in a row cost 1.5x a calibrated 3-token
-        pass each, which priced B=3 out and sent the planner to B=6 (0.92-1.00x ar, 1.04-1.05x without)."""
-        if role not in self.base or seconds <= 0:
+        pass each, which priced B=3 out and sent the planner to B=6 (0.92-1.00x ar, 1.04-1.05x without).
+        `batch`: (sequences, tokens) of the llama_decode of each pass (Cycle.batch). A cycle with a
+        pass batched with other requests' (batching.py) teaches nothing and returns None: its seconds
+        are a share by tokens of decodes whose ubatches (llama.cpp's split_equal, by the widths of
+        passes it cannot see) this cost model does not know; the scale stays what the passes alone
+        taught it."""
+        if role not in self.base or seconds <= 0 or not widths:
             return None
-        predicted = sum(self.t(role, w) for w in widths)
+        if batch and any(k > 1 for k, _ in batch):
+            return None
+        predicted = sum(self.solo(role, w) for w in widths)
         if predicted <= 0:
             return None
         ratio = seconds / predicted
@@ -461,15 +518,18 @@ class Planner:
             lo = 1 if MODES[kind].free_first and not (cycle.source and cycle.source[0] == "adapter") else 0
             self.stats_for(key or kind).record(cycle.p, lo, tested(plan), cycle.n_accepted)
         decode = sum(cycle.decode_seconds.values())
-        over = max(0.0, cycle.seconds - decode)
+        # the request's own host time: in a batched step, not the time it waited for the others
+        # (Cycle.waited; the step's cost is priced through the load, set_load)
+        over = max(0.0, cycle.seconds - decode - getattr(cycle, "waited", 0.0))
         for key in (kind, (kind, b)):      # per kind, and per kind and width (wider blocks cost more Python)
             old = self.overhead.get(key)
             self.overhead[key] = over if old is None else 0.9 * old + 0.1 * min(over, 4 * old + 1e-4)
         if self.costs is None:
             return False
         worst = 0.0
+        batch = getattr(cycle, "batch", None) or {}
         for role, secs in cycle.decode_seconds.items():
-            r = self.costs.observe(role, cycle.widths.get(role, []), secs)
+            r = self.costs.observe(role, cycle.widths.get(role, []), secs, batch=batch.get(role))
             worst = max(worst, r or 0.0)
         # a pass that suddenly costs many times its t(n): a loaded machine, re-check the threads
         self.slow_streak = self.slow_streak + 1 if worst > 4.0 else 0
@@ -502,6 +562,23 @@ class Planner:
         self.costs.set_curve(role, curve)
         self._vcosts.clear()
 
+    def set_load(self, load: dict[str, int], sequences: int = 0) -> None:
+        """The other requests' tokens per role in the steps the next passes join, and their number
+        (a batched pool: the engine's estimate from its recent steps, batching.SeqView.others; {}
+        alone). The planner then maximises the step's throughput, not the request's own: an option
+        committing g tokens for passes that add c seconds to the steps (Costs.t: a one-token pass
+        t(M + 1) - t(M), a wider one t(n), a graph of its own) is rated (G + g) / (T + c), with G the
+        other sequences' tokens per step (one each) and T what their decodes cost (Costs.step_rest).
+        Alone that is g / c, as before. Beside G requests a proposal must pay for holding up all of
+        them: the choice narrows as the load grows, on any backend. A changed load makes the next
+        cycle replan."""
+        if self.costs is not None and self.costs.set_load(load, sequences):
+            self._vcosts.clear()
+            self._ltables.clear()
+            for key in self.age:
+                self.age[key] = 1 << 30                # replan at the next cycle
+            self._quiet.clear()
+
     def _account(self, cycle) -> None:
         """The regret budget's books for an exploration, or one of the cycles after it: what it lost."""
         lost = cycle.seconds - len(cycle.committed) / self._displaced
@@ -532,8 +609,9 @@ class Planner:
         pend = {r: (pending.get(r, 1) if r == "target" else min(pending.get(r, 1), CATCH_UP)) for r in m.roles}
         if pending.get(GATED):
             pend[GATED] = 1
+        g0, t0 = self.costs.step_rest()                     # (0, 0) alone: the request's own rate
         t_ar = max(1e-12, cycle_cost(t, pend, AR_PLAN) + self._oh("ar"))
-        out = [Choice("ar", 1, 1.0 / t_ar, 1.0, t_ar)]
+        out = [Choice("ar", 1, (g0 + 1.0) / (t0 + t_ar), 1.0, t_ar)]
         n_max = self.k_max if m.width == "draft_k" else block_max
         lay = self._layout(mode, pend, n_max)
         cost = np.zeros(len(lay.tested))
@@ -545,7 +623,7 @@ class Planner:
         gain = np.array(m.expected_tokens(s, n_max, gated=bool(pending.get(GATED))))[lay.tested]
         oh = np.array([self._oh(mode, w) for w in range(1, n_max + 1)])[lay.width - 1]
         secs = np.maximum(1e-12, cost + oh)
-        rate = gain / secs
+        rate = (g0 + gain) / (t0 + secs)
         ends = lay.starts[1:].tolist() + [len(rate)]
         for w, (a, b) in enumerate(zip(lay.starts.tolist(), ends)):
             i = a + int(np.argmax(rate[a:b]))               # a block's best verify width
@@ -750,8 +828,9 @@ class Planner:
         if pending.get(GATED):
             pend[GATED] = 1
         cur = self.current.get(key)
+        g0, t0 = self.costs.step_rest()                     # (as in rates: the step's throughput)
         t_ar = max(1e-12, cycle_cost(self.costs.t, pend, AR_PLAN) + self._oh("ar"))
-        base = cur.rate if cur is not None else 1.0 / t_ar
+        base = cur.rate if cur is not None else (g0 + 1.0) / (t0 + t_ar)
         ks = np.arange(1, LOOKUP_K_MAX + 1)
         ms = np.arange(0, MAX_MATCH + 1)
         # slot j of a match of m extends a match of m + j - 1 tokens: its score lookup.score(m + j - 1);
@@ -778,15 +857,15 @@ class Planner:
         cost, full, short, was = costs
         if was is not best:                      # (the MARS options changed: a replan, which rebuilds the costs)
             best, full = None, None
-        rate = gain / np.maximum(cost, 1e-12)[None, :]
+        rate = (g0 + gain) / (t0 + np.maximum(cost, 1e-12)[None, :])
         best_i = rate.argmax(axis=1)
         best_r = rate[ms, best_i]
         rows = [plans[best_i[m]] for m in ms]
         # a MARS proposal filled by k lookup tokens (only where the mode proposes with masks)
         if best is not None and full is not None:
             B = best.width
-            f_rate = (gain + run * (best.tokens - 1.0)) / np.maximum(
-                run * full[None, :] + (1.0 - run) * short[None, :], 1e-12)
+            f_rate = (g0 + gain + run * (best.tokens - 1.0)) / (t0 + np.maximum(
+                run * full[None, :] + (1.0 - run) * short[None, :], 1e-12))
             f_i = f_rate.argmax(axis=1)
             f_r = f_rate[ms, f_i]
             for m in np.flatnonzero(f_r > best_r):

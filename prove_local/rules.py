@@ -114,6 +114,9 @@ class Cycle:
     # llama_decode the cycle's passes were in, i.e. the step's batch size; empty for contexts of their own.
     # decode_seconds is then the request's share of those decodes, by tokens
     batch: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    # seconds the cycle's passes waited in batched steps beyond their share of the decodes (the other
+    # requests' share, and the step's barrier): in `seconds`, neither decode nor this request's host time
+    waited: float = 0.0
 
     def __post_init__(self):
         if self.passes is None:

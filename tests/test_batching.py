@@ -18,6 +18,7 @@ from prove_local.engine import Engine, Settings, batch_summary
 from prove_local.errors import ContextFull, LlamaError
 from prove_local.llama import Context, Model
 from prove_local.loading import Loaded
+from prove_local.planner import Planner
 from prove_local.pool import EnginePool
 from tests.reference import next_logits
 from tests.tiny import tiny_gguf
@@ -225,6 +226,39 @@ def test_planned_widths_and_prove_in_a_batch_equal_greedy(models, solo):
         assert outs == want
         assert sum(batched_cycles(c) for c in cycles) > 0
         check_caches(models, engines)
+    finally:
+        shared.close()
+
+
+def test_a_batched_planner_prices_widths_against_the_step_it_joins(models, solo, monkeypatch):
+    """Engine._load: while another engine generates, the planner gets the other sequences' tokens of
+    the recent steps (SeqView.others) as its load; alone, none. The output stays greedy's."""
+    loads = []
+    real = Planner.set_load
+
+    def record(self, load, sequences=0):
+        loads.append((self, dict(load), sequences))
+        real(self, load, sequences)
+
+    monkeypatch.setattr(Planner, "set_load", record)
+    shared, engines = shared_engines(models, 2)
+    try:
+        alone(engines[0], prompt(models, 16, 6), Settings(mode="lossless", max_new=2, block="auto"))  # (calibrated)
+        loads.clear()
+        jobs = [(prompt(models, 13, 12), Settings(mode="lossless", max_new=30, block="auto"), None),
+                (prompt(models, 14, 20), Settings(mode="ar", max_new=30), None)]
+        want = [alone(solo, p, Settings(mode="ar", max_new=30)) for p, _, _ in jobs]
+        outs, cycles, errors = run_together(engines, jobs)
+        assert errors == [None, None] and outs == want
+        mine = [(ld, k) for pl, ld, k in loads if pl is engines[0].planner]
+        # the ar request feeds one token a step (its prefill: 19 in the first): the load seen is 1
+        assert mine and any(ld.get("target") == 1 and k == 1 for ld, k in mine), mine
+        assert all(ld.get("target", 0) <= 19 and k <= 1 for ld, k in mine)
+        assert list(engines[0].contexts["target"].others)       # recorded per stock pass
+        loads.clear()
+        alone(engines[0], prompt(models, 15, 10), Settings(mode="lossless", max_new=8, block="auto"))
+        assert loads and all(ld == {} and k == 0 for _, ld, k in loads)   # nobody else generating
+        assert engines[0].planner.costs.load == {} and engines[0].planner.costs.step_rest() == (0.0, 0.0)
     finally:
         shared.close()
 
