@@ -5,7 +5,9 @@ embedded verifier as verifier and draft, in ar / lossless auto / lossless B=16 /
 that wall-clock is measured with real acceptance; writes JSON. Every run records its host milliseconds
 per cycle (time outside llama_decode: Python and numpy) beside its decode milliseconds, and a stage
 `vocab_host` times the host work per cycle at Qwen2.5's 151,936-token vocabulary
-(scripts/overhead_bench.py --vocab-table, with the layers offloaded).
+(scripts/overhead_bench.py --vocab-table, with the layers offloaded). Per shape, `batch_steps` is the
+concurrency sweep: one batched step of 1 / 2 / 4 / 8 sequences x 1 or 9 tokens, and mixed (what the
+planner's batch pricing assumes: a one-token pass joins the others' graph, a wider one is a graph of its own).
 
     python scripts/gpu_check.py --out gpu_check.json            # GPU: full offload, real shapes
     python scripts/gpu_check.py --cpu --out cpu_check.json      # CPU: small shapes, about a minute
@@ -23,6 +25,7 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -220,6 +223,49 @@ def pass_costs(model, n_max: int, reps: int, n_prefix: int, threads: int | None,
     return {"n_prefix": n_prefix, "reps": reps, "flash_attn": flash_attn,
             "t_ms": {n: round(t * 1e3, 4) for n, t in times.items()},
             "ratio": {n: round(t / t1, 3) for n, t in times.items()} if t1 else {}}
+
+
+STEP_SEQUENCES = (1, 2, 4, 8)
+STEP_WIDE = 9                    # a verify pass of an 8-slot block
+
+
+def batch_steps(model, threads: int | None, flash_attn: bool, n_prefix: int, reps: int, deadline: float) -> dict:
+    """What a batched step costs (the concurrency sweep behind the planner's batch pricing,
+    planner.Costs.t): one llama_decode on a context of 8 sequences (batching.py's shape: kv_unified
+    off), each sequence holding n_prefix tokens, of c = 1, 2, 4, 8 sequences x 1 token ("ar"), x 9
+    tokens ("wide", every row's logits, as a verify pass), and c - 1 one-token passes beside one
+    9-token pass ("mixed": llama.cpp splits it into ubatches of equal widths). Median milliseconds of
+    `reps` timed decodes after one untimed; what each wrote is dropped again."""
+    from prove_local.llama import Context
+
+    n_seq = max(STEP_SEQUENCES)
+    opts = dict(n_threads=threads, flash_attn="on" if flash_attn else "off", type_k="f16", type_v="f16")
+    ctx = Context(model, n_ctx=n_prefix + 64, n_seq=n_seq, **opts)
+    out: dict = {"n_prefix": n_prefix, "reps": reps, "flash_attn": flash_attn, "sequences": list(STEP_SEQUENCES),
+                 "ms": {}}
+    try:
+        tok = [(7 * i + 3) % max(2, model.n_vocab - 1) + 1 for i in range(n_prefix + STEP_WIDE)]
+        for seq in range(n_seq):
+            ctx.decode_batch([(seq, 0, tok[:n_prefix], [])])
+        for c in STEP_SEQUENCES:
+            shapes = {"ar": [1] * c, "wide": [STEP_WIDE] * c, "mixed": [1] * (c - 1) + [STEP_WIDE]}
+            for name, widths in shapes.items():
+                if time.monotonic() > deadline:
+                    out["cut"] = "past the time budget"
+                    return out
+                passes = [(seq, n_prefix, tok[n_prefix:n_prefix + w], list(range(w))) for seq, w in enumerate(widths)]
+                times = []
+                for rep in range(reps + 1):
+                    t0 = time.perf_counter()
+                    ctx.decode_batch(passes)
+                    if rep:
+                        times.append(time.perf_counter() - t0)
+                    for seq in range(c):
+                        ctx.drop(seq, n_prefix)
+                out["ms"].setdefault(name, {})[c] = round(statistics.median(times) * 1e3, 4)
+        return out
+    finally:
+        ctx.close()
 
 
 def run_modes(engine, prompts: list[list[int]], runs: list[tuple[str, object]], deadline: float) -> dict:
@@ -468,6 +514,10 @@ def main(argv=None) -> int:
                 if fa in ("on", "both"):
                     key = "pass_cost_flash_attn" if fa == "both" else "pass_cost"
                     entry[key] = pass_costs(model, a.n_max, reps, a.prefix, a.threads, True, deadline)
+                entry["batch_steps"] = batch_steps(model, a.threads, fa == "on", a.prefix, max(2, reps), deadline)
+                st = entry["batch_steps"]["ms"]
+                log(f"{name} batch_steps (ms, c = {', '.join(map(str, STEP_SEQUENCES))} sequences): "
+                    + "; ".join(f"{k} " + " / ".join(str(v) for v in row.values()) for k, row in st.items()))
                 used2 = gpu_used_mib()
                 if used0 is not None and used2 is not None:
                     entry["gpu_mib_with_context_peak"] = used2 - used0

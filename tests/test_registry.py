@@ -352,6 +352,9 @@ def test_gpu_check_cpu_form_writes_json(pulled, tmp_path):
         assert list(ratio) == [str(n) for n in range(1, 65)] and ratio["1"] == 1.0
         assert all(v > 0 for v in m["pass_cost"]["t_ms"].values())
         assert m["file_bytes"] > 0 and m["estimate"]["cpu_bytes"] > m["file_bytes"]
+        steps = m["batch_steps"]["ms"]                             # the concurrency sweep
+        assert set(steps) == {"ar", "wide", "mixed"} and all(list(r) == ["1", "2", "4", "8"] for r in steps.values())
+        assert all(v > 0 for r in steps.values() for v in r.values())
     modes = d["pair"]["modes"]
     assert set(modes) == {"ar", "lossless", "prove"}
     assert modes["lossless"]["same_as_ar"] is True                 # F32 weights and KV cache: exact
