@@ -255,6 +255,11 @@ def test_a_batched_planner_prices_widths_against_the_step_it_joins(models, solo,
         assert mine and any(ld.get("target") == 1 and k == 1 for ld, k in mine), mine
         assert all(ld.get("target", 0) <= 19 and k <= 1 for ld, k in mine)
         assert list(engines[0].contexts["target"].others)       # recorded per stock pass
+        # a batched cycle waits for the other request's share of its decodes (Cycle.waited), and what is
+        # left of its time beside its own decode share is its host time (the planner's overhead)
+        shared_cycles = [c for c in cycles[0] if any(k > 1 for bs in c.batch.values() for k, _ in bs)]
+        assert shared_cycles and all(c.waited > 0 for c in shared_cycles)
+        assert all(0 <= c.waited <= c.seconds - sum(c.decode_seconds.values()) + 1e-9 for c in cycles[0])
         loads.clear()
         alone(engines[0], prompt(models, 15, 10), Settings(mode="lossless", max_new=8, block="auto"))
         assert loads and all(ld == {} and k == 0 for _, ld, k in loads)   # nobody else generating
