@@ -2,6 +2,7 @@
 the report on synthetic data, and one small end-to-end run on tiny random-weight models."""
 import itertools
 import json
+import os
 import random
 import sys
 from types import SimpleNamespace
@@ -615,3 +616,76 @@ def test_equal_error_comparison_hand_computed():
     cmp = stats.at_equal_error(short, pts)
     assert cmp["n"] == 1 and cmp["points"][1]["ratio"] == pytest.approx(1.1)
     assert [r["ratio"] for r in cmp["points"][2:]] == [None, None]
+
+
+def test_bench_parallel_batches_the_runs_and_keeps_each_output(tiny_models, tmp_path, capsys, monkeypatch):
+    """--parallel 2: the runs generate the prompts two at a time on a batched pool; every request's
+    tokens are those of the same request alone (--parallel 1), the groups shared their steps (fewer
+    steps than the requests' passes), and the report's batched section reads back with --report-only."""
+    from prove_local.cli import main
+    monkeypatch.setenv("PROVE_LOCAL_CACHE", str(tmp_path / "cache"))
+    prop, _, _ = tiny_models
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "#### 3"}) + "\n"
+                            for q in ("What is 1 + 2?", "Natalia sold 48 clips.", "Three")))
+    common = ["bench", "--proposer", str(prop), "--modes", "ar,lossless", "--data", str(data), "--max-new", "12",
+              "--threads", "1", "--ctx", "256", "--kv-type", "f32", "--warmup", "2", "--no-pass-cost", "--no-plots", "-q"]
+    assert main(common + ["--out", str(tmp_path / "one")]) == 0
+    assert main(common + ["--parallel", "2", "--out", str(tmp_path / "two")]) == 0
+    assert "batched, 2 requests at a time:" in capsys.readouterr().out
+    one, two = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
+    assert one["batched"] is None and two["settings"]["parallel"] == 2 and "--parallel 2" in two["command"]
+
+    def tokens(folder):
+        return {(g["prompt"], g["run"]): g["tokens"]
+                for g in map(json.loads, (tmp_path / folder / "generations.jsonl").read_text().splitlines())}
+    assert tokens("two") == tokens("one") and len(tokens("two")) == 6
+    assert two["modes"]["lossless"]["exact_match_vs_ar"] == 1.0
+    b = two["batched"]
+    assert b["parallel"] == 2 and set(b["runs"]) == {"ar", "lossless"}
+    gens = [json.loads(x) for x in (tmp_path / "two" / "generations.jsonl").read_text().splitlines()]
+    for name, r in b["runs"].items():
+        assert r["groups"] == 2 and r["requests"] == 3 and r["tokens"] == two["modes"][name]["tokens"]
+        assert r["tokens_per_second"] > 0
+        assert r["decodes"] >= r["steps"] > 0
+    for g in b["groups"]:
+        assert len(g["prompts"]) == (2 if g["prompts"][0] == "gsm/0" else 1)
+        passes = sum(sum(c["passes"].values()) for x in gens if x["run"] == g["run"] and x["prompt"] in g["prompts"]
+                     for c in x["cycles"])
+        if len(g["prompts"]) == 2:    # two requests in one group: their passes shared the steps
+            assert g["steps"] < passes, g
+        else:                         # alone, each pass is a step of its own (and the prefill one more)
+            assert g["steps"] >= passes, g
+    assert b["runs"]["ar"]["vs_ar"] == 1.0 and b["runs"]["lossless"]["vs_ar"] > 0
+    assert "## Batched: 2 requests at a time" in (tmp_path / "two" / "summary.md").read_text()
+    assert main(["bench", "--out", str(tmp_path / "two"), "--report-only", "--no-plots"]) == 0
+    again = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert again["batched"]["groups"] == b["groups"]
+    for name, r in b["runs"].items():          # (a group's seconds are stored to 5 decimals)
+        assert again["batched"]["runs"][name]["vs_ar"] == pytest.approx(r["vs_ar"], rel=0.01), name
+
+
+def test_parallel_sweep_script(tiny_models, tmp_path):
+    """scripts/parallel_sweep.py: one bench per --parallel value, the table, the plot and the JSON."""
+    import subprocess
+    from pathlib import Path
+    prop, _, _ = tiny_models
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "#### 3"}) + "\n" for q in ("One", "Two", "Three")))
+    out = tmp_path / "sweep"
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "scripts" / "parallel_sweep.py"), "--proposer", str(prop),
+                        "--parallel", "1,2", "--data", str(data), "--limit", "3", "--max-new", "6", "--threads", "1",
+                        "--out", str(out), "--", "--ctx", "256", "--kv-type", "f32", "--warmup", "0"],
+                       capture_output=True, text=True, timeout=240, env={**os.environ, "PROVE_LOCAL_CACHE": str(tmp_path / "c")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["sweep"]) == {"1", "2"} and "--parallel 2" in res["commands"]["2"]
+    for p, v in res["sweep"].items():
+        assert set(v) == {"ar", "lossless"} and v["ar"]["vs_ar"] == 1.0 and v["lossless"]["exact_match_vs_ar"] == 1.0
+        assert v["ar"]["tokens_per_second"] > 0 and v["ar"]["requests"] == 3
+    assert res["sweep"]["1"]["ar"]["tokens_per_step"] is None and res["sweep"]["2"]["ar"]["tokens_per_step"] > 1
+    md = (out / "summary.md").read_text()
+    assert "| 2 |" in md and "Every exact run's outputs equal `ar`'s at every P." in md
+    assert (out / "parallel_sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "p2" / "results.json").is_file()

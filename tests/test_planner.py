@@ -289,6 +289,24 @@ def test_a_changed_load_replans_at_the_next_cycle():
     assert pl.plan("lossless", pend, 16, 400).block == 16
 
 
+def test_a_load_within_the_tolerance_keeps_the_prices():
+    from prove_local.planner import LOAD_TOLERANCE
+    c = Costs({"target": {1: 1.0, 32: 1.0, 64: 2.0}})
+    assert LOAD_TOLERANCE == 0.25
+    assert c.set_load({"target": 7}, 7) is True
+    # one request more or less among 7 (<= 25 %): the prices stand, and the load priced stays 7
+    assert c.set_load({"target": 8}, 8) is False and c.set_load({"target": 6}, 6) is False
+    assert (c.load, c.others) == ({"target": 7}, 7)
+    assert c.set_load({"target": 5}, 5) is True and (c.load, c.others) == ({"target": 5}, 5)    # 2 of 7: more
+    assert c.set_load({"target": 5}, 7) is True                  # the sequences alone moved too far
+    # small loads: one either way of max(priced, 1) * 0.25 is a change (1 -> 2 doubles the step)
+    assert c.set_load({"target": 1}, 1) is True and c.set_load({"target": 2}, 2) is True
+    # alone against batched, and a role joining the load, are always changes
+    assert c.set_load({}) is True and c.set_load({"target": 2}, 2) is True
+    d = Costs({"target": {1: 1.0, 8: 2.0}, "verifier": {1: 0.5, 8: 1.0}})
+    assert d.set_load({"target": 8}, 8) is True and d.set_load({"target": 8, "verifier": 8}, 8) is True
+
+
 def test_batched_passes_teach_the_costs_nothing():
     curve = {1: 1.0, 4: 1.6, 16: 4.0}
     c, d = Costs({"target": curve}), Costs({"target": curve})

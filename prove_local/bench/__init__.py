@@ -12,6 +12,7 @@ pass-cost curve). This module is the command line; the work is in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import shlex
@@ -24,13 +25,13 @@ from ..chat import Conversation, clean_text
 from ..engine import Engine
 from ..errors import MissingExtra, UsageError
 from ..llama import Adapter, Model, gpu_offload_supported
-from ..loading import (CTX, EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, GPU_LAYERS, KV_TYPES, MAX_NEW, TAU, THETA, THREADS,
-                       TOKEN_ID, add_flash_attn_arg, add_rpc_args, draft_width_arg, int_in, lookup_arg, placement_note,
+from ..loading import (CTX, EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, GPU_LAYERS, KV_TYPES, MAX_NEW, PARALLEL, TAU, THETA,
+                       THREADS, TOKEN_ID, Loaded, add_flash_attn_arg, add_rpc_args, draft_width_arg, int_in, lookup_arg, placement_note,
                        rpc_devices, width_arg)
 from ..modes import MODES
 from . import runner
 from .data import DataError, load_prompts
-from .markdown import modes_table
+from .markdown import batched_table, modes_table
 from .results import load_outputs, write_outputs
 
 DEFAULT_MODES = "ar,lossless,prove,mars"
@@ -76,7 +77,7 @@ def canonical_command(args) -> str:
     parts = ["prove-local", "bench"]
     for opt in ("proposer", "adapter", "verifier", "draft", "modes", "limit", "max_new", "theta", "tau", "block", "draft_k", "lookup",
                 "temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed", "sampler", "samples",
-                "mask_token", "threads", "ctx", "n_gpu_layers", "kv_type", "flash_attn", "warmup", "pass_cost_reps", "pass_cost_max",
+                "mask_token", "threads", "parallel", "ctx", "n_gpu_layers", "kv_type", "flash_attn", "warmup", "pass_cost_reps", "pass_cost_max",
                 "llama_spec",
                 "bins", "system", "out"):
         v = getattr(args, opt, None)
@@ -146,7 +147,11 @@ def add_parser(sub) -> None:
     p.add_argument("--system", help="system message for the chat template")
     p.add_argument("--threads", type=THREADS,
                    help="CPU threads (default: for small models 1 or all cores, whichever calibration measures faster; else all cores)")
-    p.add_argument("--ctx", type=CTX, default=4096, help="context size (default 4096)")
+    p.add_argument("--ctx", type=CTX, default=4096, help="context size (default 4096; per request with --parallel)")
+    p.add_argument("--parallel", type=PARALLEL, default=1,
+                   help="requests decoded at once, batched into one llama_decode per step as `serve --parallel N` "
+                        "does: every run generates the prompts N at a time, and the report adds each run's "
+                        "throughput over its groups (default 1: one request at a time)")
     p.add_argument("--n-gpu-layers", type=GPU_LAYERS, help="layers to offload (default: all when llama.cpp has a GPU backend)")
     add_flash_attn_arg(p)
     add_rpc_args(p)     # --rpc, --tensor-split: the proposer on `prove-local rpc-server`s
@@ -207,57 +212,76 @@ def cmd_bench(args) -> int:
     kv = args.kv_type or ("f32" if models["target"].meta("general.file_type") == "0" else "f16")
     context_options = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
     adapter = Adapter(models["target"], args.adapter) if args.adapter else None
-    engine = Engine.load(models["target"], models.get("verifier"), models.get("draft"), mask_token=args.mask_token,
-                         adapter=adapter, **context_options)
-    sampling = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                    repeat_last_n=args.repeat_last_n, seed=args.seed, sampler=args.sampler)
-    blocks, draft_ks = _widths(args.block, "--block"), _widths(args.draft_k, "--draft-k")
-    lookups = _widths(args.lookup, "--lookup")
-    runs = runner.make_runs(modes, max_new=args.max_new, block=blocks, thetas=thetas, tau=args.tau, draft_k=draft_ks,
-                            temps=temps, sampling=sampling, samples=args.samples, lookup=lookups)
-    for r in runs:
-        engine.check(r.settings)
-    kept, prompt_tokens = _prompt_tokens(args, prompts, models["target"], engine.n_ctx)
-    external = _external_baseline(args, proposer_path, ngl)
-    try:
-        data = runner.run_bench(engine, models, kept, prompt_tokens, runs, context_options=context_options,
-                                warmup=args.warmup, pass_cost=not args.no_pass_cost,
-                                pass_cost_reps=args.pass_cost_reps, pass_cost_max=args.pass_cost_max,
-                                progress=not args.quiet, oracle=args.oracle and "ar" in modes, external=external)
-    except KeyboardInterrupt:       # during the warm-up or the pass-cost curve: no prompt finished
-        print("prove-local bench: interrupted before any prompt finished; nothing written", file=sys.stderr)
-        return 130
-    if data.interrupted and not data.prompts:
-        print("prove-local bench: interrupted before any prompt finished; nothing written", file=sys.stderr)
-        return 130
-    # the target's threads as decoded (without --threads, calibration may have chosen them)
-    threads = getattr(engine.contexts["target"], "n_threads", None) or args.threads
-    meta = {
-        "command": canonical_command(args),
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": runner.machine_info(threads),
-        "models": {role: {"path": str(m.path), "n_params": m.n_params, "n_vocab": m.n_vocab,
-                          "mask_token": (engine.mask_token if role == "target" else m.mask_token),
-                          "block_size": m.block_size,
-                          **({"adapter": str(args.adapter)} if role == "target" and args.adapter else {})}
-                   for role, m in models.items()},
-        "settings": {"modes": modes, "max_new": args.max_new, "block": ",".join(map(str, blocks)), "theta": thetas,
-                     "tau": args.tau, "draft_k": ",".join(map(str, draft_ks)), "lookup": ",".join(map(str, lookups)),
-                     "temperature": temps, **sampling,
-                     "samples": args.samples, "ctx": args.ctx, "kv_type": kv, "threads": threads,
-                     "n_gpu_layers": ngl, "warmup": args.warmup, "chat_template": not args.raw},
-        "data": {"paths": [str(p) for p in args.data], "limit": args.limit},
-        "bins": args.bins,
-    }
-    if data.interrupted:    # Ctrl-C: the prompts whose runs all finished, marked partial
-        meta["partial"] = True
-    res = write_outputs(data, Path(args.out), meta=meta, plots=not args.no_plots)
-    print(modes_table(res))
-    print(f"\nwrote {Path(args.out) / 'results.json'}, summary.md, generations.jsonl"
-          + (f" and {len(res['plots'])} plots" if res["plots"] else "")
-          + (f" (interrupted: partial, {len(data.prompts)} of {len(kept)} prompts)" if data.interrupted else ""),
-          file=sys.stderr)
-    return 130 if data.interrupted else 0
+    with _engines(args, models, context_options, adapter) as (engine, batch):
+        sampling = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                        repeat_last_n=args.repeat_last_n, seed=args.seed, sampler=args.sampler)
+        blocks, draft_ks = _widths(args.block, "--block"), _widths(args.draft_k, "--draft-k")
+        lookups = _widths(args.lookup, "--lookup")
+        runs = runner.make_runs(modes, max_new=args.max_new, block=blocks, thetas=thetas, tau=args.tau, draft_k=draft_ks,
+                                temps=temps, sampling=sampling, samples=args.samples, lookup=lookups)
+        for r in runs:
+            engine.check(r.settings)
+        kept, prompt_tokens = _prompt_tokens(args, prompts, models["target"], engine.n_ctx)
+        external = _external_baseline(args, proposer_path, ngl)
+        try:
+            data = runner.run_bench(engine, models, kept, prompt_tokens, runs, context_options=context_options,
+                                    warmup=args.warmup, pass_cost=not args.no_pass_cost,
+                                    pass_cost_reps=args.pass_cost_reps, pass_cost_max=args.pass_cost_max,
+                                    progress=not args.quiet, oracle=args.oracle and "ar" in modes, external=external,
+                                    batch=batch)
+        except KeyboardInterrupt:       # during the warm-up or the pass-cost curve: no prompt finished
+            print("prove-local bench: interrupted before any prompt finished; nothing written", file=sys.stderr)
+            return 130
+        if data.interrupted and not data.prompts:
+            print("prove-local bench: interrupted before any prompt finished; nothing written", file=sys.stderr)
+            return 130
+        # the target's threads as decoded (without --threads, calibration may have chosen them)
+        threads = getattr(engine.contexts["target"], "n_threads", None) or args.threads
+        meta = {
+            "command": canonical_command(args),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": runner.machine_info(threads),
+            "models": {role: {"path": str(m.path), "n_params": m.n_params, "n_vocab": m.n_vocab,
+                              "mask_token": (engine.mask_token if role == "target" else m.mask_token),
+                              "block_size": m.block_size,
+                              **({"adapter": str(args.adapter)} if role == "target" and args.adapter else {})}
+                       for role, m in models.items()},
+            "settings": {"modes": modes, "max_new": args.max_new, "block": ",".join(map(str, blocks)), "theta": thetas,
+                         "tau": args.tau, "draft_k": ",".join(map(str, draft_ks)), "lookup": ",".join(map(str, lookups)),
+                         "temperature": temps, **sampling,
+                         "samples": args.samples, "ctx": args.ctx, "kv_type": kv, "threads": threads,
+                         "parallel": args.parallel,
+                         "n_gpu_layers": ngl, "warmup": args.warmup, "chat_template": not args.raw},
+            "data": {"paths": [str(p) for p in args.data], "limit": args.limit},
+            "bins": args.bins,
+        }
+        if data.interrupted:    # Ctrl-C: the prompts whose runs all finished, marked partial
+            meta["partial"] = True
+        res = write_outputs(data, Path(args.out), meta=meta, plots=not args.no_plots)
+        print(modes_table(res))
+        if batched_table(res):
+            print(f"\nbatched, {args.parallel} requests at a time:\n" + batched_table(res))
+        print(f"\nwrote {Path(args.out) / 'results.json'}, summary.md, generations.jsonl"
+              + (f" and {len(res['plots'])} plots" if res["plots"] else "")
+              + (f" (interrupted: partial, {len(data.prompts)} of {len(kept)} prompts)" if data.interrupted else ""),
+              file=sys.stderr)
+        return 130 if data.interrupted else 0
+
+
+@contextlib.contextmanager
+def _engines(args, models: dict, context_options: dict, adapter):
+    """(engine, batch) for run_bench: one engine, or with --parallel N a batched pool's N engines
+    (pool.py, all held for the whole run; batch = (engines, their Batcher)), closed at the end."""
+    if args.parallel <= 1:
+        yield Engine.load(models["target"], models.get("verifier"), models.get("draft"), mask_token=args.mask_token,
+                          adapter=adapter, **context_options), None
+        return
+    from ..pool import EnginePool
+    loaded = Loaded(models["target"], models.get("verifier"), models.get("draft"), context_options,
+                    args.mask_token, adapter)
+    with EnginePool(loaded, args.parallel) as pool, contextlib.ExitStack() as held:
+        engines = [held.enter_context(pool.engine())[1] for _ in range(args.parallel)]
+        yield engines[0], (engines, pool.shared.batcher)
 
 
 def _runs_asked(args) -> tuple[list[str], list[float], list[float]]:

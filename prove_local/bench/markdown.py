@@ -35,6 +35,16 @@ def modes_table(res: dict) -> str:
                    "= ar output", "accuracy", "in loops", "host ms/cycle", "host share", "accepted / drafted"], rows)
 
 
+def batched_table(res: dict) -> str | None:
+    """bench --parallel: each run's throughput over its groups of requests decoded together."""
+    b = res.get("batched")
+    if not b:
+        return None
+    rows = [[f"`{name}`", r["requests"], stats.fmt(r["tokens_per_second"], 1), stats.fmt(r["vs_ar"], 2, "×"),
+             r["steps"], stats.fmt(r["tokens_per_step"], 2)] for name, r in b["runs"].items()]
+    return _table(["run", "requests", "tokens/s", "vs ar", "steps", "tokens/step"], rows)
+
+
 def _drafts(d: dict | None) -> str:
     """Accepted / drafted tokens per source (mask, lookup, draft)."""
     return ", ".join(f"{src} {v['accepted']}/{v['drafted']}" for src, v in sorted((d or {}).items())) or "–"
@@ -57,7 +67,8 @@ def summary_markdown(res: dict) -> str:
              + (f"temperatures {', '.join(f'{t:g}' for t in st['temperature'])} (top-k {st.get('top_k')}, top-p "
                 f"{st.get('top_p')}, min-p {st.get('min_p')}, repeat penalty {st.get('repeat_penalty')}, "
                 f"{st.get('samples')} seeds per prompt at T > 0)" if any(st.get("temperature") or [])
-                else "greedy") + ", one request at a time")
+                else "greedy") + (f", {st['parallel']} requests at a time (batched: one llama_decode per step)"
+                                  if (st.get("parallel") or 1) > 1 else ", one request at a time"))
     L.append(f"- machine: {mach.get('cpu', '?')}, {mach.get('threads')} thread(s), llama-cpp-python {mach.get('llama_cpp_python', '?')}"
              f"{', GPU offload' if mach.get('gpu_offload') else ''}; runs interleaved per prompt after a warm-up; "
              "times exclude the prompt prefill")
@@ -68,6 +79,14 @@ def summary_markdown(res: dict) -> str:
           "Flat-curve speedup: the same with every pass costing its model's one-token pass (the regime of a GPU "
           "running a large model, the paper's cost model). `= ar output`: share of prompts whose tokens equal `ar`'s. "
           "Passes/token: t = target, v = verifier, d = draft.", "", modes_table(res), ""]
+    bt = batched_table(res)
+    if bt:
+        L += [f"## Batched: {res['batched']['parallel']} requests at a time", "",
+              "Every run generated the prompts in groups, one request per engine of a batched pool (`serve "
+              "--parallel` runs the same): each step of the group's requests is one llama_decode per model. "
+              "Per-run figures above are each request's own (its decode time includes its waits in the shared "
+              "steps); here, the group's throughput: generated tokens ÷ the groups' decode windows (first decode "
+              "start to last decode end; the prompts were prefilled before, untimed). vs ar: on the same groups.", "", bt, ""]
     fam_rows, fams = [], sorted({f for m in res["modes"].values() for f in m["speedup_by_family"]})
     if fams and len(fams) > 1:
         for name, m in res["modes"].items():

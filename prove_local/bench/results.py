@@ -15,7 +15,7 @@ from . import stats
 from .data import Prompt, check_answer
 from .markdown import summary_markdown
 from .plots import make_plots, roc_data
-from .runner import BenchData, Record, Run
+from .runner import Batch, BenchData, Record, Run
 from .stats import conditional_slot_rates
 
 SCHEMA_VERSION = 1
@@ -110,6 +110,7 @@ def build_results(data: BenchData, *, meta: dict) -> dict:
         "oracle": oracle_bound(data),
         "projection": planner_projection(data),
         "external": external_baseline(ix),
+        "batched": batched(data),
         "paper": {"position_match_rate_gsm8k": stats.PAPER_SLOT_MATCH_GSM8K, "auc": stats.PAPER_AUC},
         "prompts": per_prompt(ix),
     }
@@ -345,6 +346,33 @@ def external_baseline(ix: Index) -> dict | None:
             "runs": {prompts[i].id: r for i, r in sorted(ext_runs.items()) if i < len(prompts)}}
 
 
+def batched(data: BenchData) -> dict | None:
+    """bench --parallel N: every run's throughput over its groups of N requests decoded together:
+    generated tokens / the groups' decode windows (first decode start to last decode end; the
+    prompts were prefilled before, untimed), vs_ar: that over ar's on the same groups; steps: the
+    batched steps (one llama_decode per model each) the groups took."""
+    if data.parallel <= 1 or not data.batches:
+        return None
+    runs = {}
+    for r in data.runs:
+        bs = [b for b in data.batches if b.run == r.name]
+        if not bs:
+            continue
+        tokens, seconds = sum(b.tokens for b in bs), sum(b.seconds for b in bs)
+        steps = sum(b.steps for b in bs)
+        runs[r.name] = {"groups": len(bs), "requests": sum(len(b.prompts) for b in bs), "tokens": tokens,
+                        "seconds": _r(seconds, 4), "tokens_per_second": _r(tokens / seconds if seconds > 0 else None, 3),
+                        "steps": steps, "decodes": sum(b.decodes for b in bs),
+                        "tokens_per_step": _r(tokens / steps if steps else None, 3)}
+    ar = runs.get("ar")
+    for entry in runs.values():
+        entry["vs_ar"] = _r(entry["tokens_per_second"] / ar["tokens_per_second"]) \
+            if ar and ar["tokens_per_second"] and entry["tokens_per_second"] else None
+    return {"parallel": data.parallel, "runs": runs,
+            "groups": [{"run": b.run, "prompts": [data.prompts[i].id for i in b.prompts], "sample": b.sample,
+                        "tokens": b.tokens, "seconds": _r(b.seconds, 5), "steps": b.steps, "decodes": b.decodes} for b in data.batches]}
+
+
 def pass_cost_table(data: BenchData) -> dict:
     out = {}
     for role, curve in (data.pass_cost or {}).items():
@@ -470,6 +498,13 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
         data.external = {**{k: v for k, v in ext.items() if k in ("name", "binary", "target", "draft", "args", "threads")},
                          "runs": {index[k]: v for k, v in (ext.get("runs") or {}).items() if k in index}}
     data.oracle_match = {index[k]: v for k, v in ((res.get("oracle") or {}).get("match_runs") or {}).items() if k in index}
+    b = res.get("batched")
+    if b:
+        data.parallel = b["parallel"]
+        data.batches = [Batch(g["run"], [index[i] for i in g["prompts"]], g["sample"], g["tokens"], g["seconds"],
+                              g["steps"], g["decodes"]) for g in b["groups"]]
+    elif (res.get("settings") or {}).get("parallel"):
+        data.parallel = res["settings"]["parallel"]
     meta = {k: res[k] for k in ("command", "created", "machine", "models", "settings") if k in res}
     if isinstance(meta.get("models"), dict):
         meta["models"] = _roles(meta["models"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -41,6 +42,20 @@ class Record:
 
 
 @dataclass
+class Batch:
+    """One group of generations of a run decoded together on a batched pool (bench --parallel N): one
+    prompt per engine, every step of them one llama_decode per model (batching.py)."""
+    run: str
+    prompts: list[int]            # indices into the prompt list, one per engine
+    sample: int
+    tokens: int                   # tokens they generated
+    seconds: float                # the first decode start to the last decode end (tokens/s; the prompts were
+                                  # prefilled before, untimed)
+    steps: int = 0                # batched steps and llama_decode calls the group took (Batcher.stats)
+    decodes: int = 0
+
+
+@dataclass
 class BenchData:
     prompts: list[Prompt]
     prompt_tokens: list[list[int]]
@@ -52,6 +67,8 @@ class BenchData:
     planner: dict = field(default_factory=dict)       # the engine's planner state after the runs
     oracle_match: dict = field(default_factory=dict)  # prompt index -> matched slots at every position
     external: dict = field(default_factory=dict)      # llama-speculative-simple: {"runs": {prompt: {...}}, ...}
+    parallel: int = 1             # requests decoded at once (bench --parallel: a batched pool)
+    batches: list[Batch] = field(default_factory=list)
 
 
 def make_runs(modes: list[str], *, max_new: int, block, thetas: list[float], tau: float, draft_k,
@@ -136,32 +153,91 @@ def oracle_runs(engine: Engine, tokens: list[int], reference: list[int], block: 
     return runs
 
 
-def generate_once(engine: Engine, tokens: list[int], settings: Settings) -> tuple[list[Cycle], float, tuple]:
-    """(cycles, decode seconds, prefill): the seconds of engine.tokens_per_second, prefill apart."""
+def generate_once(engine: Engine, tokens: list[int], settings: Settings) -> tuple[list[Cycle], object]:
+    """(cycles, Request) of one generation; the request's decode_seconds are engine.tokens_per_second's."""
     gc.collect()
     gen = engine.generate(tokens, settings)
-    cycles = list(gen)
-    return cycles, gen.request.decode_seconds, gen.prefill
+    try:
+        return list(gen), gen.request
+    finally:
+        gen.close()
+
+
+def generate_together(engines: list[Engine], jobs: list[tuple[list[int], Settings]]) -> list[tuple]:
+    """Generate jobs[k] on engines[k], all at once (the engines of a batched pool: their steps are
+    batched). Per job (cycles, Request). Ctrl-C stops every generation after its current cycle (each
+    closed: its caches cut back to its committed tokens) and is raised again; an error in one job is
+    raised once all have ended. One job runs in the calling thread (generate_once)."""
+    if len(jobs) == 1:
+        return [generate_once(engines[0], *jobs[0])]
+    gc.collect()
+    out: list = [None] * len(jobs)
+    stop = threading.Event()
+
+    def work(k: int) -> None:
+        gen = None
+        try:
+            gen = engines[k].generate(*jobs[k])
+            cycles = []
+            for c in gen:
+                cycles.append(c)
+                if stop.is_set():
+                    break
+            out[k] = (cycles, gen.request)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+            out[k] = e
+        finally:
+            if gen is not None:
+                gen.close()
+
+    threads = [threading.Thread(target=work, args=(k,), name=f"bench {k}", daemon=True) for k in range(len(jobs))]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.1)
+    except KeyboardInterrupt:
+        stop.set()
+        for t in threads:
+            t.join()
+        raise
+    for r in out:
+        if isinstance(r, BaseException):
+            raise r
+    return out
+
+
+def _record(i: int, run: Run, proposer: Model, cycles: list[Cycle], req, sample: int, seed: int) -> Record:
+    out = [t for c in cycles for t in c.committed]
+    return Record(i, run.name, out, cycles, req.decode_seconds, req.prefill[0], req.prefill[1],
+                  proposer.detokenize([t for t in out if not proposer.is_eog(t)]), sample=sample, seed=seed)
 
 
 def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], prompt_tokens: list[list[int]],
               runs: list[Run], *, context_options: dict, warmup: int = 16, pass_cost: bool = True,
               pass_cost_reps: int = 3, pass_cost_max: int = 64, progress: bool = True, oracle: bool = False,
-              external: "LlamaSpec | None" = None) -> BenchData:
+              external: "LlamaSpec | None" = None, batch: "tuple[list[Engine], object] | None" = None) -> BenchData:
     """Warm-up, pass-cost curves, then for each prompt every run once, the run order rotated from
     one prompt to the next (A B C, B C A, ...) so that drift hits all runs alike. Ctrl-C stops the
-    runs: the data then holds the prompts whose runs all finished, and `interrupted` is set."""
+    runs: the data then holds the prompts whose runs all finished, and `interrupted` is set.
+
+    `batch`: (engines, batcher) of a batched pool (engine is engines[0]): the prompts then go in
+    groups of len(engines), every run generating a group's prompts at once (generate_together),
+    and each group's throughput is recorded (data.batches)."""
     from tqdm import tqdm
 
-    data = BenchData(prompts, prompt_tokens, runs)
+    engines, batcher = batch if batch is not None else ([engine], None)
+    width = len(engines)
+    data = BenchData(prompts, prompt_tokens, runs, parallel=width)
     proposer = models["target"]
-    for r in runs:
-        engine.prepare(r.settings)    # pass costs measured (or read from the cache) before any timing
+    for e in engines:
+        for r in runs:
+            e.prepare(r.settings)     # pass costs measured (or read from the cache) before any timing
     if warmup > 0 and prompt_tokens:
         t0 = time.perf_counter()
         for run in runs:
-            s = run.settings
-            generate_once(engine, prompt_tokens[0], replace(s, max_new=warmup))
+            generate_together(engines, [(prompt_tokens[0], replace(run.settings, max_new=warmup))] * width)
         data.warmup_seconds = time.perf_counter() - t0
     if pass_cost and prompt_tokens:
         ns = tuple(n for n in PASS_COST_NS if n <= pass_cost_max)
@@ -177,30 +253,47 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
                file=sys.stderr, dynamic_ncols=True)
     done = 0
     try:
-        for i, tokens in enumerate(prompt_tokens):
-            k = i % len(runs)
+        for g0 in range(0, len(prompt_tokens), width):
+            group = list(range(g0, min(g0 + width, len(prompt_tokens))))
+            k = (g0 // width) % len(runs)
             for j in range(max(r.samples for r in runs)):
                 for run in runs[k:] + runs[:k]:
                     if j >= run.samples:
                         continue
-                    bar.set_postfix_str(f"{prompts[i].id} {run.name}", refresh=False)
+                    bar.set_postfix_str(f"{prompts[g0].id} {run.name}", refresh=False)
                     # a seed of its own for every run, prompt and sample: the distribution check
                     # compares independent samples (ar and lossless with one seed draw the same first token)
-                    seed = (run.settings.seed or 0) + 10 ** 8 * runs.index(run) + 1000 * i + j
-                    cycles, seconds, (n_pre, t_pre) = generate_once(engine, tokens, replace(run.settings, seed=seed))
-                    out = [t for c in cycles for t in c.committed]
-                    data.generations.append(Record(i, run.name, out, cycles, seconds, n_pre, t_pre,
-                                                       proposer.detokenize([t for t in out if not proposer.is_eog(t)]),
-                                                       sample=j, seed=seed))
-                    bar.update(1)
-            if external is not None:          # the external baseline, on the same prompt
-                data.external.setdefault("runs", {})[i] = external.run(proposer.detokenize(tokens, special=True))
-            done = i + 1
+                    seeds = [(run.settings.seed or 0) + 10 ** 8 * runs.index(run) + 1000 * i + j for i in group]
+                    jobs = [(prompt_tokens[i], replace(run.settings, seed=sd)) for i, sd in zip(group, seeds)]
+                    if batcher is not None:
+                        # the prompts prefilled first, untimed (the run then reuses them from the caches):
+                        # otherwise one request's decode steps wait for the others' prefills, and the
+                        # first run of a group, which prefills, would pay for the runs after it
+                        generate_together(engines, [(t, replace(st, max_new=1)) for t, st in jobs])
+                        before = batcher.stats()
+                    outs = generate_together(engines, jobs)
+                    for i, sd, (cycles, req) in zip(group, seeds, outs):
+                        data.generations.append(_record(i, run, proposer, cycles, req, j, sd))
+                    if batcher is not None:
+                        after = batcher.stats()
+                        reqs = [req for _, req in outs if req.decode_start is not None]
+                        window = max(r.decode_end for r in reqs) - min(r.decode_start for r in reqs) if reqs else 0.0
+                        data.batches.append(Batch(run.name, group, j, sum(len(c.committed) for cs, _ in outs for c in cs),
+                                                  window, after["steps"] - before["steps"],
+                                                  after["decodes"] - before["decodes"]))
+                    bar.update(len(group))
+            for i in group:
+                if external is not None:          # the external baseline, on the same prompt
+                    data.external.setdefault("runs", {})[i] = external.run(proposer.detokenize(prompt_tokens[i], special=True))
+                done = i + 1
     except KeyboardInterrupt:
         data.interrupted = True
         data.prompts, data.prompt_tokens = data.prompts[:done], data.prompt_tokens[:done]
         data.generations = [g for g in data.generations if g.prompt < done]
-        data.external.get("runs", {}).pop(done, None)
+        data.batches = [b for b in data.batches if max(b.prompts) < done]
+        for i in list(data.external.get("runs", {})):
+            if i >= done:
+                data.external["runs"].pop(i)
     finally:
         bar.close()
     data.planner = engine.planner.summary()
