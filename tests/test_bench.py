@@ -689,3 +689,50 @@ def test_parallel_sweep_script(tiny_models, tmp_path):
     assert "| 2 |" in md and "Every exact run's outputs equal `ar`'s at every P." in md
     assert (out / "parallel_sweep.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "p2" / "results.json").is_file()
+
+
+def test_generate_together_ctrl_c_stops_every_request_and_leaves_only_committed_tokens(tiny_models):
+    """Ctrl-C while a batched group generates (bench --parallel): every request stops after its
+    current cycle, KeyboardInterrupt reaches the caller, and each engine's sequence then holds only
+    its committed tokens (a next request on it equals the same request on a fresh engine)."""
+    import _thread
+    import signal
+    from prove_local.bench.runner import generate_together
+    from prove_local.engine import Engine, Settings
+    from prove_local.llama import Model
+    from prove_local.loading import Loaded
+    from prove_local.pool import EnginePool
+    opts = dict(n_ctx=512, n_threads=1, type_k="f32", type_v="f32")
+    model = Model(tiny_models[0])
+    pool = EnginePool(Loaded(model, None, None, dict(opts)), parallel=2)
+    # (a background job may have inherited SIGINT ignored: the test installs Python's handler itself)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pool.engine() as (_, e0), pool.engine() as (_, e1):
+            real = e1.generate
+
+            def interrupting(*a, **kw):          # Ctrl-C after this request's third cycle
+                for k, c in enumerate(real(*a, **kw)):
+                    yield c
+                    if k == 2:
+                        _thread.interrupt_main()
+            e1.generate = interrupting
+            p = [model.tokenize(f"Question {i}: what is {i} + 2? ") for i in range(2)]
+            s = Settings(mode="lossless", max_new=200, block=4)
+            with pytest.raises(KeyboardInterrupt):
+                generate_together([e0, e1], [(p[0], s), (p[1], s)])
+            e1.generate = real
+            for e in (e0, e1):
+                ctx = e.contexts["target"]
+                assert ctx.n_past <= len(e.tokens) < len(p[0]) + 200     # stopped early, nothing uncommitted
+            fresh = Engine.load(model, None, None, **opts)
+            try:
+                want = [t for c in fresh.generate(p[1], Settings(mode="ar", max_new=12)) for t in c.committed]
+                got = [t for c in e1.generate(p[1], Settings(mode="ar", max_new=12)) for t in c.committed]
+                assert got == want
+            finally:
+                fresh.close()
+    finally:
+        signal.signal(signal.SIGINT, old)
+        pool.close()
+        model.close()
