@@ -29,6 +29,7 @@ from ..loading import (CTX, EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, GPU_LAYERS, KV
                        THREADS, TOKEN_ID, Loaded, add_flash_attn_arg, add_rpc_args, draft_width_arg, int_in, lookup_arg, placement_note,
                        rpc_devices, width_arg)
 from ..modes import MODES
+from ..pool import EnginePool
 from . import runner
 from .data import DataError, load_prompts
 from .markdown import batched_table, modes_table
@@ -276,7 +277,6 @@ def _engines(args, models: dict, context_options: dict, adapter):
         yield Engine.load(models["target"], models.get("verifier"), models.get("draft"), mask_token=args.mask_token,
                           adapter=adapter, **context_options), None
         return
-    from ..pool import EnginePool
     loaded = Loaded(models["target"], models.get("verifier"), models.get("draft"), context_options,
                     args.mask_token, adapter)
     with EnginePool(loaded, args.parallel) as pool, contextlib.ExitStack() as held:
