@@ -43,6 +43,8 @@ from .errors import ContextFull, LlamaError
 from .llama import Context
 
 PARK_GRACE_S = 0.005      # how long a step waits for an engine whose generation handed a cycle to its consumer
+PROMPT_CACHE_MIB = 256    # host memory for the pool's saved prompt states (PromptCache)
+PROMPT_CACHE_MIN = 16     # tokens a saved state must spare a prefill, at least, to be saved or used
 
 IDLE, RUNNING, PENDING, PARKED = "idle", "running", "pending", "parked"
 
@@ -287,6 +289,7 @@ class SeqView:
         # (other sequences, their tokens) in the llama_decode of each recent stock pass (not the
         # adapter's: those decode apart from the stock passes): the load the planner prices widths in (Engine._load)
         self.others: collections.deque = collections.deque(maxlen=16)
+        self.prompt_cache: PromptCache | None = None     # the pool's (target views only: Shared.views)
         self.closed = False
 
     @property
@@ -372,6 +375,46 @@ class SeqView:
         self.n_past = n
         self.n_stock = min(self.n_stock, n)
 
+    def save_state(self, tokens: list[int]) -> None:
+        """Put this sequence's first len(tokens) positions (they hold `tokens`, stock KV) into the pool's
+        prompt cache."""
+        n = len(tokens)
+        if self.prompt_cache is None or not self._ctx or n < self.prompt_cache.min_tokens or n > min(self.n_past, self.n_stock):
+            return
+        with self.batcher._llama:
+            if n < self.n_past:
+                self.shared.drop(self.seq, n)
+                self.n_past = n
+            data = self.shared.seq_state(self.seq, limit=self.prompt_cache.capacity)
+        if data is not None:                     # (a state larger than the whole cache is not copied at all)
+            self.prompt_cache.save(tokens, data)
+
+    def restore_state(self, prompt: list[int], have: int) -> int:
+        """Fill this sequence from the prompt cache's state sharing the longest prefix with `prompt`, if
+        it holds at least `min_tokens` more of it than the `have` tokens this sequence holds already;
+        the positions the sequence then holds (a prefix of `prompt`), or `have` (0 when llama.cpp refused
+        the state: the sequence is empty then)."""
+        cache = self.prompt_cache
+        if cache is None or not self._ctx:
+            return have
+        hit = cache.best(prompt[:-1])           # (the last prompt token is the first cycle's)
+        if hit is None or hit[0] < have + cache.min_tokens:
+            return have
+        common, data, length = hit
+        with self.batcher._llama:
+            try:
+                self.shared.set_seq_state(self.seq, data)
+            except LlamaError:                   # (the sequence is empty then: it is prefilled from 0)
+                self.n_past = self.n_stock = 0
+                return 0
+            self.n_past = self.n_stock = length
+            if common < length:
+                self.shared.drop(self.seq, common)
+                self.n_past = self.n_stock = common
+        cache.hits += 1
+        cache.tokens_restored += common - have
+        return common
+
     def close(self) -> None:
         """Empty this sequence and refuse later passes (the shared context is its owner's to close)."""
         if not self.closed:
@@ -383,6 +426,64 @@ class SeqView:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class PromptCache:
+    """Sequences' KV states kept in host memory by their tokens (llama-server's `--cache-ram`), shared
+    by a pool's engines: when an engine is about to drop a committed sequence for a new request (the
+    request shares a short prefix with it), the target's state is saved here first; when a request
+    lands on an engine that holds less of its prompt than a saved state does, that state is written
+    into the engine's sequence and only the rest is prefilled. The state is llama.cpp's own bytes
+    (`llama_state_seq_get_data`), so the cache it gives back is the one the prefill would have
+    computed, bit for bit (with flash attention off a token's KV does not depend on its batch-mates:
+    tests/test_batching.py). Least recently used states go first beyond `capacity` bytes."""
+
+    def __init__(self, capacity: int = PROMPT_CACHE_MIB << 20, min_tokens: int = PROMPT_CACHE_MIN):
+        self.capacity, self.min_tokens = capacity, min_tokens
+        self._entries: collections.OrderedDict[tuple, bytes] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.saved = self.hits = self.tokens_restored = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def save(self, tokens: list[int], data: bytes) -> None:
+        key = tuple(tokens)
+        if len(data) > self.capacity:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.bytes -= len(old)
+            self._entries[key] = data
+            self.bytes += len(data)
+            self.saved += 1
+            while self.bytes > self.capacity:
+                _, gone = self._entries.popitem(last=False)
+                self.bytes -= len(gone)
+
+    def best(self, prompt: list[int]) -> tuple[int, bytes, int] | None:
+        """(tokens of `prompt` a saved state holds, that state, its length) for the state sharing the
+        longest prefix with `prompt` (the most recent on a tie), or None when there is none."""
+        want = np.asarray(prompt, dtype=np.int64)
+        best = None
+        with self._lock:
+            for key in reversed(self._entries):
+                n = min(len(key), len(want))
+                same = np.asarray(key[:n], dtype=np.int64) == want[:n]
+                common = n if same.all() else int(np.argmin(same))
+                if best is None or common > best[0]:
+                    best = (common, key)
+            if best is None or best[0] == 0:
+                return None
+            self._entries.move_to_end(best[1])
+            return best[0], self._entries[best[1]], len(best[1])
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"entries": len(self._entries), "bytes": self.bytes, "saved": self.saved, "hits": self.hits,
+                    "tokens_restored": self.tokens_restored}
 
 
 class Shared:
@@ -406,6 +507,7 @@ class Shared:
             self.close()
             raise
         self.members = [self.batcher.member(i) for i in range(n_seq)]
+        self.prompt_cache = PromptCache()
 
     @property
     def flash_attn(self) -> str:
@@ -415,7 +517,10 @@ class Shared:
     def views(self, i: int) -> dict[str, SeqView]:
         if not 0 <= i < self.n_seq:
             raise LlamaError(f"sequence {i} of a {self.n_seq}-sequence shared context")
-        return {role: SeqView(ctx, i, self.members[i]) for role, ctx in self.contexts.items()}
+        views = {role: SeqView(ctx, i, self.members[i]) for role, ctx in self.contexts.items()}
+        if "target" in views:
+            views["target"].prompt_cache = self.prompt_cache
+        return views
 
     def close(self) -> None:
         self.batcher.close()

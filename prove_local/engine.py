@@ -326,6 +326,26 @@ class Engine:
         for ctx in self.contexts.values():
             ctx.truncate(min(ctx.n_past, len(self.tokens), getattr(ctx, "n_stock", ctx.n_past)))
 
+    def _cached_prefix(self, prompt: list[int], keep: int) -> int:
+        """A batched pool's prompt cache (batching.PromptCache): the target's committed sequence saved
+        before this request drops it, and the longest saved prefix of `prompt` written in when it
+        spares a prefill; the prompt tokens the target then holds (`keep` without a cache)."""
+        ctx = self.contexts["target"]
+        if getattr(ctx, "prompt_cache", None) is None:
+            return keep
+        held = min(ctx.n_past, getattr(ctx, "n_stock", ctx.n_past), len(self.tokens))
+        if held - keep >= ctx.prompt_cache.min_tokens:
+            ctx.save_state(self.tokens[:held])
+        have = min(keep, ctx.n_past)
+        n = ctx.restore_state(prompt, have)
+        if n > keep:                             # the target holds prompt[:n] now; the others their prefix
+            self.tokens = list(prompt[:n])
+            for role, c in self.contexts.items():
+                if role != "target":
+                    c.truncate(min(c.n_past, keep))
+            return n
+        return n if n < have else keep           # (n < have: a refused state emptied the target)
+
     def generate(self, prompt: list[int], settings: Settings | None = None) -> "Generation":
         """Stream the cycles that continue `prompt` (iterate the returned `Generation`). Cached tokens
         shared with the previous request are reused. If the consumer stops early (close, Ctrl-C
@@ -345,10 +365,11 @@ class Engine:
         keep = 0
         while keep < min(len(prompt), len(self.tokens)) and prompt[keep] == self.tokens[keep]:
             keep += 1
-        self.tokens = self.tokens[:keep]
-        self._sync()
         if len(self.index) > keep:          # the index must stay a prefix of the committed tokens
             self.index.clear()
+        keep = self._cached_prefix(prompt, keep)
+        self.tokens = self.tokens[:keep]
+        self._sync()
         self.tokens = list(prompt)
         # one seed per request (sampling.py: the coupled sampler's noise is keyed by it, the rejection
         # sampler's generator seeded with it); without a seed a fresh one is drawn and recorded in the

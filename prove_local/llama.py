@@ -676,6 +676,28 @@ class Context:
         if not ll.llama_memory_seq_rm(self._mem, seq, p0, -1):
             raise LlamaError(f"llama_memory_seq_rm refused to drop positions {p0}.. of sequence {seq} (recurrent model?)")
 
+    def seq_state(self, seq: int, limit: int | None = None) -> bytes | None:
+        """Sequence `seq`'s KV cells as llama.cpp serializes them (`llama_state_seq_get_data`): what
+        `set_seq_state` writes back, byte for byte, into any sequence of a context of the same model
+        and cache types (batching.PromptCache); None when that is more than `limit` bytes."""
+        n = ll.llama_state_seq_get_size(self._ctx, seq)
+        if limit is not None and n > limit:
+            return None
+        buf = (ctypes.c_uint8 * n)()
+        got = ll.llama_state_seq_get_data(self._ctx, buf, n, seq)
+        if got != n:
+            raise LlamaError(f"{self.model.path}: llama_state_seq_get_data wrote {got} of {n} bytes for sequence {seq}")
+        return bytes(buf)
+
+    def set_seq_state(self, seq: int, data: bytes) -> None:
+        """Replace sequence `seq`'s KV cells with a `seq_state` (`llama_state_seq_set_data`)."""
+        self.drop(seq, 0)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if ll.llama_state_seq_set_data(self._ctx, buf, len(data), seq) != len(data):
+            self.drop(seq, 0)
+            raise LlamaError(f"{self.model.path}: llama_state_seq_set_data refused a {len(data)}-byte state "
+                             f"for sequence {seq} ({_last_log()})")
+
     def set_threads(self, n: int) -> None:
         """Change the CPU threads of later passes (the planner's thread re-check, calibrate.py)."""
         ll.llama_set_n_threads(self._ctx, n, n)

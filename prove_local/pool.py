@@ -117,13 +117,15 @@ class EnginePool:
 
     def stats(self) -> dict:
         """A consistent snapshot for metrics: slots, busy, waiting, peak waiting, rejected; `batch`, the
-        steps of a batched pool (batching.Batcher.stats)."""
+        steps of a batched pool (batching.Batcher.stats), and `prompt_cache` its saved prompt states
+        (batching.PromptCache.stats)."""
         with self._cond:
             out = {"slots": len(self._engines), "busy": sum(self._busy), "waiting": self.n_waiting,
                    "queue_capacity": self.max_queue, "peak_waiting": self.peak_waiting,
                    "rejected": self.n_rejected}
         if self.shared is not None:                  # a batched pool: its steps (batching.Batcher.stats)
             out["batch"] = self.shared.batcher.stats()
+            out["prompt_cache"] = self.shared.prompt_cache.stats()
         return out
 
     def _pick(self, prefer) -> int:

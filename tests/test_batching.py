@@ -523,3 +523,60 @@ def test_a_parked_engine_is_waited_for_only_its_grace(grace):
     assert fake.calls == [[(1, 0, [7, 8])]] and out[0].tolist() == [[1.0, 1.0, 1.0]]
     m1.leave()
     b.close()
+
+
+def test_a_saved_prompt_state_spares_the_prefill_and_changes_nothing(models, solo):
+    """The pool's prompt cache (batching.PromptCache, llama-server's --cache-ram): an engine that drops
+    a long committed sequence for a new request saves it first; another engine then asked for that
+    prompt (and its next turn) writes the saved state into its own sequence instead of prefilling it,
+    and everything after is as without the cache: the same tokens, and a cache whose next-token logits
+    are a fresh context's bit for bit."""
+    loaded = Loaded(models["target"], None, None, dict(F32))
+    pool = EnginePool(loaded, parallel=2)
+    a, b = prompt(models, 7, 90), prompt(models, 8, 30)
+    s = Settings(mode="lossless", max_new=12, block=4)
+    try:
+        cache = pool.shared.prompt_cache
+        with pool.engine(prefer=0) as (i, e0):
+            assert i == 0
+            first = alone(e0, a, s)
+            answered = list(e0.tokens)
+        with pool.engine(prefer=0) as (_, e0):
+            assert alone(e0, b, s) == alone(solo, b, s)        # a's 102 tokens saved before they were dropped
+        assert (cache.saved, len(cache)) == (1, 1) and cache.bytes > 0
+        with pool.engine(prefer=1) as (i, e1):
+            assert i == 1 and e1.contexts["target"].n_past == 0
+            gen = e1.generate(a, s)
+            out = [t for c in gen for t in c.committed]
+            assert gen.request.n_cached == len(a) - 1 and gen.prefill[0] == 0    # nothing prefilled
+            assert out == first == alone(solo, a, s)
+            check_caches(models, [e1])
+            # the next turn: the saved state holds the first answer too
+            turn = answered + prompt(models, 9, 20)
+            gen = e1.generate(turn, s)
+            out = [t for c in gen for t in c.committed]
+            assert out == alone(solo, turn, s)
+            check_caches(models, [e1])
+        assert cache.hits == 1 and cache.tokens_restored == len(a) - 1
+        # a prompt the cache shares fewer than min_tokens with is prefilled as before
+        with pool.engine(prefer=1) as (_, e1):
+            gen = e1.generate(prompt(models, 10, 40), s)
+            list(gen)
+            assert gen.prefill[0] > 30 and cache.hits == 1
+        assert cache.saved == 2                     # (e1's two turns, dropped for it)
+    finally:
+        assert pool.close()
+
+
+def test_the_prompt_cache_keeps_what_fits_and_finds_the_longest_prefix():
+    from prove_local.batching import PromptCache
+    c = PromptCache(capacity=100, min_tokens=2)
+    c.save([1, 2, 3, 4], b"x" * 40)
+    c.save([1, 2, 9], b"y" * 40)
+    assert c.best([1, 2, 3, 4, 5]) == (4, b"x" * 40, 4) and c.best([1, 2, 9, 9]) == (3, b"y" * 40, 3)
+    assert c.best([1, 2, 7])[0] == 2 and c.best([5, 6]) is None
+    c.save([7, 7, 7], b"z" * 40)                 # 120 bytes > 100: the least recently used goes
+    # ([1, 2, 9] was used last, by the tie at [1, 2, 7]: the most recent state wins a tie)
+    assert len(c) == 2 and c.bytes == 80 and c.best([1, 2, 3, 4])[0] == 2 and c.best([1, 2, 9])[0] == 3
+    c.save([8], b"w" * 101)                      # larger than the whole cache: not kept
+    assert len(c) == 2

@@ -328,6 +328,10 @@ def test_parallel_requests_equal_alone(server, client, local):
     assert 0 < grew["steps_total"] <= grew["decodes_total"]
     assert grew["tokens_total"] >= generated      # each prompt's new tokens, then all but its last committed token
     assert 0 < grew["decode_seconds_total"] <= grew["step_seconds_total"]
+    # the third and fourth requests took slots holding another prompt and its 120 tokens: those were
+    # saved to the pool's prompt cache before they were dropped (batching.PromptCache)
+    assert m["prove_prompt_cache_entries"] >= 1 and m["prove_prompt_cache_bytes"] > 0
+    assert m["prove_prompt_cache_hits_total"] >= before["prove_prompt_cache_hits_total"]
 
 
 def test_both_slots_decode_at_once(server, local):

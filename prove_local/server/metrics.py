@@ -125,6 +125,14 @@ class Metrics:
                 metric("batch_step_seconds_total", "counter",
                        "seconds the decode thread spent in steps (over wall time: how busy it was)",
                        [({}, round(b["step_seconds"], 6))])
+            c = pool_stats.get("prompt_cache")
+            if c is not None:        # the batched pool's saved prompt states (batching.PromptCache)
+                metric("prompt_cache_bytes", "gauge", "host memory held by saved prompt states", [({}, c["bytes"])])
+                metric("prompt_cache_entries", "gauge", "saved prompt states", [({}, c["entries"])])
+                metric("prompt_cache_hits_total", "counter", "requests that started from a saved state",
+                       [({}, c["hits"])])
+                metric("prompt_cache_tokens_total", "counter", "prompt tokens restored instead of prefilled",
+                       [({}, c["tokens_restored"])])
         return "\n".join(out) + "\n"
 
 
