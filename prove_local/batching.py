@@ -375,45 +375,17 @@ class SeqView:
         self.n_past = n
         self.n_stock = min(self.n_stock, n)
 
-    def save_state(self, tokens: list[int]) -> None:
-        """Put this sequence's first len(tokens) positions (they hold `tokens`, stock KV) into the pool's
-        prompt cache."""
-        n = len(tokens)
-        if self.prompt_cache is None or not self._ctx or n < self.prompt_cache.min_tokens or n > min(self.n_past, self.n_stock):
-            return
+    def state(self, limit: int | None = None) -> bytes | None:
+        """This sequence's KV state (llama.Context.seq_state; PromptCache.keep)."""
         with self.batcher._llama:
-            if n < self.n_past:
-                self.shared.drop(self.seq, n)
-                self.n_past = n
-            data = self.shared.seq_state(self.seq, limit=self.prompt_cache.capacity)
-        if data is not None:                     # (a state larger than the whole cache is not copied at all)
-            self.prompt_cache.save(tokens, data)
+            return self.shared.seq_state(self.seq, limit=limit)
 
-    def restore_state(self, prompt: list[int], have: int) -> int:
-        """Fill this sequence from the prompt cache's state sharing the longest prefix with `prompt`, if
-        it holds at least `min_tokens` more of it than the `have` tokens this sequence holds already;
-        the positions the sequence then holds (a prefix of `prompt`), or `have` (0 when llama.cpp refused
-        the state: the sequence is empty then)."""
-        cache = self.prompt_cache
-        if cache is None or not self._ctx:
-            return have
-        hit = cache.best(prompt[:-1])           # (the last prompt token is the first cycle's)
-        if hit is None or hit[0] < have + cache.min_tokens:
-            return have
-        common, data, length = hit
+    def set_state(self, data: bytes, n: int) -> None:
+        """Replace this sequence's KV with a `state()` of n positions (PromptCache.fill); empty on failure."""
         with self.batcher._llama:
-            try:
-                self.shared.set_seq_state(self.seq, data)
-            except LlamaError:                   # (the sequence is empty then: it is prefilled from 0)
-                self.n_past = self.n_stock = 0
-                return 0
-            self.n_past = self.n_stock = length
-            if common < length:
-                self.shared.drop(self.seq, common)
-                self.n_past = self.n_stock = common
-        cache.hits += 1
-        cache.tokens_restored += common - have
-        return common
+            self.n_past = self.n_stock = 0
+            self.shared.set_seq_state(self.seq, data)
+            self.n_past = self.n_stock = n
 
     def close(self) -> None:
         """Empty this sequence and refuse later passes (the shared context is its owner's to close)."""
@@ -430,7 +402,7 @@ class SeqView:
 
 class PromptCache:
     """Sequences' KV states kept in host memory by their tokens (llama-server's `--cache-ram`), shared
-    by a pool's engines: when an engine is about to drop a committed sequence for a new request (the
+    by a pool's engines (batched or not: pool.py): when an engine is about to drop a committed sequence for a new request (the
     request shares a short prefix with it), the target's state is saved here first; when a request
     lands on an engine that holds less of its prompt than a saved state does, that state is written
     into the engine's sequence and only the rest is prefilled. The state is llama.cpp's own bytes
@@ -479,6 +451,37 @@ class PromptCache:
                 return None
             self._entries.move_to_end(best[1])
             return best[0], self._entries[best[1]], len(best[1])
+
+    def keep(self, ctx, tokens: list[int]) -> None:
+        """Save the first len(tokens) positions of `ctx` (a llama.Context or a SeqView, whose positions
+        hold `tokens` as stock KV); what it holds beyond them is dropped first."""
+        n = len(tokens)
+        if n < self.min_tokens or n > min(ctx.n_past, ctx.n_stock):
+            return
+        if n < ctx.n_past:
+            ctx.truncate(n)
+        data = ctx.state(limit=self.capacity)    # (a state larger than the whole cache is not copied at all)
+        if data is not None:
+            self.save(tokens, data)
+
+    def fill(self, ctx, prompt: list[int], have: int) -> int:
+        """Write into `ctx` the saved state sharing the longest prefix with `prompt` if it holds at least
+        `min_tokens` more of it than the `have` positions `ctx` holds already; the positions `ctx` then
+        holds (a prefix of `prompt`), `have`, or 0 when llama.cpp refused the state (`ctx` is empty then)."""
+        hit = self.best(prompt[:-1])            # (the last prompt token is the first cycle's)
+        if hit is None or hit[0] < have + self.min_tokens:
+            return have
+        common, data, length = hit
+        try:
+            ctx.set_state(data, length)
+        except LlamaError:
+            return 0
+        if common < length:
+            ctx.truncate(common)
+        with self._lock:
+            self.hits += 1
+            self.tokens_restored += common - have
+        return common
 
     def stats(self) -> dict:
         with self._lock:

@@ -327,17 +327,18 @@ class Engine:
             ctx.truncate(min(ctx.n_past, len(self.tokens), getattr(ctx, "n_stock", ctx.n_past)))
 
     def _cached_prefix(self, prompt: list[int], keep: int) -> int:
-        """A batched pool's prompt cache (batching.PromptCache): the target's committed sequence saved
+        """A pool's prompt cache (batching.PromptCache): the target's committed sequence saved
         before this request drops it, and the longest saved prefix of `prompt` written in when it
         spares a prefill; the prompt tokens the target then holds (`keep` without a cache)."""
         ctx = self.contexts["target"]
-        if getattr(ctx, "prompt_cache", None) is None:
+        cache = getattr(ctx, "prompt_cache", None)
+        if cache is None:
             return keep
-        held = min(ctx.n_past, getattr(ctx, "n_stock", ctx.n_past), len(self.tokens))
-        if held - keep >= ctx.prompt_cache.min_tokens:
-            ctx.save_state(self.tokens[:held])
+        held = min(ctx.n_past, ctx.n_stock, len(self.tokens))
+        if held - keep >= cache.min_tokens:
+            cache.keep(ctx, self.tokens[:held])
         have = min(keep, ctx.n_past)
-        n = ctx.restore_state(prompt, have)
+        n = cache.fill(ctx, prompt, have)
         if n > keep:                             # the target holds prompt[:n] now; the others their prefix
             self.tokens = list(prompt[:n])
             for role, c in self.contexts.items():

@@ -512,6 +512,7 @@ class Context:
         # positions [0, n_stock) were written with the adapter off (the stock model's KV); an adapter
         # pass that keeps its positions (the lossy modes' proposal passes) lowers it
         self.n_stock = 0
+        self.prompt_cache = None   # a pool's saved prompt states (batching.PromptCache; Engine._cached_prefix)
         model._own(self)
 
     @property
@@ -688,6 +689,16 @@ class Context:
         if got != n:
             raise LlamaError(f"{self.model.path}: llama_state_seq_get_data wrote {got} of {n} bytes for sequence {seq}")
         return bytes(buf)
+
+    def state(self, limit: int | None = None) -> bytes | None:
+        """This context's KV state (sequence 0: seq_state; batching.PromptCache.keep)."""
+        return self.seq_state(0, limit=limit)
+
+    def set_state(self, data: bytes, n: int) -> None:
+        """Replace the KV with a `state()` of n positions (batching.PromptCache.fill); empty on failure."""
+        self.n_past = self.n_stock = 0
+        self.set_seq_state(0, data)
+        self.n_past = self.n_stock = n
 
     def set_seq_state(self, seq: int, data: bytes) -> None:
         """Replace sequence `seq`'s KV cells with a `seq_state` (`llama_state_seq_set_data`)."""

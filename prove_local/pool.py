@@ -24,7 +24,7 @@ import contextlib
 import threading
 from typing import Callable
 
-from .batching import Shared
+from .batching import PromptCache, Shared
 from .errors import EngineBusy
 from .loading import Loaded
 
@@ -48,6 +48,9 @@ class EnginePool:
         models = getattr(loaded, "models", None)
         self.shared = Shared(models, len(self._engines), adapter=loaded.adapter, **loaded.context_options) \
             if batched and len(self._engines) > 1 and models else None
+        # saved prompt states (batching.PromptCache), for every engine of the pool: one that drops a long
+        # sequence keeps it there, one asked for it takes it back instead of a prefill
+        self.prompt_cache = self.shared.prompt_cache if self.shared is not None else PromptCache()
         self._busy = [False] * len(self._engines)
         self._cond = threading.Condition()
         self._tickets = 0               # arrival numbers: waiting requests are served in order
@@ -67,7 +70,11 @@ class EnginePool:
     def _make(self, i: int):
         """Engine i: on sequence i of the shared contexts, or on contexts of its own."""
         if self.shared is None:
-            return self.loaded.engine()
+            engine = self.loaded.engine()
+            target = getattr(engine, "contexts", {}).get("target")
+            if hasattr(target, "set_state"):         # (a llama.Context: not a test's fake engine)
+                target.prompt_cache = self.prompt_cache
+            return engine
         # (calibrated as the shared contexts run: flash attention is off there unless asked for)
         engine = self.loaded.engine(contexts=self.shared.views(i), flash_attn=self.shared.flash_attn)
         engine.member = self.shared.members[i]
@@ -125,7 +132,7 @@ class EnginePool:
                    "rejected": self.n_rejected}
         if self.shared is not None:                  # a batched pool: its steps (batching.Batcher.stats)
             out["batch"] = self.shared.batcher.stats()
-            out["prompt_cache"] = self.shared.prompt_cache.stats()
+        out["prompt_cache"] = self.prompt_cache.stats()
         return out
 
     def _pick(self, prefer) -> int:

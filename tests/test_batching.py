@@ -525,18 +525,20 @@ def test_a_parked_engine_is_waited_for_only_its_grace(grace):
     b.close()
 
 
-def test_a_saved_prompt_state_spares_the_prefill_and_changes_nothing(models, solo):
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_saved_prompt_state_spares_the_prefill_and_changes_nothing(models, solo, batched):
     """The pool's prompt cache (batching.PromptCache, llama-server's --cache-ram): an engine that drops
     a long committed sequence for a new request saves it first; another engine then asked for that
-    prompt (and its next turn) writes the saved state into its own sequence instead of prefilling it,
-    and everything after is as without the cache: the same tokens, and a cache whose next-token logits
-    are a fresh context's bit for bit."""
+    prompt (and its next turn) writes the saved state into its own sequence (batched) or context
+    (not) instead of prefilling it, and everything after is as without the cache: the same tokens,
+    and a cache whose next-token logits are a fresh context's bit for bit."""
     loaded = Loaded(models["target"], None, None, dict(F32))
-    pool = EnginePool(loaded, parallel=2)
+    pool = EnginePool(loaded, parallel=2, batched=batched)
+    assert (pool.shared is not None) == batched and pool.stats()["prompt_cache"]["entries"] == 0
     a, b = prompt(models, 7, 90), prompt(models, 8, 30)
     s = Settings(mode="lossless", max_new=12, block=4)
     try:
-        cache = pool.shared.prompt_cache
+        cache = pool.prompt_cache
         with pool.engine(prefer=0) as (i, e0):
             assert i == 0
             first = alone(e0, a, s)

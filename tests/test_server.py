@@ -569,7 +569,8 @@ def test_pool_queue_is_bounded_fifo_and_cancellable():
     b.join(10)
     assert order == ["c cancelled", "a", "b"]
     assert pool.stats() == {"slots": 1, "busy": 0, "waiting": 0, "queue_capacity": 2, "peak_waiting": 2,
-                            "rejected": 1}
+                            "rejected": 1, "prompt_cache": {"entries": 0, "bytes": 0, "saved": 0, "hits": 0,
+                                                            "tokens_restored": 0}}
 
 
 def test_health_is_503_while_loading():
