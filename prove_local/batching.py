@@ -495,7 +495,8 @@ class Shared:
     Engine.load takes as `contexts`); `close` frees the contexts (after the engines: Engine.close
     empties its sequences)."""
 
-    def __init__(self, models: dict, n_seq: int, *, adapter=None, grace: float = PARK_GRACE_S, **context_options):
+    def __init__(self, models: dict, n_seq: int, *, adapter=None, grace: float = PARK_GRACE_S,
+                 prompt_cache: "PromptCache | None" = None, **context_options):
         if n_seq < 1:
             raise LlamaError(f"a shared context needs at least one sequence, not {n_seq}")
         self.n_seq = n_seq
@@ -510,7 +511,7 @@ class Shared:
             self.close()
             raise
         self.members = [self.batcher.member(i) for i in range(n_seq)]
-        self.prompt_cache = PromptCache()
+        self.prompt_cache = prompt_cache         # the pool's (pool.py), given to the target views; None: none
 
     @property
     def flash_attn(self) -> str:
@@ -521,7 +522,7 @@ class Shared:
         if not 0 <= i < self.n_seq:
             raise LlamaError(f"sequence {i} of a {self.n_seq}-sequence shared context")
         views = {role: SeqView(ctx, i, self.members[i]) for role, ctx in self.contexts.items()}
-        if "target" in views:
+        if "target" in views and self.prompt_cache is not None:
             views["target"].prompt_cache = self.prompt_cache
         return views
 

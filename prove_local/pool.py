@@ -24,7 +24,7 @@ import contextlib
 import threading
 from typing import Callable
 
-from .batching import PromptCache, Shared
+from .batching import PROMPT_CACHE_MIB, PromptCache, Shared
 from .errors import EngineBusy
 from .loading import Loaded
 
@@ -38,19 +38,20 @@ class Cancelled(EngineBusy):
 
 
 class EnginePool:
-    def __init__(self, loaded: Loaded, parallel: int = 1, max_queue: int | None = None, batched: bool = True):
+    def __init__(self, loaded: Loaded, parallel: int = 1, max_queue: int | None = None, batched: bool = True,
+                 prompt_cache_mib: int = PROMPT_CACHE_MIB):
         self.loaded = loaded
         self.max_queue = max_queue
         self._engines = [None] * max(1, parallel)
         # the shared contexts of a batched pool (one sequence per engine), made now: every slot's KV (a
         # loader without models, such as the tests' fakes that make engines on scripted contexts, gets
         # engines of their own)
-        models = getattr(loaded, "models", None)
-        self.shared = Shared(models, len(self._engines), adapter=loaded.adapter, **loaded.context_options) \
-            if batched and len(self._engines) > 1 and models else None
         # saved prompt states (batching.PromptCache), for every engine of the pool: one that drops a long
-        # sequence keeps it there, one asked for it takes it back instead of a prefill
-        self.prompt_cache = self.shared.prompt_cache if self.shared is not None else PromptCache()
+        # sequence keeps it there, one asked for it takes it back instead of a prefill (0 MiB: none)
+        self.prompt_cache = PromptCache(prompt_cache_mib << 20) if prompt_cache_mib > 0 else None
+        models = getattr(loaded, "models", None)
+        self.shared = Shared(models, len(self._engines), adapter=loaded.adapter, prompt_cache=self.prompt_cache,
+                             **loaded.context_options) if batched and len(self._engines) > 1 and models else None
         self._busy = [False] * len(self._engines)
         self._cond = threading.Condition()
         self._tickets = 0               # arrival numbers: waiting requests are served in order
@@ -72,7 +73,7 @@ class EnginePool:
         if self.shared is None:
             engine = self.loaded.engine()
             target = getattr(engine, "contexts", {}).get("target")
-            if hasattr(target, "set_state"):         # (a llama.Context: not a test's fake engine)
+            if hasattr(target, "set_state") and self.prompt_cache is not None:   # (not a test's fake engine)
                 target.prompt_cache = self.prompt_cache
             return engine
         # (calibrated as the shared contexts run: flash attention is off there unless asked for)
@@ -132,7 +133,8 @@ class EnginePool:
                    "rejected": self.n_rejected}
         if self.shared is not None:                  # a batched pool: its steps (batching.Batcher.stats)
             out["batch"] = self.shared.batcher.stats()
-        out["prompt_cache"] = self.prompt_cache.stats()
+        if self.prompt_cache is not None:
+            out["prompt_cache"] = self.prompt_cache.stats()
         return out
 
     def _pick(self, prefer) -> int:

@@ -582,3 +582,23 @@ def test_the_prompt_cache_keeps_what_fits_and_finds_the_longest_prefix():
     assert len(c) == 2 and c.bytes == 80 and c.best([1, 2, 3, 4])[0] == 2 and c.best([1, 2, 9])[0] == 3
     c.save([8], b"w" * 101)                      # larger than the whole cache: not kept
     assert len(c) == 2
+
+
+def test_no_prompt_cache_with_zero_mib(models):
+    """serve --cache-ram 0: the pool keeps no states, so a prompt another engine dropped is prefilled."""
+    loaded = Loaded(models["target"], None, None, dict(F32))
+    pool = EnginePool(loaded, parallel=2, prompt_cache_mib=0)
+    a, b = prompt(models, 7, 90), prompt(models, 8, 30)
+    s = Settings(mode="ar", max_new=6)
+    try:
+        assert pool.prompt_cache is None and "prompt_cache" not in pool.stats()
+        with pool.engine(prefer=0) as (_, e0):
+            alone(e0, a, s)
+        with pool.engine(prefer=0) as (_, e0):
+            alone(e0, b, s)
+        with pool.engine(prefer=1) as (i, e1):
+            gen = e1.generate(a, s)
+            list(gen)
+            assert i == 1 and gen.prefill[0] == len(a) - 1
+    finally:
+        assert pool.close()

@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 from .. import modes, sampling
+from ..batching import PROMPT_CACHE_MIB
 from ..errors import MissingExtra, ProveError, UsageError
 from ..files import read_limited
 from ..hosts import is_loopback
@@ -36,6 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--no-batching", action="store_true",
                    help="with --parallel N: an engine with contexts of its own per request instead of one batch "
                         "per step (for comparison)")
+    p.add_argument("--cache-ram", type=int_in(0), default=PROMPT_CACHE_MIB, metavar="MIB",
+                   help="host memory for saved prompt states, as llama-server's --cache-ram: a request starts from "
+                        f"the longest saved prefix of its prompt instead of prefilling it (default {PROMPT_CACHE_MIB}; 0: off)")
     p.add_argument("--queue", type=int_in(0), default=DEFAULT_QUEUE,
                    help=f"requests that may wait for a free engine; beyond that: 503 (default {DEFAULT_QUEUE})")
     keys = p.add_mutually_exclusive_group()

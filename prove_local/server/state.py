@@ -10,6 +10,7 @@ from .. import modes
 from ..engine import Settings
 from ..errors import ModeError, ProveError
 from ..loading import load_models
+from ..batching import PROMPT_CACHE_MIB
 from ..pool import EnginePool
 from .guard import Policy
 from .metrics import Metrics
@@ -41,7 +42,8 @@ class State:
     def load(self, args) -> None:
         loaded = load_models(args, parallel=args.parallel)
         pool = EnginePool(loaded, args.parallel, max_queue=args.queue,
-                          batched=not getattr(args, "no_batching", False))
+                          batched=not getattr(args, "no_batching", False),
+                          prompt_cache_mib=getattr(args, "cache_ram", PROMPT_CACHE_MIB))
         first = pool.first
         mode = args.mode or first.default_mode()
         defaults = Settings(mode=mode, block=args.block, theta=args.theta, tau=args.tau, draft_k=args.draft_k,
