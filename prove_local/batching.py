@@ -402,8 +402,9 @@ class SeqView:
 
 class PromptCache:
     """Sequences' KV states kept in host memory by their tokens (llama-server's `--cache-ram`), shared
-    by a pool's engines (batched or not: pool.py): when an engine is about to drop a committed sequence for a new request (the
-    request shares a short prefix with it), the target's state is saved here first; when a request
+    by a pool's engines (batched or not: pool.py): when an engine is about to drop a committed
+    sequence for a new request (the request shares a short prefix with it), the target's state is
+    saved here first, unless a saved state holds those tokens already; when a request
     lands on an engine that holds less of its prompt than a saved state does, that state is written
     into the engine's sequence and only the rest is prefilled. The state is llama.cpp's own bytes
     (`llama_state_seq_get_data`), so the cache it gives back is the one the prefill would have
@@ -457,6 +458,9 @@ class PromptCache:
         hold `tokens` as stock KV); what it holds beyond them is dropped first."""
         n = len(tokens)
         if n < self.min_tokens or n > min(ctx.n_past, ctx.n_stock):
+            return
+        held = self.best(tokens)
+        if held is not None and held[0] == n:   # a saved state holds them all: no copy of it again
             return
         if n < ctx.n_past:
             ctx.truncate(n)

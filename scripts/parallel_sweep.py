@@ -54,7 +54,7 @@ def bench_command(args, p: int, out: Path, extra: list[str]) -> list[str]:
     return cmd + extra
 
 
-def row(p: int, res: dict) -> dict:
+def row(res: dict) -> dict:
     """Per run at this P: throughput, its ratio to ar, tokens per step, = ar output."""
     batched = (res.get("batched") or {}).get("runs") or {}
     out = {}
@@ -122,7 +122,7 @@ def main() -> int:
             print(f"parallel_sweep: bench --parallel {p} exited {r.returncode}; stopping", file=sys.stderr)
             break
         res = json.loads((out / f"p{p}" / "results.json").read_text())
-        sweep[str(p)] = row(p, res)
+        sweep[str(p)] = row(res)
         commands[str(p)] = res["command"]
         print(f"  {time.perf_counter() - t0:.0f} s: " + ", ".join(
             f"{n} {v['tokens_per_second']:.1f} tokens/s ({v['vs_ar']:.2f}x ar)" for n, v in sweep[str(p)].items()),

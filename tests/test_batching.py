@@ -584,6 +584,28 @@ def test_the_prompt_cache_keeps_what_fits_and_finds_the_longest_prefix():
     assert len(c) == 2
 
 
+def test_the_prompt_cache_does_not_copy_what_it_holds_already():
+    from prove_local.batching import PromptCache
+
+    class Ctx:                                   # a context holding 20 stock positions
+        n_past = n_stock = 20
+        copies = 0
+
+        def state(self, limit=None):
+            Ctx.copies += 1
+            return b"s" * 10
+
+        def truncate(self, n):
+            self.n_past = self.n_stock = n
+    c = PromptCache(capacity=1000, min_tokens=4)
+    c.keep(Ctx(), list(range(20)))
+    c.keep(Ctx(), list(range(20)))              # the same tokens: held already
+    c.keep(Ctx(), list(range(12)))              # a prefix of them: held already
+    assert Ctx.copies == 1 and len(c) == 1
+    c.keep(Ctx(), list(range(10)) + [99] * 10)  # different tokens: copied
+    assert Ctx.copies == 2 and len(c) == 2
+
+
 def test_no_prompt_cache_with_zero_mib(models):
     """serve --cache-ram 0: the pool keeps no states, so a prompt another engine dropped is prefilled."""
     loaded = Loaded(models["target"], None, None, dict(F32))

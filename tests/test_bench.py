@@ -695,8 +695,8 @@ def test_generate_together_ctrl_c_stops_every_request_and_leaves_only_committed_
     """Ctrl-C while a batched group generates (bench --parallel): every request stops after its
     current cycle, KeyboardInterrupt reaches the caller, and each engine's sequence then holds only
     its committed tokens (a next request on it equals the same request on a fresh engine)."""
-    import _thread
     import signal
+    import threading
     from prove_local.bench.runner import generate_together
     from prove_local.engine import Engine, Settings
     from prove_local.llama import Model
@@ -711,11 +711,13 @@ def test_generate_together_ctrl_c_stops_every_request_and_leaves_only_committed_
         with pool.engine() as (_, e0), pool.engine() as (_, e1):
             real = e1.generate
 
+            main = threading.main_thread().ident
+
             def interrupting(*a, **kw):          # Ctrl-C after this request's third cycle
                 for k, c in enumerate(real(*a, **kw)):
                     yield c
-                    if k == 2:
-                        _thread.interrupt_main()
+                    if k == 2:                   # a real SIGINT to the main thread: it wakes its wait at once
+                        signal.pthread_kill(main, signal.SIGINT)
             e1.generate = interrupting
             p = [model.tokenize(f"Question {i}: what is {i} + 2? ") for i in range(2)]
             s = Settings(mode="lossless", max_new=200, block=4)

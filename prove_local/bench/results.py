@@ -503,8 +503,6 @@ def load_outputs(out: Path) -> tuple[BenchData, dict]:
         data.parallel = b["parallel"]
         data.batches = [Batch(g["run"], [index[i] for i in g["prompts"]], g["sample"], g["tokens"], g["seconds"],
                               g["steps"], g["decodes"]) for g in b["groups"]]
-    elif (res.get("settings") or {}).get("parallel"):
-        data.parallel = res["settings"]["parallel"]
     meta = {k: res[k] for k in ("command", "created", "machine", "models", "settings") if k in res}
     if isinstance(meta.get("models"), dict):
         meta["models"] = _roles(meta["models"])
