@@ -33,7 +33,8 @@ def main() -> int:
     path = a.model or smollm2_path()
     configs = [tuple(c.split(":")) for c in a.configs.split(",")]
     model = Model(path)
-    engines = {c: Engine.load(model, n_ctx=512, n_threads=a.threads, type_k=c[0], type_v=c[0], flash_attn=c[1])
+    engines = {c: Engine.load(model, n_ctx=512, n_threads=a.threads, type_k=c[0].partition("/")[0],
+                              type_v=c[0].partition("/")[2] or c[0], flash_attn=c[1])
                for c in configs}
     prompt = model.tokenize(a.prompt, add_special=True)
     settings = Settings(mode="ar", max_new=a.max_new)

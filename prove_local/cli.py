@@ -257,7 +257,7 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--n-gpu-layers", type=GPU_LAYERS,
                    help="layers to offload (default: all when llama.cpp has a GPU backend)")
     add_flash_attn_arg(p)
-    p.add_argument("--kv-type", choices=KV_TYPES, help="KV cache type (default: f32 for F32 models, else f16)")
+    p.add_argument("--kv-type", choices=KV_TYPES, help="KV cache type (default: as run: f32 for F32 models, f16 on a GPU, q8_0 on a CPU)")
     p.add_argument("--json", action="store_true", help="print the curves as JSON")
     p.set_defaults(func=cmd_calibrate)
 
@@ -271,7 +271,7 @@ def cmd_calibrate(args) -> int:
     out = {}
     for path in paths:
         model = Model(path, n_gpu_layers=ngl)
-        kv = args.kv_type or ("f32" if model.meta("general.file_type") == "0" else "f16")
+        kv = args.kv_type or model.default_kv_type
         opts = dict(n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
         cal = calibrate(model, opts, refresh=args.refresh, budget_s=args.budget, verbose=not args.json)
         out[str(path)] = {"threads": cal["threads"], "measured_now": cal["measured"],

@@ -134,27 +134,62 @@ GGML_TYPES = {"f32": ll.GGML_TYPE_F32, "f16": ll.GGML_TYPE_F16, "q8_0": ll.GGML_
 FLASH_ATTN = ("auto", "on", "off")
 
 
+def rowwise_flash_attn(type_k: str, type_v: str) -> bool:
+    """Whether llama.cpp's CPU flash attention computes every query row alike in any pass: only its
+    row-wise kernel does, and it takes that one whenever K or V is quantized. Over an F16 (or F32,
+    which llama.cpp casts to F16 for it) K and V it has two faster kernels picked by the pass's shape:
+    one query of one sequence over >= 512 cells is split over the threads and the parts merged, and
+    >= 64 queries are tiled; either rounds differently from the row-wise one (ggml-cpu ops.cpp,
+    ggml_compute_forward_flash_attn_ext_f16; dev/row_equality.py --prefix 900)."""
+    return not ({type_k, type_v} <= {"f16", "f32"})
+
+
+QK8_0 = 32        # values per q8_0 block: a q8_0 cache needs head widths it divides
+
+
+def default_kv_type(file_type, gpu: bool, head_dims=()) -> str:
+    """The KV cache type a model gets unless --kv-type says otherwise. `file_type`: the GGUF's
+    general.file_type (0: all F32); `gpu`: its layers are offloaded (a GPU, an RPC server);
+    `head_dims`: its per-head K and V widths (q8_0 only where QK8_0 divides them, else f16).
+
+    F32 models: f32 (batched and one-token rows agree exactly, flash attention off). On a GPU: f16,
+    llama.cpp's default. On a CPU: q8_0, so that flash attention can be on and exact
+    (`rowwise_flash_attn`): SmolLM2-135M Q4_1 on 2 cores decodes 1.20x faster than with F16 and
+    flash attention off (104.3 against 86.9 tokens/s, dev/fa_bench.py), prefills 90 tokens in
+    527 ms against 639, and its next-token distributions move from the F16/off reference by a mean KL of
+    3.6e-3 (llama.cpp's own default, F16 with flash attention on: 3.1e-3; perplexity 6.181 / 6.185 /
+    6.173 for the reference; dev/kv_fidelity.py, docs/run.md), in half the memory."""
+    try:
+        f32 = int(file_type) == 0
+    except (TypeError, ValueError):
+        f32 = False
+    if f32:
+        return "f32"
+    return "f16" if gpu or any(d % QK8_0 for d in head_dims) else "q8_0"
+
+
 def flash_attn_setting(flash_attn, type_k: str = "f16", type_v: str = "f16", gpu: bool = False) -> str:
     """What a context's flash attention option comes to: "on", "off", or "auto" (llama.cpp's
     LLAMA_FLASH_ATTN_TYPE_AUTO: on where the backend has it for the KV type, as llama.cpp's own
     tools default to). `flash_attn`: "auto" (the default), "on" / True, "off" / False; `gpu`: the
     model's layers are offloaded (to a GPU or an RPC server).
 
-    Under "auto" a CPU model gets "off": llama.cpp's CPU kernel picks its path by the pass's shape
-    (one query over >= 512 cached cells: split over the threads; a tile of queries or more: tiled),
-    so a verify pass's rows differ from the one-token rows `ar` reads once the context is long
-    (SmolLM2 Q4_1, F16 KV, 900 tokens cached: 0 of 2-16 rows equal, up to 1.1 logits apart;
-    dev/row_equality.py --prefix 900), and lossless would leave `ar`'s text at near-ties. What it
-    costs: `ar` on an F16 cache gains 1.11-1.13x with it on (dev/fa_bench.py, docs/run.md); `--flash-attn
-    on` takes that, exact only below 512 cached tokens. An F32 KV cache gets "off" everywhere (slower
-    with it: 60 tokens/s against 72 here). On a GPU "auto" is llama.cpp's."""
+    Under "auto" a CPU model gets "on" where llama.cpp's kernel is exact across pass widths
+    (`rowwise_flash_attn`: a quantized K or V, as the default q8_0 cache) and "off" over an F16 or F32
+    cache: there a verify pass's rows differ from the one-token rows `ar` reads once the context is
+    long (SmolLM2 Q4_1, F16 KV, 900 tokens cached: 0 of 2-16 rows equal, up to 1.1 logits apart;
+    dev/row_equality.py --prefix 900), and lossless would leave `ar`'s text at near-ties.
+    `--flash-attn on` over F16 takes its speed anyway (1.11-1.21x), exact only below 256 cached
+    tokens. On a GPU "auto" is llama.cpp's (off for an F32 cache: slower with it)."""
     if flash_attn is True or flash_attn == "on":
         return "on"
     if flash_attn is False or flash_attn == "off":
         return "off"
     if flash_attn != "auto":
         raise LlamaError(f"flash attention must be one of {', '.join(FLASH_ATTN)}, not {flash_attn!r}")
-    return "off" if not gpu or "f32" in (type_k, type_v) else "auto"
+    if not gpu:
+        return "on" if rowwise_flash_attn(type_k, type_v) else "off"
+    return "off" if "f32" in (type_k, type_v) else "auto"
 
 
 def gpu_offload_supported() -> bool:
@@ -257,6 +292,19 @@ class Model:
         buf = ctypes.create_string_buffer(4096)
         n = ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
         return None if n < 0 else buf.value.decode("utf-8", "replace")
+
+    @property
+    def head_dims(self) -> tuple[int, int]:
+        """Per-head K and V widths: `{arch}.attention.key_length` / `value_length`, else n_embd / n_head."""
+        arch = self.meta("general.architecture") or ""
+        d = ll.llama_model_n_embd(self._model) // max(1, ll.llama_model_n_head(self._model))
+        k, v = self.meta(f"{arch}.attention.key_length"), self.meta(f"{arch}.attention.value_length")
+        return (int(k) if k else d, int(v) if v else (int(k) if k else d))
+
+    @property
+    def default_kv_type(self) -> str:
+        """The KV cache type this model gets unless one is asked for (`default_kv_type`)."""
+        return default_kv_type(self.meta("general.file_type"), gpu=self.n_gpu_layers != 0, head_dims=self.head_dims)
 
     @property
     def mask_token(self) -> int | None:
@@ -472,10 +520,9 @@ class Context:
         params.n_threads = params.n_threads_batch = threads
         self.flash_attn = flash_attn_setting(flash_attn, type_k, type_v, gpu=model.n_gpu_layers != 0)
         if self.n_seq > 1 and self.flash_attn == "auto":
-            # several sequences (batching.py): off unless asked for. llama.cpp's CPU flash attention picks
-            # its kernel by the batch's shape (one query of one sequence over >= 512 cells: split over the
-            # threads; >= a tile of queries: tiled), so a sequence's rows would depend in the last bits on
-            # which others share its decodes; without it each row is computed alike in any batch
+            # several sequences (batching.py) on a GPU: off unless asked for. Its kernels are picked by the
+            # batch's shape as the CPU's fast ones are (`rowwise_flash_attn`), so a sequence's rows could
+            # depend in the last bits on which others share its decodes; unmeasured here, so not assumed
             self.flash_attn = "off"
         params.flash_attn_type = {"on": ll.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": ll.LLAMA_FLASH_ATTN_TYPE_DISABLED,
                                   "auto": ll.LLAMA_FLASH_ATTN_TYPE_AUTO}[self.flash_attn]

@@ -125,16 +125,17 @@ def add_model_args(p: argparse.ArgumentParser, *, positional: bool = True) -> No
     add_flash_attn_arg(p)
     p.add_argument("--kv-type", choices=KV_TYPES,
                    help="KV cache type (default: f32 for F32 models, so that batched and one-token "
-                        "evaluation agree exactly; f16 otherwise)")
+                        "evaluation agree exactly; on a GPU f16; on a CPU q8_0, over which llama.cpp's flash "
+                        "attention is exact and on)")
     add_rpc_args(p)
 
 
 def add_flash_attn_arg(p: argparse.ArgumentParser) -> None:
     """--flash-attn [auto|on|off] (llama.cpp's -fa): auto by default; the flag alone means on."""
     p.add_argument("--flash-attn", nargs="?", const="on", default="auto", choices=FLASH_ATTN,
-                   help="flash attention: auto (default: off on a CPU, where llama.cpp's kernel is not exact across "
-                        "pass widths deep in a context; on a GPU llama.cpp's auto; off with an F32 KV cache), on, off; "
-                        "the flag alone: on")
+                   help="flash attention: auto (default: on a CPU on over a quantized KV cache, where llama.cpp's "
+                        "kernel is exact across pass widths, off over F16/F32, where it is not deep in a context; on a "
+                        "GPU llama.cpp's auto; off with an F32 KV cache), on, off; the flag alone: on")
 
 
 def add_rpc_args(p: argparse.ArgumentParser) -> None:
@@ -282,7 +283,7 @@ def load_models(args, *, parallel: int = 1, want_verifier: bool | None = None,
     if devices:
         placement_note(prop)
     ver, drf = load(verifier), load(draft)
-    kv = args.kv_type or ("f32" if prop.meta("general.file_type") == "0" else "f16")
+    kv = args.kv_type or prop.default_kv_type
     opts = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
     adapter = Adapter(prop, adapter_path) if adapter_path is not None else None
     return Loaded(prop, ver, drf, opts, getattr(args, "mask_token", None), adapter)

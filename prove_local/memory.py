@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .gguf_info import read_gguf_info
-from .llama import LlamaError, gpu_offload_supported
+from .llama import LlamaError, default_kv_type, gpu_offload_supported
 from .shapes import GiB, MiB, ModelInfo
 from .system import available_ram_bytes, free_gpu_bytes
 
@@ -176,8 +176,8 @@ def check_fits(paths, n_ctx: int, kv_type: str | None = "f16", n_gpu_layers: int
                gpu: bool | None = None, offload: Offload | None = None) -> Estimate | None:
     """Estimate the memory of one context per path (a path given twice: one model, two contexts) and
     raise WontFit with a one-line explanation when it exceeds what is free. Missing or non-GGUF paths
-    are skipped (loading reports them). kv_type None: as `prove-local run` chooses, f32 when the first
-    model is an all-F32 file, else f16. gpu: whether llama.cpp can offload (default: ask it);
+    are skipped (loading reports them). kv_type None: as `prove-local run` chooses
+    (llama.default_kv_type, by the first model's file type and whether layers go to a GPU). gpu: whether llama.cpp can offload (default: ask it);
     gpu_free / ram_free override the measured free memory (tests). Returns the estimate, or None
     when the check is switched off (PROVE_NO_MEMORY_CHECK=1).
     offload: one more model whose layers go to explicit devices (--rpc): each device's share of its
@@ -201,11 +201,11 @@ def check_fits(paths, n_ctx: int, kv_type: str | None = "f16", n_gpu_layers: int
         else:
             shared.append(True)
         infos.append(seen[key])
-    if kv_type is None:
-        kv_type = "f32" if infos[0].file_type == 0 else "f16"
     if gpu is None:
         gpu = gpu_offload_supported()
     ngl = n_gpu_layers if gpu else 0
+    if kv_type is None:
+        kv_type = default_kv_type(infos[0].file_type, gpu=ngl != 0, head_dims=(infos[0].head_dim,))
     est = estimate(infos, n_ctx, kv_type, ngl, n_batch=n_batch, flash_attn=flash_attn, shared=shared)
     hint = "set PROVE_NO_MEMORY_CHECK=1 to load anyway"
     if ngl != 0:
@@ -241,7 +241,7 @@ def _check_offload(o: Offload, n_ctx: int, kv_type: str | None, n_batch: int, fl
     """Check each device's share of an offloaded model (local GPUs: minus what the other models
     put there, `local_gpu_used`); return the bytes that stay in local RAM."""
     info = read_gguf_info(o.path)
-    kv = kv_type or ("f32" if info.file_type == 0 else "f16")
+    kv = kv_type or default_kv_type(info.file_type, gpu=True, head_dims=(info.head_dim,))
     n = max(1, o.contexts)
     est = estimate([info] * n, n_ctx, kv, o.n_gpu_layers, n_batch=n_batch, flash_attn=flash_attn,
                    shared=[False] + [True] * (n - 1))

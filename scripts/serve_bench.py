@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run prove-local serve with these extra arguments, mode ar, labelled 'prove-local LABEL' "
                         "(e.g. 'fa-on=--flash-attn on'); repeatable")
     p.add_argument("--llama-server-args", default="", help="extra llama-server arguments (one string)")
+    p.add_argument("--llama-variant", action="append", default=[], metavar="LABEL=ARGS",
+                   help="also run llama-server with these extra arguments, labelled 'llama-server LABEL' (e.g. "
+                        "'q8=-ctk q8_0 -ctv q8_0'); the ratios stay against plain llama-server; repeatable")
     p.add_argument("--rounds", type=int, default=1, help="rounds, servers interleaved; medians (default 1)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per request (default 300)")
     p.add_argument("--deadline", type=float, default=1500, help="seconds for the whole run (default 1500)")
@@ -209,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.clients) < 1 or args.requests < 1 or args.max_tokens < 1 or args.parallel < 1 or args.rounds < 1:
         p.error("--clients, --requests, --max-tokens, --parallel and --rounds must be >= 1")
+    if args.llama_variant and args.llama_server is None:
+        p.error("--llama-variant needs --llama-server")
     if args.llama_server is not None and not args.llama_server.is_file():
         p.error(f"--llama-server {args.llama_server}: no such file")
     deadline = time.monotonic() + args.deadline
@@ -237,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
             proc, base, _ = start_llama_server(args.llama_server, model, args.parallel, args.threads, args.ctx,
                                                deadline, args.llama_server_args.split())
             servers.append(("llama-server", proc, base, [None]))
+            for v in args.llama_variant:
+                label, _, more = v.partition("=")
+                if not label or not more:
+                    p.error(f"--llama-variant {v!r}: expected LABEL=ARGS")
+                proc, base, _ = start_llama_server(args.llama_server, model, args.parallel, args.threads, args.ctx,
+                                                   deadline, args.llama_server_args.split() + more.split())
+                servers.append((f"llama-server {label}", proc, base, [None]))
         for name, _, base, modes in servers:             # warm-up (prove-local calibrates at its first request)
             for mode in modes:
                 chat(int(base.rsplit(":", 1)[1]), {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
@@ -260,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": str(model), "model_name": model.name, "parallel": args.parallel, "threads": args.threads,
             "ctx": args.ctx, "requests": args.requests, "max_tokens": args.max_tokens, "rounds": args.rounds,
             "modes": args.modes, "serve_args": serve_args, "llama_server": str(args.llama_server or ""),
+            "llama_variants": args.llama_variant,
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python scripts/serve_bench.py " + " ".join(sys.argv[1:]),
             "load": os.getloadavg()}

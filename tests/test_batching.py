@@ -415,6 +415,38 @@ def test_flash_attention_is_off_in_shared_contexts_unless_asked_for(models, solo
         on.close()
 
 
+def test_flash_attention_over_a_q8_0_cache_is_on_in_shared_contexts_and_exact(tmp_path_factory):
+    """A q8_0 KV cache (the CPU default for quantized models): `auto` is on in a shared context too
+    (llama.cpp's row-wise kernel is the only one over a quantized cache), and requests at different
+    phases in one batch each equal the same request alone, flash attention on, in a context of its own."""
+    d = tmp_path_factory.mktemp("batching-q8")
+    wide = dict(heads=2, kv_heads=1)                      # 32-wide heads: q8_0 blocks are 32 values
+    models = {"target": Model(tiny_gguf(d, seed=0, **wide)),
+              "verifier": Model(tiny_gguf(d, seed=1, role="verifier", **wide)),
+              "draft": Model(tiny_gguf(d, seed=0, mask=False, role="verifier", **wide))}
+    assert models["target"].head_dims == (32, 32) and models["target"].default_kv_type == "f32"
+    q8 = dict(F32, type_k="q8_0", type_v="q8_0")
+    shared, engines = shared_engines(models, 3, **q8)
+    try:
+        assert shared.flash_attn == "on"
+        jobs = [(prompt(models, 70, 140), Settings(mode="ar", max_new=30), None),
+                (prompt(models, 71, 21), Settings(mode="lossless", max_new=30, block=4), None),
+                (prompt(models, 72, 9), Settings(mode="spec", max_new=24, draft_k=3), (0, 5))]
+        outs, cycles, errors = run_together(engines, jobs)
+        assert errors == [None, None, None]
+        assert any(batched_cycles(c) for c in cycles)
+        ref = Engine.load(models["target"], models["verifier"], models["draft"], **q8)
+        assert ref.contexts["target"].flash_attn == "on"
+        assert outs == [alone(ref, p, s) for p, s, _ in jobs]
+        for e in engines:                                 # each sequence holds its committed tokens only
+            with Context(models["target"], **q8) as fresh:
+                assert np.array_equal(next_logits(e.contexts["target"], e.tokens), next_logits(fresh, e.tokens))
+    finally:
+        shared.close()
+        for m in models.values():
+            m.close()
+
+
 def test_gated_adapter_passes_in_a_batch_equal_the_stock_model_alone(tmp_path):
     """A stock model with a gated MARS adapter: adapter-on proposal passes and stock passes of one step
     are separate decodes of the shared context; lossless (fixed and planned widths) and mars beside ar

@@ -195,12 +195,22 @@ def test_flash_attention_setting():
     assert flash_attn_setting("auto", "q8_0", "q8_0", gpu=True) == "auto"
     assert flash_attn_setting("auto", "f32", "f32", gpu=True) == "off"
     assert flash_attn_setting("auto", "f16", "f32", gpu=True) == "off"
-    for kv in ("f16", "q8_0", "f32"):          # on a CPU: off (not exact across pass widths, see llama.py)
+    for kv in ("f16", "f32"):                  # on a CPU over F16/F32: off (not exact across pass widths)
         assert flash_attn_setting("auto", kv, kv) == "off"
+    assert flash_attn_setting("auto", "f16", "f32") == "off"      # llama.cpp casts F32 to F16 for it
+    for k, v in (("q8_0", "q8_0"), ("f16", "q8_0"), ("q4_0", "f16")):   # a quantized K or V: row-wise, on
+        assert flash_attn_setting("auto", k, v) == "on"
     assert flash_attn_setting(True, "f32", "f32") == "on" and flash_attn_setting("on") == "on"
     assert flash_attn_setting(False) == "off" and flash_attn_setting("off", "q8_0", "q8_0") == "off"
     with pytest.raises(Exception, match="flash attention must be one of auto, on, off, not 'yes'"):
         flash_attn_setting("yes")
+
+
+def test_default_kv_type():
+    from prove_local.llama import default_kv_type
+    assert default_kv_type("0", gpu=False) == default_kv_type(0, gpu=True) == "f32"    # an all-F32 file
+    assert default_kv_type("3", gpu=False) == default_kv_type(None, gpu=False) == "q8_0"   # a CPU: exact FA
+    assert default_kv_type(3, gpu=True) == "f16"                                         # llama.cpp's
 
 
 def test_flash_attention_option_on_the_command_lines():

@@ -51,13 +51,46 @@ def _rows_equal(ctx, prefix, widths, seed=1):
 
 
 def test_default_flash_attention_keeps_rows_exact_deep_in_a_context(smol):
-    """900 tokens cached, F16 KV: with the default (flash attention `auto`, off on a CPU) every row of
-    a 2- and 8-token pass is its one-token row; with flash attention on, llama.cpp's CPU kernel splits
-    a one-query pass over >= 512 cells across the threads and the rows differ (the negative control)."""
+    """900 tokens cached. F16 KV with flash attention `auto` (off on a CPU): every row of a 2- and
+    8-token pass is its one-token row. The CPU default, q8_0 KV, with `auto` (on: llama.cpp's row-wise
+    kernel is the only one over a quantized cache): every row of 2-, 8-, 17- and 64-token passes too.
+    F16 KV with flash attention on: llama.cpp's CPU kernel splits a one-query pass over >= 512 cells
+    across the threads (and tiles 64 queries) and the rows differ (the negative control)."""
     prefix = np.random.default_rng(0).integers(100, 20000, 900).tolist()
     with Context(smol, n_ctx=1024, n_threads=2) as ctx:
         assert ctx.flash_attn == "off"
         assert _rows_equal(ctx, prefix, (2, 8)) == {2: 2, 8: 8}
+    with Context(smol, n_ctx=1024, n_threads=2, type_k="q8_0", type_v="q8_0") as ctx:
+        assert ctx.flash_attn == "on"
+        assert _rows_equal(ctx, prefix, (2, 8, 17, 64)) == {2: 2, 8: 8, 17: 17, 64: 64}
     with Context(smol, n_ctx=1024, n_threads=2, flash_attn="on") as ctx:
         got = _rows_equal(ctx, prefix, (2, 8))
         assert got[2] < 2 and got[8] < 8, got
+
+
+def test_cli_defaults_on_a_cpu_are_exact_past_the_split_threshold(smol):
+    """What `prove-local run` gives SmolLM2 on a CPU (q8_0 KV, flash attention on) with its shipped
+    MARS adapter: lossless (fixed and planned widths) equals `ar` token for token on a prompt of over
+    256 tokens, where F16 KV with flash attention on would read split one-query rows (above)."""
+    from prove_local.llama import Adapter, default_kv_type
+    from prove_local.loading import DEFAULT_ADAPTER
+    kv = default_kv_type(smol.meta("general.file_type"), gpu=False)
+    assert kv == "q8_0"
+    e = Engine.load(smol, adapter=Adapter(smol, DEFAULT_ADAPTER), n_ctx=1024, n_threads=2, type_k=kv, type_v=kv)
+    assert e.contexts["target"].flash_attn == "on"
+    story = ("Mars is the fourth planet from the Sun. It is a dusty, cold desert world with a thin atmosphere. "
+             "Its red colour comes from iron oxide in its soil. ") * 9
+    prompt = Conversation(smol).prompt_tokens(story + "Summarize the text above in two sentences.")
+    assert len(prompt) > 300
+    out = {s: [t for c in e.generate(prompt, Settings(mode=m, max_new=120, block=b)) for t in c.committed]
+           for s, m, b in (("ar", "ar", 16), ("lossless8", "lossless", 8), ("auto", "lossless", "auto"))}
+    assert len(out["ar"]) == 120
+    assert out["lossless8"] == out["ar"] and out["auto"] == out["ar"]
+    e.close()
+    # the negative control: F16 KV with flash attention on leaves ar's text on this prompt (this build,
+    # 2 threads: a near-tie past the 256th cell, where one-token passes take the split kernel)
+    f16 = Engine.load(smol, adapter=Adapter(smol, DEFAULT_ADAPTER), n_ctx=1024, n_threads=2, flash_attn="on")
+    ar, lossless = ([t for c in f16.generate(prompt, Settings(mode=m, max_new=120, block=8)) for t in c.committed]
+                    for m in ("ar", "lossless"))
+    assert lossless != ar
+    f16.close()

@@ -210,7 +210,7 @@ def cmd_bench(args) -> int:
     proposer_path, verifier_path = _model_paths(args, modes)
     prompts = _prompts(args)
     models, ngl = _load_models(args, modes, proposer_path, verifier_path)
-    kv = args.kv_type or ("f32" if models["target"].meta("general.file_type") == "0" else "f16")
+    kv = args.kv_type or models["target"].default_kv_type
     context_options = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
     adapter = Adapter(models["target"], args.adapter) if args.adapter else None
     with _engines(args, models, context_options, adapter) as (engine, batch):
