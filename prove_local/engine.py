@@ -190,6 +190,26 @@ class Engine:
             self._thread_curves[role] = cal["curves"]
         self.planner.costs = Costs(curves)
 
+    def adopt_calibration(self, other: "Engine") -> bool:
+        """Take the calibrated pass costs of `other`, an engine on the same models with the same options
+        (a pool's first engine), instead of reading the cache again: a cached curve that lacks widths
+        is completed by measuring at each read (calibrate._complete), which a pool's later engines did
+        at their first request, in the middle of the others' decoding (serve_bench: the first requests
+        at 2 and 4 clients 2.5-3x slower). A Costs of their own over the same curves, at the same
+        thread counts. Whether anything was taken (not when `other` has none or this has its own)."""
+        if other.planner.costs is None or self.planner.costs is not None or not other._thread_curves \
+                or set(other._thread_curves) != set(self.contexts):
+            return False
+        curves = {}
+        for role, ctx in self.contexts.items():
+            th = other.contexts[role].n_threads
+            if ctx.n_threads != th:
+                ctx.set_threads(th)
+            self._thread_curves[role] = dict(other._thread_curves[role])
+            curves[role] = self._thread_curves[role][th]
+        self.planner.costs = Costs(curves)
+        return True
+
     def _recheck_threads(self) -> None:
         """Passes cost many times their calibrated t(n): choose the thread count again on the live
         contexts, among those calibration measured (only where the user did not fix it)."""

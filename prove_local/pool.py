@@ -69,16 +69,20 @@ class EnginePool:
             raise
 
     def _make(self, i: int):
-        """Engine i: on sequence i of the shared contexts, or on contexts of its own."""
+        """Engine i: on sequence i of the shared contexts, or on contexts of its own; with the first
+        engine's pass costs once it has them (Engine.adopt_calibration)."""
         if self.shared is None:
             engine = self.loaded.engine()
             target = getattr(engine, "contexts", {}).get("target")
             if hasattr(target, "set_state") and self.prompt_cache is not None:   # (not a test's fake engine)
                 target.prompt_cache = self.prompt_cache
-            return engine
-        # (calibrated as the shared contexts run: flash attention is off there unless asked for)
-        engine = self.loaded.engine(contexts=self.shared.views(i), flash_attn=self.shared.flash_attn)
-        engine.member = self.shared.members[i]
+        else:
+            # (calibrated as the shared contexts run, with their flash attention setting)
+            engine = self.loaded.engine(contexts=self.shared.views(i), flash_attn=self.shared.flash_attn)
+            engine.member = self.shared.members[i]
+        first = self._engines[0] if self._engines else None
+        if first is not None and hasattr(engine, "adopt_calibration"):
+            engine.adopt_calibration(first)
         return engine
 
     def close(self, timeout: float | None = None) -> bool:

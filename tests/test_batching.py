@@ -656,3 +656,31 @@ def test_no_prompt_cache_with_zero_mib(models):
             assert i == 1 and gen.prefill[0] == len(a) - 1
     finally:
         assert pool.close()
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_pools_later_engines_take_the_first_ones_pass_costs(models, monkeypatch, tmp_path, batched):
+    """The first engine calibrates (the server does it before serving); the pool's later engines take
+    its curves (a Costs of their own over them) instead of reading the cache, where an incomplete curve
+    would be measured again at each one's first request, beside the others' decoding."""
+    from prove_local import engine as engine_mod
+    monkeypatch.setenv("PROVE_LOCAL_CACHE", str(tmp_path))
+    loaded = Loaded(models["target"], models["verifier"], models["draft"], dict(F32))
+    pool = EnginePool(loaded, parallel=2, batched=batched)
+    try:
+        first = pool.first
+        assert first.prepare(Settings(mode="lossless", max_new=8, block="auto")) and first.planner.costs is not None
+
+        def measured_again(*a, **k):
+            raise AssertionError("a later engine read or measured the calibration itself")
+        monkeypatch.setattr(engine_mod, "calibrate", measured_again)
+        with pool.engine(prefer=1) as (slot, engine):
+            assert slot == 1 and engine is not first
+            assert engine.planner.costs is not None and engine.planner.costs is not first.planner.costs
+            assert engine._thread_curves == first._thread_curves
+            out = alone(engine, prompt(models, 80, 12), Settings(mode="lossless", max_new=16, block="auto"))
+        monkeypatch.undo()
+        want = Engine.load(models["target"], models["verifier"], models["draft"], **F32)
+        assert out == alone(want, prompt(models, 80, 12), Settings(mode="ar", max_new=16))
+    finally:
+        pool.close()
