@@ -597,3 +597,31 @@ def test_draft_counts_leave_out_the_planners_ar_cycles():
     d = draft_counts([ar])
     assert (d.drafted, d.accepted, d.n_drafts) == (0, 0, 0)
 
+
+
+@pytest.mark.parametrize("collect", [True, False])
+def test_a_collected_job_hands_its_text_to_the_event_loop_once(collect):
+    """A non-streamed answer's job gathers its text events in its own thread and hands them over as
+    one event before "done" (each hand-off wakes the event loop, Python work beside llama.cpp's
+    threads); a streamed one hands over every cycle's piece. The text and logprob entries are the same."""
+    import asyncio
+
+    from prove_local.server.jobs import Job
+
+    async def run():
+        job = Job(SimpleNamespace(request_timeout=0), [1, 2], None, [], [], collect=collect)
+        job._emit("start", 0)
+        job._emit("text", ("Hel", [("Hel", -0.1, [])]))
+        job._emit("text", ("lo", [("lo", -0.2, [])]))
+        job._emit("done")
+        await asyncio.sleep(0)
+        events = []
+        while not job.events.empty():
+            events.append(job.events.get_nowait())
+        return events
+
+    events = asyncio.run(run())
+    texts = [v for k, v in events if k == "text"]
+    assert [k for k, _ in events] == ["start"] + ["text"] * (1 if collect else 2) + ["done"]
+    assert "".join(t for t, _ in texts) == "Hello"
+    assert [e for _, es in texts for e in es] == [("Hel", -0.1, []), ("lo", -0.2, [])]

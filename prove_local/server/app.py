@@ -196,7 +196,7 @@ async def start_job(state: State, request: Request, body, kind: str) -> Job:
     stops = stop_list(body)
     if state.closing:
         raise ApiError(503, "the server is shutting down", "unavailable_error")
-    job = Job(state, prompt, settings, stops, notes).start()
+    job = Job(state, prompt, settings, stops, notes, collect=not body.stream).start()
     try:
         event, value = await job.next(request)       # engine taken (or an error: 4xx/503 before any byte)
     except BaseException:
