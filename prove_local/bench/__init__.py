@@ -157,7 +157,7 @@ def add_parser(sub) -> None:
     add_flash_attn_arg(p)
     add_rpc_args(p)     # --rpc, --tensor-split: the proposer on `prove-local rpc-server`s
     p.add_argument("--kv-type", choices=KV_TYPES,
-                   help="KV cache type (default: f32 for an F32 proposer, so the exact modes can match ar exactly; f16 otherwise)")
+                   help="KV cache type (default: as run: f32 for an F32 proposer, so the exact modes can match ar exactly; on a GPU f16; on a CPU q8_0, with flash attention on)")
     p.add_argument("--warmup", type=int_in(0), default=16, help="tokens per run generated before measuring (default 16; 0: none)")
     p.add_argument("--pass-cost-reps", type=int_in(1, 100), default=3,
                    help="repetitions per n of the pass-cost curve, each 2 settling + 2 timed passes (calibrate.measure; default 3)")
