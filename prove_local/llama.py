@@ -155,7 +155,7 @@ def default_kv_type(file_type, gpu: bool, head_dims=()) -> str:
     F32 models: f32 (batched and one-token rows agree exactly, flash attention off). On a GPU: f16,
     llama.cpp's default. On a CPU: q8_0, so that flash attention can be on and exact
     (`rowwise_flash_attn`): SmolLM2-135M Q4_1 on 2 cores decodes 1.20x faster than with F16 and
-    flash attention off (104.3 against 86.9 tokens/s, dev/fa_bench.py), prefills 90 tokens in
+    flash attention off (98.3 against 81.9 tokens/s, 7 rounds, dev/fa_bench.py), prefills 90 tokens in
     527 ms against 639, and its next-token distributions move from the F16/off reference by a mean KL of
     3.6e-3 (llama.cpp's own default, F16 with flash attention on: 3.1e-3; perplexity 6.181 / 6.185 /
     6.173 for the reference; dev/kv_fidelity.py, docs/run.md), in half the memory."""
