@@ -7,6 +7,7 @@ message text forge turn boundaries.)
 """
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 from datetime import datetime
@@ -22,11 +23,19 @@ def _raise(message):
     raise TemplateError(message)
 
 
-def render(template: str, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str):
+    """The template compiled once per template text (compiling SmolLM2's took 3.5 ms, twice per chat
+    request: `tokenize_chat` renders it twice); jinja templates render concurrently, each call with a
+    context of its own, and `strftime_now` reads the clock at each render."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+    return env.from_string(template)
+
+
+def render(template: str, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+    return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
 
 
 def clean_text(text: str) -> str:

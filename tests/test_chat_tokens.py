@@ -96,3 +96,24 @@ def test_the_server_tokenizes_chat_messages_as_the_cli_does(model):
     assert got == want
     if len(special_ids(model, end)) == 1:
         assert got.count(special_ids(model, end)[0]) == 2      # the template's own: after the system and user turns
+
+
+def test_a_compiled_template_is_reused_and_still_reads_the_clock():
+    """Templates are compiled once per text (chat._compiled), not per request; what a render reads at
+    render time stays live (strftime_now), and a template that does not compile raises every time."""
+    import time
+
+    import jinja2
+
+    from prove_local import chat
+    clock = "{{ strftime_now('%H:%M:%S.%f') }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    before = chat._compiled.cache_info()
+    first = chat.render(clock, [{"role": "user", "content": "a"}])
+    time.sleep(0.01)
+    second = chat.render(clock, [{"role": "user", "content": "b"}])
+    after = chat._compiled.cache_info()
+    assert after.misses == before.misses + 1 and after.hits == before.hits + 1
+    assert first.endswith("a") and second.endswith("b") and first[:-1] != second[:-1]
+    for _ in range(2):
+        with pytest.raises(jinja2.TemplateSyntaxError):
+            chat.render("{% for m in messages %}", [])
