@@ -88,7 +88,9 @@ class _ComputeThread:
                 job[2] = ll.llama_decode(job[0], job[1])
             except BaseException as e:   # noqa: BLE001 - handed to the caller
                 job[3] = e
-            job[4].set()
+            finally:
+                job[5] = True            # the result is there (read by a waiter an interrupt cut short)
+                job[4].release()
 
 
 _compute: _ComputeThread | None = None
@@ -108,13 +110,19 @@ def decode(ctx, batch) -> int:
             c = _compute
     if threading.current_thread() is c.thread:
         return ll.llama_decode(ctx, batch)
-    job = [ctx, batch, None, None, threading.Event()]
+    # The wait is a bare lock, which the compute thread releases once the result is in the job, not a
+    # threading.Event: an interrupt can strike between an Event's lock and its `with`, leaving the lock
+    # held, and then the compute thread's set() and this thread's next wait both block on it for good
+    # (a Ctrl-C in the CLI's chat hung it so; tests/test_interrupts.py). A raw acquire either takes the
+    # lock or raises; an interrupt just after it took it leaves job[5] set, which ends the loop.
+    done = threading.Lock()
+    done.acquire()
+    job = [ctx, batch, None, None, done, False]
     c.jobs.put(job)
     interrupted = None
-    while True:
+    while not job[5]:
         try:
-            job[4].wait()
-            break
+            done.acquire()
         except BaseException as e:    # noqa: BLE001 - re-raised below, after the decode
             interrupted = e
     if interrupted is not None:

@@ -95,6 +95,45 @@ def test_a_signal_during_quantize_stops_it_and_keeps_the_old_output(tmp_path, si
     assert left == []
 
 
+# ------------------------------------------------------------------ llama.decode's hand-off
+DECODE_RACE = r"""
+import faulthandler, random, signal, sys, time
+faulthandler.dump_traceback_later(60, exit=True)        # a deadlock prints both threads' stacks and exits
+from prove_local import llama
+class Boom(Exception): pass
+def boom(sig, frame): raise Boom()
+signal.signal(signal.SIGALRM, boom)
+llama.ll.llama_decode = lambda ctx, batch: (time.sleep(random.choice([0, 1e-5, 1e-4])), 7)[1]
+t_end, calls, cut, rng = time.monotonic() + float(sys.argv[1]), 0, 0, random.Random(0)
+while time.monotonic() < t_end:
+    try:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-6, 2e-4))
+            assert llama.decode(None, None) == 7
+        except Boom:
+            cut += 1
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    except Boom:                                          # the timer went off outside the call
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    calls += 1
+print(calls, cut, llama._compute.thread.is_alive())
+"""
+
+
+def test_an_interrupt_at_any_moment_of_a_decode_hand_off_never_deadlocks():
+    """llama.decode hands the decode to the compute thread and waits; an interrupt (Ctrl-C) may strike
+    at any bytecode of that wait. Waiting on a threading.Event, one struck between the Event's lock and
+    its `with` and left the lock held: the compute thread's set() and the next wait both blocked on it
+    for good (the CLI chat hung on a Ctrl-C in CI; this loop deadlocked within seconds). Here a
+    timer interrupts thousands of hand-offs at random moments; every call returns or raises, and the
+    compute thread lives on."""
+    r = subprocess.run([sys.executable, "-c", DECODE_RACE, "8"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    calls, cut, alive = r.stdout.split()
+    assert int(calls) > 1000 and int(cut) > 100 and alive == "True", r.stdout
+
+
 # ------------------------------------------------------------------ bench
 @pytest.fixture(scope="module")
 def proposer(tmp_path_factory):
