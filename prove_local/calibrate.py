@@ -119,6 +119,17 @@ LINEAR_TOL = 1.5      # a pass of n tokens costs at most n one-token passes (x t
 SPIKE = 2.0           # the widest width's t over what the widths before it extrapolate to
 MIN_SAMPLES = 3       # timed passes per width before its median is taken (fewer: the fastest)
 REMEASURE_ROUNDS = 2  # rounds of re-measuring the suspect widths before the curve is repaired
+# Completing a cached curve (`_complete`) scales the new widths by the anchor's cached t over its t now,
+# which holds only if the machine is as loaded now as then, and stayed so while the widths were timed:
+# another process decoding beside it slows a narrow pass (threads waiting at ggml's barriers) far more
+# than a wide one, and the scaled widths come out flat (SmolLM2 once cached t(4..15) all at 36.8 ms,
+# where an idle machine measures 45-126 ms). So the anchor is timed before and after the missing widths;
+# a completion is dropped (the next run tries again) when either timing exceeds the cached one by
+# BUSY_TOL, or the two differ by DRIFT_TOL; differences under NOISE_S are never load (a tiny model's pass
+# is a few hundred microseconds, a scheduler's jitter a sizeable share of it).
+BUSY_TOL = 1.5
+DRIFT_TOL = 1.3
+NOISE_S = 0.5e-3
 
 
 def _chain_levels(ns: list[int], ts: list[float]) -> tuple[list[int], list[int]]:
@@ -195,7 +206,7 @@ def _value(samples: list[float]) -> float:
 # ------------------------------------------------------------------------------- measuring
 def measure_context(ctx, fill: list[int], *, ns=DEFAULT_NS, budget_s: float = 0.5, reps: int = 3,
                     settle: int = 2, timed: int = 2, seed: int = 0, clock=time.perf_counter,
-                    report: dict | None = None) -> tuple[dict, dict, dict]:
+                    report: dict | None = None, recheck: bool = False) -> tuple[dict, dict, dict]:
     """(curve, median, mean) seconds inside llama_decode of one pass of n tokens (logits on every row)
     on `ctx` (passes are appended at ctx.n_past and cut back; the context is returned as it was).
     The first repetition goes through the widths in increasing order (the narrow ones matter most on
@@ -206,7 +217,9 @@ def measure_context(ctx, fill: list[int], *, ns=DEFAULT_NS, budget_s: float = 0.
     another `budget_s`, and what is still suspect is repaired (`repair`). `curve`: the checked
     curve, each width's median (`_value`); `median`, `mean`: of each width's final samples.
     `clock`: the time budget's clock (tests pass a fake one). `report`, if given, gets the widths
-    re-measured ("remeasured") and those repaired ("repaired")."""
+    re-measured ("remeasured") and those repaired ("repaired"), and with `recheck` the narrowest
+    width timed once more at the end ("recheck": the median of MIN_SAMPLES passes), which tells
+    whether the machine's load changed while the curve was measured."""
     base = ctx.n_past
     tokens = (list(fill) * (max(ns) // max(1, len(fill)) + 2))[:max(ns)] if fill else [0] * max(ns)
     times: dict[int, list[float]] = {n: [] for n in ns}
@@ -247,6 +260,8 @@ def measure_context(ctx, fill: list[int], *, ns=DEFAULT_NS, budget_s: float = 0.
                     break
                 times[n] = passes(n, settle + MIN_SAMPLES, settle)
                 remeasured.append(n)
+        if recheck and report is not None:
+            report["recheck"] = median(passes(min(ns), settle + MIN_SAMPLES, settle))
     finally:
         if ctx.n_past > base:
             ctx.truncate(base)
@@ -284,22 +299,46 @@ def _score(mean: dict[int, float]) -> float:
     return sum(mean.get(n, float("inf")) for n in (1, 2, 4))
 
 
-def _complete(entry: dict, model, options: dict, ns, budget_s: float, threads: int) -> bool:
+def _loaded(cached: float, before: float, after: float) -> str | None:
+    """Why timings of the anchor width `before` and `after` the missing widths, against its `cached`
+    t, say the machine's load is not the cached curve's (None: they agree). See BUSY_TOL."""
+    hi, lo = max(before, after), min(before, after)
+    if hi - lo > max((DRIFT_TOL - 1.0) * lo, NOISE_S):
+        return (f"the anchor pass cost {before * 1e3:.3g} ms before the new widths and {after * 1e3:.3g} ms "
+                "after them (the load changed meanwhile)")
+    if hi - cached > max((BUSY_TOL - 1.0) * cached, NOISE_S):
+        return f"the anchor pass costs {hi / cached:.2g}x its cached time now (a busier machine)"
+    return None
+
+
+def _complete(entry: dict, model, options: dict, ns, budget_s: float, threads: int,
+              report: dict | None = None) -> bool:
     """Measure some of the widths a cached curve lacks (a large model, or a busy machine, runs out of
     the time budget after a few widths), next to its narrowest measured width as an anchor: the new
     times are scaled by anchor (cached) / anchor (now), so that a curve completed over several runs
     keeps one level (the planner rescales the level online anyway; the shape is what it needs). Each
     run adds what its budget allows, so a partial curve becomes whole instead of pricing every wider
-    pass from the narrow ones for good. Returns whether anything was measured."""
+    pass from the narrow ones for good. The anchor is timed before and after the new widths, and when
+    the machine is busier than the cached part says, or its load changed meanwhile, nothing is kept
+    (`_loaded`; `report["dropped"]` says why). Returns whether anything was kept."""
     have = {int(n) for n in entry["curve"]}
     missing = [n for n in ns if n not in have]
     if not missing:
         return False
     anchor = min(have)
-    curve, _, med = measure(model, options, ns=(anchor, *missing), budget_s=budget_s, threads=threads, reps=1)
+    checks: dict = {}
+    curve, _, med = measure(model, options, ns=(anchor, *missing), budget_s=budget_s, threads=threads, reps=1,
+                            report=checks, recheck=True)
     if anchor not in curve or len(curve) < 2:
         return False
-    k = float(entry["curve"][str(anchor)]) / curve[anchor]
+    cached = float(entry["curve"][str(anchor)])
+    after = checks.get("recheck", curve[anchor])
+    why = _loaded(cached, curve[anchor], after)
+    if why is not None:
+        if report is not None:
+            report["dropped"] = why
+        return False
+    k = cached / ((curve[anchor] + after) / 2)
     for n in missing:
         if n in curve:
             entry["curve"][str(n)] = curve[n] * k
@@ -362,7 +401,11 @@ def calibrate(model, options: dict, *, refresh: bool = False, budget_s: float = 
                 print(f"prove-local: calibrated {Path(model.path).name} with {th} thread(s) in {entry['seconds']} s"
                       + (f": {why}" if why else ""), file=sys.stderr)
         elif len(entry["curve"]) < len(ns):
-            measured |= _complete(entry, model, options, ns, budget_s / len(candidates), th)
+            report: dict = {}
+            measured |= _complete(entry, model, options, ns, budget_s / len(candidates), th, report)
+            if verbose and "dropped" in report:
+                print(f"prove-local: the missing widths of {Path(model.path).name}'s curve ({th} thread(s)) were "
+                      f"measured and dropped: {report['dropped']}; the next run measures them again", file=sys.stderr)
         curves[th] = {int(n): float(t) for n, t in entry["curve"].items()}
         medians[th] = {int(n): float(t) for n, t in entry.get("mean", entry["curve"]).items()}
     if measured:

@@ -179,6 +179,74 @@ def test_recalibrate_replaces_the_entry_and_keeps_why(fake_llama):
     assert entry["replaced"] == "passes disagreed"
 
 
+def contexts_costing(monkeypatch, cost, slower_after: int | None = None):
+    """calibrate's contexts from now on: a pass of n tokens costs cost(n), and twice that from the
+    `slower_after`-th pass of a context on (another process starts decoding beside it)."""
+    class Ctx(TimedContext):
+        def __init__(self, model, **opts):
+            super().__init__(cost=cost)
+            self.count = 0
+
+        def eval(self, tokens, rows=None):
+            self.count += 1
+            if slower_after is not None and self.count > slower_after:
+                self.cost = lambda n: 2 * cost(n)
+            super().eval(tokens, rows)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+    monkeypatch.setattr(calibrate, "Context", Ctx)
+
+
+def partial_cache(model, opts) -> str:
+    """A cached curve of widths 1, 2 and 4 only (a run whose budget ran out), at line(n)."""
+    key = calibrate.entry_key(model, opts, 2)
+    cache = {"version": calibrate.CACHE_VERSION,
+             "entries": {key: {"curve": {str(n): line(n) for n in (1, 2, 4)}, "threads": 2}}}
+    calibrate.cache_path().parent.mkdir(parents=True, exist_ok=True)
+    calibrate.cache_path().write_text(json.dumps(cache))
+    return key
+
+
+def test_a_partial_curve_is_not_completed_on_a_busier_machine(fake_llama, monkeypatch, capsys):
+    """Completing a cached curve scales the new widths by the anchor's cached / current t. Beside
+    another decoding process a narrow pass slows far more than a wide one (here t(n) = line(n) x (1 + 3/n):
+    4x at width 1, 1.1x at 32), and the scaled widths would come out flat, far below what they cost: so
+    nothing is kept, and a later run on a quiet machine completes the curve at the cached level."""
+    model, _ = fake_llama
+    opts = dict(n_threads=2, type_k="f16", type_v="f16")
+    key = partial_cache(model, opts)
+    contexts_costing(monkeypatch, lambda n: line(n) * (1 + 3 / n))
+    cal = calibrate.calibrate(model, opts, verbose=True)
+    assert not cal["measured"] and set(cal["curves"][2]) == {1, 2, 4}
+    assert "4x its cached time now (a busier machine)" in capsys.readouterr().err
+    assert set(json.loads(calibrate.cache_path().read_text())["entries"][key]["curve"]) == {"1", "2", "4"}
+    contexts_costing(monkeypatch, line)                          # quiet again
+    cal = calibrate.calibrate(model, opts, verbose=True)
+    assert cal["measured"] and cal["curves"][2] == pytest.approx({n: line(n) for n in calibrate.DEFAULT_NS})
+
+
+def test_a_partial_curve_is_not_completed_when_the_load_changes_meanwhile(fake_llama, monkeypatch, capsys):
+    """The anchor is timed before and after the missing widths: a load that starts in between (every
+    pass twice as dear from the 6th on: the anchor's first timings are quiet, the rest are not) drops
+    the completion, though the first anchor timing matches the cache."""
+    model, _ = fake_llama
+    opts = dict(n_threads=2, type_k="f16", type_v="f16")
+    partial_cache(model, opts)
+    contexts_costing(monkeypatch, line, slower_after=6)
+    cal = calibrate.calibrate(model, opts, verbose=True)
+    assert not cal["measured"] and set(cal["curves"][2]) == {1, 2, 4}
+    assert "the load changed meanwhile" in capsys.readouterr().err
+    # what the rule lets through: a quiet machine's scheduler jitter on a tiny model's pass (under NOISE_S),
+    # and a machine uniformly faster or slower than the cached curve's within BUSY_TOL
+    assert calibrate._loaded(0.2e-3, 0.5e-3, 0.3e-3) is None
+    assert calibrate._loaded(10e-3, 14e-3, 13e-3) is None and calibrate._loaded(10e-3, 4e-3, 4.2e-3) is None
+    assert calibrate._loaded(10e-3, 16e-3, 16e-3) and calibrate._loaded(10e-3, 10e-3, 14e-3)
+
+
 def test_flash_attention_auto_is_keyed_as_what_it_comes_to(fake_llama):
     model, _ = fake_llama
     key = lambda **o: calibrate.config_key(model, o, 2)      # noqa: E731
