@@ -185,7 +185,7 @@ def cmd_run(args) -> int:
               file=sys.stderr)
     settings = Settings(mode=mode, max_new=args.max_new, block=args.block, theta=args.theta, tau=args.tau,
                         draft_k=args.draft_k, lookup=args.lookup, grammar=read_grammar(args, model),
-                        **sampling_settings(args))
+                        p_tilde=False, **sampling_settings(args))
     engine.check(settings)
     engine.prepare(settings)            # --block auto: pass costs calibrated (or read from the cache) now
     note = seed_note(settings)

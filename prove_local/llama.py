@@ -693,11 +693,18 @@ class Context:
                                  f"{self.n_seq} sequences of {self.n_ctx} tokens")
             self._tok[i:i + k] = tokens
             self._pos[i:i + k] = self._positions[pos:pos + k]
-            for j in np.flatnonzero(self._seqs[i:i + k] != seq):   # (ctypes writes only where the layout changed)
-                self._batch.seq_id[i + j][0] = seq
-            self._seqs[i:i + k] = seq
+            if k == 1:                    # (a one-token pass, the common one: no array operations)
+                if self._seqs[i] != seq:
+                    self._batch.seq_id[i][0] = seq
+                    self._seqs[i] = seq
+            else:
+                for j in np.flatnonzero(self._seqs[i:i + k] != seq):   # (ctypes writes only where the layout changed)
+                    self._batch.seq_id[i + j][0] = seq
+                self._seqs[i:i + k] = seq
             self._out[i:i + k] = 0
-            u = np.unique(np.asarray(rows, dtype=np.int64))
+            u = np.asarray(rows, dtype=np.int64)
+            if len(u) > 1:
+                u = np.unique(u)
             if len(u) and (u[0] < 0 or u[-1] >= k):
                 raise LlamaError(f"rows {list(rows)} outside a pass of {k} tokens")
             self._out[i + u] = 1
@@ -721,7 +728,7 @@ class Context:
         for (_, _, _, rows), u in zip(passes, wanted):
             block = logits[r:r + len(u)]
             r += len(u)
-            same = len(rows) == len(u) and all(int(a) == int(b) for a, b in zip(rows, u))
+            same = len(rows) == len(u) and (len(u) == 1 or all(int(a) == int(b) for a, b in zip(rows, u)))
             out.append(block.copy() if same else block[np.searchsorted(u, np.asarray(rows, dtype=np.int64))])
         return out
 

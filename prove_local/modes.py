@@ -134,7 +134,7 @@ def _lookup_draft(plan: Plan, hooks: Hooks) -> tuple[list, list]:
 
 
 def ar_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
-    return rules.ar_cycle(c["target"], t, sampler=sampler)
+    return rules.ar_cycle(c["target"], t, sampler=sampler, p_tilde=s.p_tilde)
 
 
 def ar_widths(pend: dict, plan: Plan) -> dict:

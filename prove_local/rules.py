@@ -244,11 +244,15 @@ def _verify_block(ctx, prefix: list[int], d: list[int], conf, p_rest, block: int
 
 # ---------------------------------------------------------------------------------- the rules
 
-def ar_cycle(ctx, tokens: list[int], sampler=None) -> Cycle:
-    """One token from the model's next-token row (greedy: its argmax; sampled: a draw)."""
-    s = sampler or GREEDY
+def ar_cycle(ctx, tokens: list[int], sampler=None, p_tilde: bool = True) -> Cycle:
+    """One token from the model's next-token row (greedy: its argmax; sampled: a draw). Greedy
+    without `p_tilde`: the argmax alone, p̃ NaN (its softmax needs an exp pass over the vocabulary)."""
     pending = _pending(ctx, tokens)
-    x, p = s.sample(_logits(ctx, pending), tokens)
+    logits = _logits(ctx, pending)
+    if sampler is None and not p_tilde:
+        x, p = int(np.argmax(logits[0])), float("nan")
+    else:
+        x, p = (sampler or GREEDY).sample(logits, tokens)
     return Cycle([x], [p], None, [x], 1, widths={"target": [len(pending)]}, plan=AR_PLAN, gate=[True])
 
 

@@ -62,7 +62,7 @@ def main() -> int:
     engine = Engine.load(model, n_ctx=512, n_threads=a.threads, type_k=kv, type_v=kv, flash_attn=a.flash_attn)
     fa = engine.contexts["target"].flash_attn
     prompt = model.tokenize(PROMPT, add_special=True)
-    settings = Settings(mode="ar", max_new=a.n)
+    settings = Settings(mode="ar", max_new=a.n, p_tilde=False)       # as `run` (no p̃ read)
 
     def once() -> tuple[float, int]:
         gen = engine.generate(prompt, settings)

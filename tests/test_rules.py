@@ -15,6 +15,20 @@ def test_ar_cycle_commits_one_greedy_token():
     assert ctx.cache == PROMPT  # the committed token stays pending
 
 
+def test_greedy_ar_without_p_tilde_is_the_same_token():
+    """p_tilde=False (run, serve: nobody reads an ar token's p̃) skips the softmax, not the choice:
+    the same argmax on rows with ties and near-ties, the first of tied maxima as with p̃; p̃ is NaN."""
+    rng = np.random.default_rng(0)
+    for k in range(50):
+        dist = rng.dirichlet(np.full(V, 0.3))
+        if k % 5 == 0:                                  # a tie at the maximum: the first index wins
+            dist[rng.integers(V)] = dist[int(np.argmax(dist))]
+        with_p = rules.ar_cycle(FakeContext(lambda prefix: dist, V), PROMPT)
+        without = rules.ar_cycle(FakeContext(lambda prefix: dist, V), PROMPT, p_tilde=False)
+        assert without.committed == with_p.committed == [int(np.argmax(np.log(dist).astype(np.float32)))]
+        assert np.isnan(without.p[0]) and with_p.p[0] == pytest.approx(dist.max() / dist.sum(), rel=1e-5)
+
+
 def test_lossless_full_block_plus_bonus():
     ctx = FakeContext(proposer(), V)
     c = rules.lossless_cycle(ctx, PROMPT, block=4, mask=MASK)

@@ -33,6 +33,9 @@ def test_lossless_and_spec_equal_ar_on_smollm2(smol, question):
                   for t in c.committed] for mode in ("ar", "lossless", "spec")}
     assert len(out["ar"]) > 3
     assert out["lossless"] == out["ar"] and out["spec"] == out["ar"]
+    # run's and serve's ar (no p̃: the argmax without the softmax over the 49,152-token vocabulary)
+    bare = [t for c in e.generate(prompt, Settings(mode="ar", max_new=32, p_tilde=False)) for t in c.committed]
+    assert bare == out["ar"]
 
 
 def _rows_equal(ctx, prefix, widths, seed=1):

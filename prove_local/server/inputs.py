@@ -38,7 +38,7 @@ def settings_for(state, body, n_prompt: int):
         repeat_penalty=d.repeat_penalty if body.repeat_penalty is None else body.repeat_penalty,
         repeat_last_n=d.repeat_last_n if body.repeat_last_n is None else body.repeat_last_n,
         seed=body.seed, logprobs=logprobs_of(body), grammar=grammar_of(state.pool.loaded.target, body),
-        sampler=d.sampler if body.sampler is None else body.sampler)
+        sampler=d.sampler if body.sampler is None else body.sampler, p_tilde=False)
     try:
         state.pool.first.check(s)
     except ModeError as e:
