@@ -41,7 +41,7 @@ from statistics import median
 from .files import write_atomic
 from .llama import Context, default_threads, flash_attn_setting
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3         # 3: curves timed after a warm-up (WARM_MIN); older ones priced one-token passes cold
 DEFAULT_NS = tuple(range(1, 17)) + (20, 24, 32)
 
 
@@ -118,6 +118,13 @@ RISE_TOL = 0.10       # t(n) may exceed a wider width's t by this share (noise) 
 LINEAR_TOL = 1.5      # a pass of n tokens costs at most n one-token passes (x this share, for noise)
 SPIKE = 2.0           # the widest width's t over what the widths before it extrapolate to
 MIN_SAMPLES = 3       # timed passes per width before its median is taken (fewer: the fastest)
+# A fresh context's first passes run slow: SmolLM2 Q4_1 on 2 threads, one-token passes 11-12 ms at first,
+# 8.2-8.8 ms after about 20 of them (~0.2 s; again on each new context of the process). Timed from the
+# start, t(1) came out at 10.3 ms where generation runs 8.8, t(2)/t(1) at 1.35 where it is 1.5, and the
+# planner drafted 1-token lookups that lose. So one-token passes run first until the median of the
+# last WARM_WINDOW stops falling by WARM_TOL against the WARM_WINDOW before, WARM_MIN..WARM_MAX passes
+# and at most half the time budget.
+WARM_MIN, WARM_MAX, WARM_WINDOW, WARM_TOL = 16, 64, 8, 0.03
 REMEASURE_ROUNDS = 2  # rounds of re-measuring the suspect widths before the curve is repaired
 # Completing a cached curve (`_complete`) scales the new widths by the anchor's cached t over its t now,
 # which holds only if the machine is as loaded now as then, and stayed so while the widths were timed:
@@ -209,7 +216,8 @@ def measure_context(ctx, fill: list[int], *, ns=DEFAULT_NS, budget_s: float = 0.
                     report: dict | None = None, recheck: bool = False) -> tuple[dict, dict, dict]:
     """(curve, median, mean) seconds inside llama_decode of one pass of n tokens (logits on every row)
     on `ctx` (passes are appended at ctx.n_past and cut back; the context is returned as it was).
-    The first repetition goes through the widths in increasing order (the narrow ones matter most on
+    One-token passes run first until they stop getting faster (WARM_MIN: a fresh context's first
+    passes run slow). The first repetition goes through the widths in increasing order (the narrow ones matter most on
     a CPU), later ones shuffled; it stops after `budget_s` once every n has a timed sample, and at
     twice the budget in any case (a stalling machine: the widths measured so far are kept).
     Then the curve is checked (`suspects`): the suspect widths are measured again (settling passes,
@@ -224,7 +232,7 @@ def measure_context(ctx, fill: list[int], *, ns=DEFAULT_NS, budget_s: float = 0.
     tokens = (list(fill) * (max(ns) // max(1, len(fill)) + 2))[:max(ns)] if fill else [0] * max(ns)
     times: dict[int, list[float]] = {n: [] for n in ns}
     rng = random.Random(seed)
-    t_end = clock() + budget_s
+    t_warm = clock() + budget_s / 2
 
     def passes(n: int, count: int, keep_from: int) -> list[float]:
         out = []
@@ -240,6 +248,15 @@ def measure_context(ctx, fill: list[int], *, ns=DEFAULT_NS, budget_s: float = 0.
     try:
         ctx.eval(tokens[:8], rows=list(range(8)))      # warm-up
         ctx.truncate(base)
+        warm: list[float] = []
+        while len(warm) < WARM_MAX and clock() < t_warm:
+            warm += passes(1, 1, 0)
+            w = WARM_WINDOW
+            if len(warm) >= max(WARM_MIN, 2 * w) and median(warm[-w:]) >= (1.0 - WARM_TOL) * median(warm[-2 * w:-w]):
+                break
+        if report is not None:
+            report["warm_passes"] = len(warm)
+        t_end = clock() + budget_s
         for rep in range(reps):
             order = sorted(ns)
             if rep:

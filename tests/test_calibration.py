@@ -96,7 +96,8 @@ def test_one_stalled_sample_does_not_move_a_median():
     ctx = TimedContext(stall=lambda n, k: 10.0 if (n, k) == (8, 3) else 0.0)
     curve, report = measured(ctx, budget_s=1e9)
     assert curve == pytest.approx({n: line(n) for n in calibrate.DEFAULT_NS})
-    assert report == {"remeasured": [], "repaired": []}
+    # the one-token warm-up stops once its passes stop getting faster: at once here, where none does
+    assert report == {"remeasured": [], "repaired": [], "warm_passes": calibrate.WARM_MIN}
     assert ctx.n_past == 0                                  # the context is left as it was
 
 
@@ -108,6 +109,16 @@ def test_a_width_stalled_throughout_the_first_measurement_is_measured_again():
     assert report["remeasured"] == [4] and report["repaired"] == []
     assert curve == pytest.approx({n: line(n) for n in calibrate.DEFAULT_NS})
     assert calibrate.suspects(curve) == []
+
+
+def test_the_first_passes_of_a_fresh_context_are_not_timed():
+    """A fresh context's first one-token passes run slow (SmolLM2: 11-12 ms, then 8.2-8.8 after ~20):
+    here 40 % dearer for the first 20, easing off. One-token passes run until they stop getting
+    faster, and t(1) is the warm context's, not the cold start's."""
+    ctx = TimedContext(stall=lambda n, k: 0.4 * line(n) * max(0.0, 1 - k / 20) if n == 1 else 0.0)
+    curve, report = measured(ctx, budget_s=1e9)
+    assert 20 <= report["warm_passes"] <= calibrate.WARM_MAX
+    assert curve[1] == pytest.approx(line(1)) and calibrate.suspects(curve) == []
 
 
 def test_a_width_that_keeps_stalling_is_repaired_not_kept():
@@ -231,12 +242,12 @@ def test_a_partial_curve_is_not_completed_on_a_busier_machine(fake_llama, monkey
 
 def test_a_partial_curve_is_not_completed_when_the_load_changes_meanwhile(fake_llama, monkeypatch, capsys):
     """The anchor is timed before and after the missing widths: a load that starts in between (every
-    pass twice as dear from the 6th on: the anchor's first timings are quiet, the rest are not) drops
-    the completion, though the first anchor timing matches the cache."""
+    pass twice as dear once the warm-up and the anchor's first four passes are over: its first timings
+    are quiet, the rest are not) drops the completion, though the first anchor timing matches the cache."""
     model, _ = fake_llama
     opts = dict(n_threads=2, type_k="f16", type_v="f16")
     partial_cache(model, opts)
-    contexts_costing(monkeypatch, line, slower_after=6)
+    contexts_costing(monkeypatch, line, slower_after=1 + calibrate.WARM_MIN + 4)
     cal = calibrate.calibrate(model, opts, verbose=True)
     assert not cal["measured"] and set(cal["curves"][2]) == {1, 2, 4}
     assert "the load changed meanwhile" in capsys.readouterr().err
