@@ -128,7 +128,10 @@ class Batcher:
                 m.state = state
                 if state == PARKED:
                     m.parked_at = time.monotonic()
-            self._cond.notify_all()
+            # only the decode thread cares, and only while passes wait for a step (threads waiting for
+            # their pass wait for its `done`): a lone request's resume and park per cycle must not wake it
+            if self._waiting:
+                self._cond.notify_all()
 
     def _blocked(self) -> tuple[bool, float | None]:
         """Whether a step must wait (lock held), and for how long at most (None: until notified)."""
