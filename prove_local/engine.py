@@ -503,8 +503,8 @@ class Engine:
             cycle.decode_seconds = {r: c.decode_seconds - before[r][1] for r, c in self.contexts.items()
                                     if c.n_decode > before[r][0]}
             # batched contexts (batching.SeqView): (sequences, tokens) of each llama_decode of the cycle's passes
-            cycle.batch = {r: list(self.contexts[r].batches)[-n:] for r, n in cycle.passes.items()
-                           if hasattr(self.contexts[r], "batches")}
+            cycle.batch = {r: [b[-k] for k in range(min(n, len(b)), 0, -1)] for r, n in cycle.passes.items()
+                           if (b := getattr(self.contexts[r], "batches", None)) is not None}
             cycle.waited = sum(getattr(c, "wait_seconds", 0.0) - before[r][2] for r, c in self.contexts.items())
             if not cycle.committed:
                 raise RuntimeError(f"mode {s.mode}: a cycle committed no token (a decoding rule is broken)")
