@@ -59,9 +59,9 @@ LOAD_TOLERANCE = 0.25                           # a step's load must move by mor
 # The lookup guard (Planner._guard_lookup): what lookup cycles saved against ar, measured, not predicted.
 # A lookup draft is chosen on the curve's prices, and a price a few per cent off turns a 1-token draft
 # from a gain into a loss: SmolLM2 Q4_1 on 2 threads calibrated t(2)/t(1) at 1.35 where generation runs
-# 1.5 (a calibrated one-token pass 10.3 ms, 8.8 in generation; the shape never learns a width below its
-# calibration), so `lossless` drafted 1-token lookups at 36 % acceptance and ran 0.89x `ar` on a GSM8K
-# question. Each lookup cycle's seconds saved (its tokens at the ar cycle's measured cost, less what it
+# 1.5 (a one-token pass timed cold, 10.3 ms against 8.8 in generation: since mended, calibrate.WARM_MIN;
+# the shape never learns a width below its calibration), so `lossless` drafted 1-token lookups at 36 %
+# acceptance and ran 0.89x `ar` on a GSM8K question. Prices are never exact; the guard does not need them. Each lookup cycle's seconds saved (its tokens at the ar cycle's measured cost, less what it
 # took and what it costs the ar passes after it) are summed with decay GUARD_DECAY per lookup cycle;
 # after GUARD_MIN of them, while the sum is below zero, a lookup plan must beat the current choice by
 # GUARD_MARGIN instead of lookup_margin: the marginal drafts stop, the sure ones (long matches of text
@@ -576,7 +576,8 @@ class Planner:
         measured, the curve's price) less its own `seconds` and the switch cost it puts on the ar
         passes after it."""
         steady = self._after_wide[0]
-        t_pass = steady[0] if steady[1] >= 8 else (self.costs.t("target", 1) if self.costs is not None else None)
+        t_pass = steady[0] if steady[1] >= 8 else (
+            self.costs.t("target", 1) if self.costs is not None and "target" in self.costs.base else None)
         if t_pass is None:
             return
         t_ar = t_pass + self._oh("ar")
