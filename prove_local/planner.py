@@ -56,19 +56,6 @@ SWITCH_AFTER = 4                                # ar cycles after a wider pass w
 AFTER_EXPLORATION = 8                           # cycles after an exploration whose excess time is charged to it
 CATCH_UP = 2                                    # a partner's pending tokens counted in its planned pass
 LOAD_TOLERANCE = 0.25                           # a step's load must move by more than this share to replan
-# The lookup guard (Planner._guard_lookup): what lookup cycles saved against ar, measured, not predicted.
-# A lookup draft is chosen on the curve's prices, and a price a few per cent off turns a 1-token draft
-# from a gain into a loss: SmolLM2 Q4_1 on 2 threads calibrated t(2)/t(1) at 1.35 where generation runs
-# 1.5 (a one-token pass timed cold, 10.3 ms against 8.8 in generation: since mended, calibrate.WARM_MIN;
-# the shape never learns a width below its calibration), so `lossless` drafted 1-token lookups at 36 %
-# acceptance and ran 0.89x `ar` on a GSM8K question. Prices are never exact; the guard does not need them. Each lookup cycle's seconds saved (its tokens at the ar cycle's measured cost, less what it
-# took and what it costs the ar passes after it) are summed with decay GUARD_DECAY per lookup cycle;
-# after GUARD_MIN of them, while the sum is below zero, a lookup plan must beat the current choice by
-# GUARD_MARGIN instead of lookup_margin: the marginal drafts stop, the sure ones (long matches of text
-# that copies) run on, and their savings lift the sum back.
-GUARD_MIN = 8
-GUARD_DECAY = 0.9
-GUARD_MARGIN = 0.3
 
 
 class Costs:
@@ -402,7 +389,6 @@ class _LookupTable:
     rates: object = None         # [match length, k - 1]: expected tokens per second of a k-token draft
     costs: object = None         # the plans' costs it was made with (reused while only acceptance moved)
     min_match: int = MAX_MATCH + 1   # the shortest match length that gets a plan (MAX_MATCH + 1: none)
-    margin: float = 0.0          # the margin a plan had to beat the current choice by (the guard's, or lookup_margin)
 
     def __post_init__(self):
         self.min_match = next((m for m, r in enumerate(self.rows) if m and r is not None), MAX_MATCH + 1)
@@ -473,8 +459,6 @@ class Planner:
         # copies badly where a repeated listing copies well), next to the engine-wide one
         self._lookup_local = SlotStats(decay=1.0)
         self.lookup_margin = 0.02                     # a lookup plan must beat the current choice by this share
-        self.lookup_saved = 0.0                       # the lookup guard: seconds lookup cycles saved (decayed)
-        self.lookup_judged = 0                        # lookup cycles in that sum
         # the longest lookup draft the request's own record allows (slow start, see observe): none
         # outside a request; start_request sets LOOKUP_START
         self._lookup_cap = LOOKUP_K_MAX
@@ -551,8 +535,6 @@ class Planner:
         # the request's own host time: in a batched step, not the time it waited for the others
         # (Cycle.waited; the step's cost is priced through the load, set_load)
         over = max(0.0, cycle.seconds - decode - getattr(cycle, "waited", 0.0))
-        if plan.lookup:
-            self._guard_lookup(len(cycle.committed), decode + over)
         for key in (kind, (kind, b)):      # per kind, and per kind and width (wider blocks cost more Python)
             old = self.overhead.get(key)
             self.overhead[key] = over if old is None else 0.9 * old + 0.1 * min(over, 4 * old + 1e-4)
@@ -569,26 +551,6 @@ class Planner:
             self.slow_streak = 0
             return True
         return False
-
-    def _guard_lookup(self, committed: int, seconds: float) -> None:
-        """Book one lookup cycle for the guard (GUARD_MIN): it saved `committed` x an ar cycle's cost
-        (the steady ar passes' measured decode seconds and ar's host overhead; before 8 of those are
-        measured, the curve's price) less its own `seconds` and the switch cost it puts on the ar
-        passes after it."""
-        steady = self._after_wide[0]
-        t_pass = steady[0] if steady[1] >= 8 else (
-            self.costs.t("target", 1) if self.costs is not None and "target" in self.costs.base else None)
-        if t_pass is None:
-            return
-        t_ar = t_pass + self._oh("ar")
-        self.lookup_saved = GUARD_DECAY * self.lookup_saved + committed * t_ar - seconds - self.switch_cost()
-        self.lookup_judged += 1
-
-    def _lookup_guarded_margin(self) -> float:
-        """The share by which a lookup plan must beat the current choice (GUARD_MIN)."""
-        if self.lookup_judged >= GUARD_MIN and self.lookup_saved < 0.0:
-            return max(self.lookup_margin, GUARD_MARGIN)
-        return self.lookup_margin
 
     def _record_switch(self, d: int, seconds: float) -> None:
         """An ar cycle's decode seconds, d cycles after a wider pass (0: further away)."""
@@ -799,8 +761,7 @@ class Planner:
         cur = self.current.get(key)
         local = self._lookup_local.n_cycles
         if (tab is None or tab.cur is not cur or st.n_cycles - tab.made_at >= LOOKUP_REFRESH
-                or tab.pend != pending.get("target", 1) or tab.local > local
-                or tab.margin != self._lookup_guarded_margin()):
+                or tab.pend != pending.get("target", 1) or tab.local > local):
             tab = self._ltables[key] = self._lookup_table(mode, key, pending, block_max)
             self._lookup_missed = False
         elif local < LOOKUP_LOCAL_EAGER and local != tab.local and (
@@ -834,7 +795,7 @@ class Planner:
             plan = Plan(LOOKUP, lookup=k)
         if plan.lookup > self._lookup_cap:       # slow start: no longer than the request has earned
             k = self._lookup_cap
-            if not exploring and not filled(plan) and tab.rates[m, k - 1] <= tab.rate * (1.0 + tab.margin):
+            if not exploring and not filled(plan) and tab.rates[m, k - 1] <= tab.rate * (1.0 + self.lookup_margin):
                 return None                      # the shorter draft does not pay: the current choice runs
             plan = Plan(plan.kind, plan.block, verify=plan.verify, lookup=k)
         if plan.lookup + plan.block > room:      # near the end of the context: what still fits
@@ -923,12 +884,11 @@ class Planner:
             f_r = f_rate[ms, f_i]
             for m in np.flatnonzero(f_r > best_r):
                 rows[m], best_r[m] = Plan(mode, B, lookup=int(ks[f_i[m]])), f_r[m]
-        margin = self._lookup_guarded_margin()
-        ok = best_r > base * (1.0 + margin)
+        ok = best_r > base * (1.0 + self.lookup_margin)
         rows = [r if good and m else None for m, (r, good) in enumerate(zip(rows, ok))]
         bests = [(int(ks[i]), float(rate[m, i])) for m, i in enumerate(best_i)]
         return _LookupTable(rows, bests, base, st.n_cycles, cur, pend["target"], any(r is not None for r in rows),
-                            self._lookup_local.n_cycles, rate, costs, margin=margin)
+                            self._lookup_local.n_cycles, rate, costs)
 
     def _lookup_plans(self, kind: str, block: int = 1, verify: int | None = None) -> list[Plan]:
         """The plans of k = 1..LOOKUP_K_MAX lookup tokens (a lookup verify, or a `block`-slot proposal
@@ -1089,8 +1049,6 @@ class Planner:
                             for m, c in self.current.items()},
                 "scale": dict(self.costs.scale) if self.costs else {},
                 "shape": {r: self.costs.shape_summary(r) for r in self.costs.base} if self.costs else {},
-                "lookup_guard": {"saved_s": round(self.lookup_saved, 4), "cycles": self.lookup_judged,
-                                 "margin": self._lookup_guarded_margin()},
                 "exploration_regret_share": round(self.regret / self.elapsed, 4) if self.elapsed else 0.0,
                 "overhead_us": {k if isinstance(k, str) else f"{k[0]}@{k[1]}": round(v * 1e6, 1)
                                 for k, v in sorted(self.overhead.items(), key=str)},

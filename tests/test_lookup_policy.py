@@ -113,34 +113,6 @@ def test_the_index_is_searched_only_for_match_lengths_the_planner_can_use():
     assert all(r is None for r in tab.rows[:tab.min_match])
 
 
-def test_the_lookup_guard_raises_the_margin_while_lookup_cycles_lose_against_ar():
-    """The curve prices t(2) at 1.5 t(1) and the planner drafts 1-token lookups at 60 % acceptance
-    (1.07x ar); the passes say otherwise: a lookup verify takes 2 ms where an ar pass takes 1. After
-    GUARD_MIN lookup cycles that lost against ar, a lookup plan must beat ar by GUARD_MARGIN: the marginal
-    draft is gone from the table, a 4-token draft at 95 % acceptance stays; lookup cycles that save time
-    bring the margin back."""
-    from prove_local.planner import GUARD_MARGIN, GUARD_MIN
-    pl = planner()
-    for _ in range(8 * 8):                                   # the steady ar pass: 1 ms (measured, sampled)
-        pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
-    tab = pl._lookup_table("lossless", "lossless", {ROLE: 1}, 0)
-    assert tab.rows[4] == Plan(LOOKUP, lookup=1) and tab.margin == pl.lookup_margin
-    for i in range(GUARD_MIN):
-        assert pl._lookup_guarded_margin() == pl.lookup_margin
-        accepted = int(i % 5 < 3)                            # 60 %: 1.6 tokens for 2 ms, ar: 1.6 ms
-        pl.observe(cycle(Plan(LOOKUP, lookup=1), 2e-3, k=1, accepted=accepted), LOOKUP)
-    assert pl.lookup_saved < 0 and pl._lookup_guarded_margin() == GUARD_MARGIN
-    assert not pl._lookup_table("lossless", "lossless", {ROLE: 1}, 0).any
-    sure = planner(accept=0.95)
-    sure.lookup_saved, sure.lookup_judged = pl.lookup_saved, pl.lookup_judged
-    tab = sure._lookup_table("lossless", "lossless", {ROLE: 1}, 0)
-    assert tab.margin == GUARD_MARGIN and tab.any and max(r.lookup for r in tab.rows if r is not None) >= 4
-    for _ in range(3):                                       # 9 tokens in 5 ms: 4 ms saved each
-        pl.observe(cycle(Plan(LOOKUP, lookup=8), 5e-3, k=8, accepted=8), LOOKUP)
-    assert pl.lookup_saved > 0 and pl._lookup_guarded_margin() == pl.lookup_margin
-    assert pl.summary()["lookup_guard"]["margin"] == pl.lookup_margin
-
-
 def test_an_exploration_must_fit_the_regret_budget_before_it_runs():
     """A fresh planner has seen little decoding time: an exploration expected to lose more than
     explore_budget x that time is not run, however the draw falls; once enough time is seen it is."""
