@@ -573,15 +573,25 @@ def test_ui_sampling_controls_reproduce_the_engine(browser, ui_server, ui_models
     assert want != reference(ui_models, [prompt])[0] or MAX_NEW < 4
     page = open_page(browser, ui_server)
     page.click("#sampling button, #sampling .label-wrap >> nth=0")
-    for elem, value in (("temp", "0.7"), ("seed", "3")):
-        box = page.locator(f"#{elem} input[type=number]")
-        box.fill(value)
-        box.press("Tab")
     # the slider's range input is bound to the component's value: once it shows 0.7 the page holds the
-    # setting the Send event reads (once, in a full run, the request went out greedy: unexplained; this
-    # waits for the page's state instead of assuming it)
-    page.wait_for_function("() => document.querySelector('#temp input[type=range]').value === '0.7'"
-                           " && document.querySelector('#seed input[type=number]').value === '3'")
+    # setting the Send event reads. A value typed while the freshly opened accordion still renders can
+    # be lost (once the request went out greedy; once, in CI, the slider never showed 0.7 within 60 s),
+    # so each value is typed again until the page shows it, a bounded number of times
+    from playwright.sync_api import TimeoutError as PageTimeout
+    for attempt in range(6):
+        for elem, value in (("temp", "0.7"), ("seed", "3")):
+            box = page.locator(f"#{elem} input[type=number]")
+            box.fill(value)
+            box.press("Tab")
+        try:
+            page.wait_for_function("() => document.querySelector('#temp input[type=range]').value === '0.7'"
+                                   " && document.querySelector('#seed input[type=number]').value === '3'",
+                                   timeout=10_000)
+            break
+        except PageTimeout:
+            continue
+    else:
+        raise AssertionError("the page never showed temperature 0.7 and seed 3")
     send(page, prompt, 0)()
     assert "T 0.7, seed 3" in page.inner_text("#stats")      # the settings reached the engine (shown to the user)
     spans = answer_spans(page, 0)
