@@ -178,9 +178,9 @@ class Batcher:
 
     def _alone(self, p: _Pass) -> np.ndarray:
         """Decode pass `p` as a step of its own on the calling thread (the lock held on entry and on
-        return): no other engine is in a generation, so no pass could join it, and the hand-offs to the
-        decode thread and back (~0.15 ms of a 9 ms SmolLM2 token, measured against a context of its
-        own) are spared. The `_llama` lock orders it with a step the decode thread may still be running.
+        return): no other engine is in a generation, so no pass could join it, and the two thread
+        switches to the decode thread and back are spared (what that saves was within this machine's
+        noise: docs/server.md). The `_llama` lock orders it with a step the decode thread may still be running.
         An engine that starts a generation meanwhile finds this one RUNNING and waits for its next pass,
         which then goes through the decode thread with its own: batching resumes by itself."""
         p.taken = True

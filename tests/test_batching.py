@@ -215,15 +215,17 @@ def test_mixed_requests_in_flight_equal_their_solo_runs(models, solo):
 
 def test_a_request_alone_decodes_on_its_own_thread_and_batching_resumes_with_company(models, solo):
     """A request with no other generation in the pool decodes its passes on its own thread (no hand-off
-    to the batch thread and back: ~0.15 ms of a 9 ms SmolLM2 token), each pass a step of one sequence;
-    once two requests are in flight, their passes share steps again. Outputs equal the solo engine's."""
+    to the batch thread and back), each pass a step of one sequence; once two requests are in flight,
+    their passes share steps again. Outputs equal the solo engine's."""
     shared, engines = shared_engines(models, n=2)
     try:
         batcher = shared.batcher
-        job = (prompt(models, 0, 40), Settings(mode="lossless", max_new=24, block=4), None)
+        job = (prompt(models, 0, 40), Settings(mode="lossless", max_new=48, block=4), None)
         assert alone(engines[0], job[0], job[1]) == alone(solo, job[0], job[1])
         assert batcher._thread is None and batcher.steps == batcher.decodes > 0
-        jobs = [job, (prompt(models, 1, 30), Settings(mode="ar", max_new=24), None)]
+        # the second request starts once the first has handed over its first cycle: both are then in
+        # their generations, whichever thread runs first
+        jobs = [job, (prompt(models, 1, 30), Settings(mode="ar", max_new=24), (0, 1))]
         outs, cycles, errors = run_together(engines, jobs)
         assert errors == [None, None] and outs == [alone(solo, p, s) for p, s, _ in jobs]
         assert batcher._thread is not None and all(batched_cycles(c) > 0 for c in cycles)

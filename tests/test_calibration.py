@@ -143,20 +143,8 @@ def fake_llama(tmp_path, monkeypatch):
     """calibrate() on a fake model file whose contexts' passes cost `line(n)`."""
     monkeypatch.setenv("PROVE_LOCAL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(calibrate, "build_id", lambda: "fake build")
-    made = []
-
-    class FakeContext(TimedContext):
-        def __init__(self, model, **opts):
-            super().__init__()
-            made.append(opts)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-    monkeypatch.setattr(calibrate, "Context", FakeContext)
+    made: list = []
+    contexts_costing(monkeypatch, line, made=made)
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF")
     return FakeModel(path), made
@@ -190,13 +178,16 @@ def test_recalibrate_replaces_the_entry_and_keeps_why(fake_llama):
     assert entry["replaced"] == "passes disagreed"
 
 
-def contexts_costing(monkeypatch, cost, slower_after: int | None = None):
+def contexts_costing(monkeypatch, cost, slower_after: int | None = None, made: list | None = None):
     """calibrate's contexts from now on: a pass of n tokens costs cost(n), and twice that from the
-    `slower_after`-th pass of a context on (another process starts decoding beside it)."""
+    `slower_after`-th pass of a context on (another process starts decoding beside it); `made` gets
+    each context's options."""
     class Ctx(TimedContext):
         def __init__(self, model, **opts):
             super().__init__(cost=cost)
             self.count = 0
+            if made is not None:
+                made.append(opts)
 
         def eval(self, tokens, rows=None):
             self.count += 1
