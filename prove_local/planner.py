@@ -53,6 +53,8 @@ LOOKUP_START = 2                                # a request's first lookup draft
 
 AR_SAMPLE = 8                                   # ar cycles per one whose cost the planner records
 SWITCH_AFTER = 4                                # ar cycles after a wider pass whose excess time is the switch's
+SWITCH_STEADY = 8                               # steady ar cycles (recorded densely until then) before the switch is priced
+SWITCH_REPRICE = 0.1                            # a lookup table whose switch price is off by this share of an ar cycle is made again
 AFTER_EXPLORATION = 8                           # cycles after an exploration whose excess time is charged to it
 CATCH_UP = 2                                    # a partner's pending tokens counted in its planned pass
 LOAD_TOLERANCE = 0.25                           # a step's load must move by more than this share to replan
@@ -389,6 +391,8 @@ class _LookupTable:
     rates: object = None         # [match length, k - 1]: expected tokens per second of a k-token draft
     costs: object = None         # the plans' costs it was made with (reused while only acceptance moved)
     min_match: int = MAX_MATCH + 1   # the shortest match length that gets a plan (MAX_MATCH + 1: none)
+    switch: float = 0.0          # the switch price in those costs (Planner.switch_cost), and an ar cycle's cost
+    t_ar: float = 0.0
 
     def __post_init__(self):
         self.min_match = next((m for m, r in enumerate(self.rows) if m and r is not None), MAX_MATCH + 1)
@@ -502,7 +506,9 @@ class Planner:
             # the few right after a wider pass are all recorded for the switch's cost
             self._ar_seen += 1
             d = self._since_wide
-            if d <= SWITCH_AFTER or not self._ar_seen % AR_SAMPLE:
+            # (the steady ones every cycle until there are SWITCH_STEADY: the switch is priced from the
+            # request's first dozen cycles, the prompt's prefill being the first wider pass)
+            if d <= SWITCH_AFTER or not self._ar_seen % AR_SAMPLE or self._after_wide[0][1] < SWITCH_STEADY:
                 self._record_switch(0 if d > SWITCH_AFTER else d, sum(cycle.decode_seconds.values()))
             self._since_wide = d + 1
             if self._ar_seen % AR_SAMPLE:
@@ -563,13 +569,24 @@ class Planner:
     def switch_cost(self) -> float:
         """Seconds a cycle that is not ar costs the ar cycles after it, beyond what they cost in a run
         of ar cycles: the sum over d = 1..SWITCH_AFTER of (mean decode seconds d cycles after a wider
-        pass - the steady mean), where each is measured (8 cycles) and above it. Measured on the
-        embedded target (1 thread, 16 GSM8K-style questions, 7 runs): the first ar pass after a
-        lookup verify 1.10-1.17x the steady one, the next ones within noise (docs/bench.md)."""
+        pass - the steady mean), where it is above it; the steady mean is the calibrated t(1) (as the
+        costs scale it) until SWITCH_STEADY cycles further from a wider pass are seen. Each d counts
+        from its first cycle: the prompt's prefill gives one at every request's start, so a fresh
+        engine prices the switch from its first request's second cycle on (a fresh SmolLM2 engine,
+        which waited for 8 cycles at each d and 8 steady ones, drafted 10-11 one- and two-token
+        lookups into its first 64-token answer at zero switch cost, from its third cycle: the chat
+        template repeats; the passes after them cost ~7 ms more; 0.87x ar. Lookups every few cycles
+        leave few steady ones. One early outlier errs on the side of ar). Measured on the embedded target (1 thread, 16
+        GSM8K-style questions, 7 runs): the first ar pass after a lookup verify 1.10-1.17x the steady
+        one, the next ones within noise (docs/bench.md); SmolLM2 (2 threads): 1.22, 1.14, 1.12x."""
         steady = self._after_wide[0]
-        if steady[1] < 8:
+        if steady[1] >= SWITCH_STEADY:
+            ref = steady[0]
+        elif self.costs is not None and "target" in self.costs.base:
+            ref = self.costs.solo("target", 1)      # (the calibrated one-token pass, until runs of them are seen)
+        else:
             return 0.0
-        return sum(max(0.0, m - steady[0]) for m, n in self._after_wide[1:] if n >= 8)
+        return sum(max(0.0, m - ref) for m, n in self._after_wide[1:] if n >= 1)
 
     def set_curve(self, role: str, curve: dict[int, float]) -> None:
         """New calibrated t(n) of a role (after the caller changed its thread count)."""
@@ -784,6 +801,13 @@ class Planner:
             return None
         m = min(max(1, match.length), MAX_MATCH)
         plan = tab.rows[m] if tab.any else None
+        if plan is not None and self._switch_moved(tab, cur):
+            # the switch's price moved since the table's costs were made (a fresh engine learns it from
+            # its first request's first cycles; an eager refresh keeps the costs): made again first
+            tab = self._ltables[key] = self._lookup_table(mode, key, pending, block_max)
+            plan = tab.rows[m]
+            if plan is None:
+                return None
         exploring = plan is None
         if plan is None:
             if not explore:
@@ -804,6 +828,12 @@ class Planner:
                 return None
             plan = Plan(plan.kind, plan.block, verify=plan.verify, lookup=k)
         return plan
+
+    def _switch_moved(self, tab: _LookupTable, cur) -> bool:
+        """Whether the switch price (what a lookup draft among ar cycles costs the ar passes after it)
+        moved by more than SWITCH_REPRICE of an ar cycle since `tab` was priced with it."""
+        now = self.switch_cost() if cur is None or cur.kind == "ar" else 0.0
+        return abs(now - tab.switch) > SWITCH_REPRICE * tab.t_ar
 
     def _plan_costs(self, pend: dict, plans: list[Plan]) -> np.ndarray:
         """modes.cycle_cost of each plan, the passes from Mode.widths (cached per pending counts, as
@@ -867,8 +897,8 @@ class Planner:
                 B, v = best.width, best.verify if best.verify is not None else best.width
                 full = self._plan_costs(pend, self._lookup_plans(mode, B, v)) + self._oh(mode, B) + switch
                 short = self._plan_costs(pend, self._lookup_plans(mode, B, 0)) + self._oh(mode, B) + switch
-            costs = (cost, full, short, best)
-        cost, full, short, was = costs
+            costs = (cost, full, short, best, switch)
+        cost, full, short, was, switch = costs
         if was is not best:                      # (the MARS options changed: a replan, which rebuilds the costs)
             best, full = None, None
         rate = (g0 + gain) / (t0 + np.maximum(cost, 1e-12)[None, :])
@@ -888,7 +918,7 @@ class Planner:
         rows = [r if good and m else None for m, (r, good) in enumerate(zip(rows, ok))]
         bests = [(int(ks[i]), float(rate[m, i])) for m, i in enumerate(best_i)]
         return _LookupTable(rows, bests, base, st.n_cycles, cur, pend["target"], any(r is not None for r in rows),
-                            self._lookup_local.n_cycles, rate, costs)
+                            self._lookup_local.n_cycles, rate, costs, switch=switch, t_ar=t_ar)
 
     def _lookup_plans(self, kind: str, block: int = 1, verify: int | None = None) -> list[Plan]:
         """The plans of k = 1..LOOKUP_K_MAX lookup tokens (a lookup verify, or a `block`-slot proposal

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from prove_local.modes import LOOKUP, MODES
-from prove_local.planner import SWITCH_AFTER, Costs, Planner
+from prove_local.planner import SWITCH_AFTER, SWITCH_STEADY, Costs, Planner
 from prove_local.rules import AR_PLAN, Cycle, Plan
 
 ROLE = MODES["lossless"].roles[0]          # the model that proposes and verifies
@@ -127,3 +127,38 @@ def test_an_exploration_must_fit_the_regret_budget_before_it_runs():
     assert pl._worth_exploring(ex, "lossless", "lossless")
     pl.regret = 1.5e-3                                        # most of it spent
     assert not pl._worth_exploring(ex, "lossless", "lossless")
+
+
+def test_a_fresh_planner_prices_the_switch_from_the_cycles_after_the_prefill():
+    """The prompt's prefill is a wider pass: the ar cycles right after it are the first switch records, and
+    until runs of ar cycles are seen the calibrated t(1) stands for them, so a fresh engine prices the
+    switch from its first request's second cycle on (a template that repeats offers a lookup at once)."""
+    pl = planner()
+    assert pl.switch_cost() == 0.0
+    pl.observe(cycle(AR_PLAN, 1.5e-3), "lossless")          # d = 1 after the prefill (start_request)
+    pl.observe(cycle(AR_PLAN, 1.2e-3), "lossless")          # d = 2
+    assert pl._after_wide[0][1] == 0                         # no steady cycle yet
+    assert pl.switch_cost() == pytest.approx(0.5e-3 + 0.2e-3)
+    # runs of ar cycles are recorded every cycle until there are enough of them, then the measured mean counts
+    for _ in range(SWITCH_AFTER - 2 + SWITCH_STEADY):
+        pl.observe(cycle(AR_PLAN, 0.9e-3), "lossless")
+    assert pl._after_wide[0][1] == SWITCH_STEADY
+    assert pl.switch_cost() == pytest.approx(0.6e-3 + 0.3e-3 + 2 * 0.0)
+
+
+def test_a_lookup_table_priced_before_the_switch_was_known_is_made_again():
+    """k = 1 at 60 % acceptance, t(2) = 1.5 t(1): drafted while the switch is unknown; once the passes after
+    a wider one are seen to cost 0.2 ms more, the next offer finds the table repriced and no plan."""
+    from prove_local.lookup import Match
+    pl = planner()
+    pl._since_wide = SWITCH_AFTER + 1                       # (no prefill record)
+    offer = lambda: Match(pos=0, length=4)                                # noqa: E731
+    plan = lambda: pl.plan_cycle("lossless", {ROLE: 1}, 0, 100, "lossless", lookup=offer)[0]   # noqa: E731
+    assert plan() == Plan(LOOKUP, lookup=1)
+    made = pl._ltables["lossless"]
+    assert made.switch == 0.0
+    pl.observe(cycle(Plan(LOOKUP, lookup=1), 1.5e-3, k=1, accepted=1), "lossless")
+    pl.observe(cycle(AR_PLAN, 1.2e-3), "lossless")          # the pass after it: 0.2 ms over t(1)
+    assert pl.switch_cost() == pytest.approx(0.2e-3)
+    assert plan() == AR_PLAN
+    assert pl._ltables["lossless"] is not made and pl._ltables["lossless"].switch == pytest.approx(0.2e-3)
