@@ -12,7 +12,8 @@ each it runs, per concurrency level C, C clients that each send R chat requests 
 another (the prompts of scripts/load_test.py, max_tokens, temperature 0; prove-local's requests name
 the mode), after one warm-up request. Per server, mode and C: completion tokens / wall time (tokens/s),
 p50 and p95 latency per request, the requests that failed; with --rounds K each configuration runs K
-times, the servers interleaved per round, and the figures are the medians. Writes OUT/results.json
+times, the servers interleaved per round (their order rotated from round to round), and the figures are the
+medians, with the paired ratio (the median over rounds of a run's tokens/s over llama-server's in the same round). Writes OUT/results.json
 (every request), OUT/summary.md (the table, and prove-local's throughput as a multiple of
 llama-server's) and OUT/serve_bench.png (tokens/s and p50 latency against C; needs matplotlib).
 Everything is bounded: --deadline seconds for the whole run, a timeout per request; the servers are
@@ -117,13 +118,17 @@ def load(port: int, clients: int, requests: int, max_tokens: int, mode: str | No
 
 
 def summarize(runs: list[dict]) -> list[dict]:
-    """Median over rounds per (server, mode, clients)."""
+    """Median over rounds per (server, mode, clients), and `paired`: the median over rounds of its tokens/s
+    over llama-server's in the same round and concurrency (None without llama-server)."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         groups.setdefault((r["server"], r["mode"], r["clients"]), []).append(r)
+    ref = {(r["round"], r["clients"]): r["tokens_per_s"] for r in runs if r["server"] == "llama-server"}
     rows = []
     for (server, mode, c), rs in groups.items():
+        pairs = [x["tokens_per_s"] / ref[(x["round"], c)] for x in rs if ref.get((x["round"], c))]
         rows.append({"server": server, "mode": mode, "clients": c, "rounds": len(rs),
+                     "paired": statistics.median(pairs) if pairs and server != "llama-server" else None,
                      "tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs),
                      "p50_s": statistics.median(x["p50_s"] for x in rs),
                      "p95_s": statistics.median(x["p95_s"] for x in rs),
@@ -139,15 +144,17 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# serve_bench: {meta['model_name']}, --parallel {meta['parallel']}, {meta['threads']} threads",
              "", f"`{meta['command']}`", "",
              f"{meta['requests']} requests per client, {meta['max_tokens']} max tokens, greedy; medians of "
-             f"{meta['rounds']} round(s); {meta['when']}.", "",
-             "| server | mode | clients | tokens/s | × llama-server | p50 s | p95 s | ok / sent | tokens/cycle |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+             f"{meta['rounds']} round(s), the runs' order rotated from round to round; × llama-server: the "
+             f"medians' ratio, paired: the median of the ratios within a round; {meta['when']}.", "",
+             "| server | mode | clients | tokens/s | × llama-server | paired | p50 s | p95 s | ok / sent | tokens/cycle |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in sorted(rows, key=lambda r: (r["clients"], r["server"] != "llama-server", r["mode"] or "")):
         base = ref.get(r["clients"])
         x = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base and base["tokens_per_s"] > 0 \
             and r["server"] != "llama-server" else "—"
         tpc = f"{r['tokens_per_cycle']:.2f}" if r["tokens_per_cycle"] is not None else "—"
-        lines.append(f"| {r['server']} | {r['mode'] or '—'} | {r['clients']} | {r['tokens_per_s']:.1f} | {x} | "
+        paired = f"{r['paired']:.2f}" if r.get("paired") is not None else "—"
+        lines.append(f"| {r['server']} | {r['mode'] or '—'} | {r['clients']} | {r['tokens_per_s']:.1f} | {x} | {paired} | "
                      f"{r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['ok']} / {r['sent']} | {tpc} |")
     return "\n".join(lines) + "\n"
 
@@ -253,18 +260,21 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 chat(int(base.rsplit(":", 1)[1]), {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
                                                    "temperature": 0, **({"mode": mode} if mode else {})}, args.timeout)
+        # every (server, mode) run, in an order rotated from one round to the next: a machine whose speed
+        # drifts within a round would otherwise favour whichever runs last (v9: 85 -> 140 tokens/s over rounds)
+        order = [(name, base, mode) for name, _, base, modes in servers for mode in modes]
         for rnd in range(args.rounds):
+            turn = order[rnd % len(order):] + order[:rnd % len(order)]
             for c in args.clients:
-                for name, _, base, modes in servers:
-                    for mode in modes:
-                        if time.monotonic() > deadline:
-                            break
-                        r = load(int(base.rsplit(":", 1)[1]), c, args.requests, args.max_tokens, mode, args.timeout,
-                                 deadline)
-                        r.update(server=name, mode=mode, round=rnd)
-                        runs.append(r)
-                        print(f"round {rnd} {name} {mode or ''} C={c}: {r['ok']}/{r['sent']} ok, "
-                              f"{r['tokens_per_s']:.1f} tokens/s, p50 {r['p50_s']:.2f} s", flush=True)
+                for name, base, mode in turn:
+                    if time.monotonic() > deadline:
+                        break
+                    r = load(int(base.rsplit(":", 1)[1]), c, args.requests, args.max_tokens, mode, args.timeout,
+                             deadline)
+                    r.update(server=name, mode=mode, round=rnd)
+                    runs.append(r)
+                    print(f"round {rnd} {name} {mode or ''} C={c}: {r['ok']}/{r['sent']} ok, "
+                          f"{r['tokens_per_s']:.1f} tokens/s, p50 {r['p50_s']:.2f} s", flush=True)
     finally:
         for _, proc, _, _ in servers:
             stop_server(proc)
