@@ -52,3 +52,32 @@ def test_help(name):
     assert r.returncode == 0, f"{name} --help: exit {r.returncode}\n{r.stderr[-2000:]}"
     out = r.stdout.lower()
     assert ("usage" in out) if name.endswith(".py") else len(r.stdout.strip()) > 40, r.stdout
+
+
+def test_serve_bench_pairs_each_run_with_llama_server_in_the_same_round():
+    """serve_bench's paired ratio: the median over rounds of a run's tokens/s over llama-server's at the
+    same round and concurrency (a machine that speeds up from round to round moves both alike), next to
+    the ratio of the medians."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("serve_bench", SCRIPTS / "serve_bench.py")
+    sb = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec.loader.exec_module(sb)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+    def run(server, rnd, tps, clients=1):
+        return {"server": server, "mode": None if server == "llama-server" else "ar", "clients": clients,
+                "round": rnd, "tokens_per_s": tps, "p50_s": 1.0, "p95_s": 1.0, "ok": 1, "sent": 1, "requests": []}
+    runs = [run("llama-server", 0, 100.0), run("prove-local", 0, 90.0),      # 0.9
+            run("llama-server", 1, 200.0), run("prove-local", 1, 190.0),     # 0.95
+            run("llama-server", 2, 300.0), run("prove-local", 2, 330.0),     # 1.1
+            run("prove-local", 3, 50.0)]                                     # no llama-server run: not paired
+    rows = {r["server"]: r for r in sb.summarize(runs)}
+    assert rows["prove-local"]["paired"] == pytest.approx(0.95)
+    assert rows["llama-server"]["paired"] is None
+    assert rows["prove-local"]["tokens_per_s"] == pytest.approx((90.0 + 190.0) / 2)   # the median of 4 rounds
+    assert "| 0.95 |" in sb.markdown(list(rows.values()), {"model_name": "m", "parallel": 4, "threads": 2,
+                                                           "command": "c", "requests": 3, "max_tokens": 64,
+                                                           "rounds": 4, "when": "now"})
