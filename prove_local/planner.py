@@ -576,9 +576,10 @@ class Planner:
         which waited for 8 cycles at each d and 8 steady ones, drafted 10-11 one- and two-token
         lookups into its first 64-token answer at zero switch cost, from its third cycle: the chat
         template repeats; the passes after them cost ~7 ms more; 0.87x ar. Lookups every few cycles
-        leave few steady ones. One early outlier errs on the side of ar). Measured on the embedded target (1 thread, 16
-        GSM8K-style questions, 7 runs): the first ar pass after a lookup verify 1.10-1.17x the steady
-        one, the next ones within noise (docs/bench.md); SmolLM2 (2 threads): 1.22, 1.14, 1.12x."""
+        leave few steady ones. One early outlier errs on the side of ar). Measured on the embedded
+        target (1 thread, 16 GSM8K-style questions, 7 runs): the first ar pass after a lookup verify
+        1.10-1.17x the steady one, the next ones within noise (docs/bench.md); SmolLM2 (2 threads):
+        1.22, 1.14, 1.12x."""
         steady = self._after_wide[0]
         if steady[1] >= SWITCH_STEADY:
             ref = steady[0]

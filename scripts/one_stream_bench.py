@@ -12,7 +12,8 @@ Two more columns split the gap (--no-split: without them). `llama-bench @dD`: ll
 prove-local's are (plain llama-bench decodes from position 0, with nothing cached to attend to). `python
 loop`: in this process, on a context made as prove-local's (KV type, flash attention, size), the same
 prefill and then one `llama_decode` a token (the tokens `ar` decodes) through prove_local.llama.decode
-(the compute thread every decode of the process runs on) with no logits read: what llama.cpp costs here without the engine.
+(the compute thread every decode of the process runs on) with no logits read: what llama.cpp costs
+here without the engine.
 prove-local ar over `python loop` is what the engine adds (its Python between passes, reading the
 row, the argmax); `python loop` over `llama-bench @dD` what llama.cpp called from this process costs
 against llama-bench's own (the bindings, the KV type; docs/server.md has what the runs found).
@@ -147,10 +148,13 @@ def main() -> int:
                    "paired_vs_llama_bench": round(statistics.median(x / y for x, y in zip(v, ref)), 3)}
                for k, v in runs.items()}
     if loop:                 # the two splits of the gap, paired per round
-        summary["split"] = {
-            "engine_vs_loop": round(statistics.median(x / y for x, y in zip(runs["prove-local ar"], runs["python loop"])), 3),
-            "loop_vs_llama_bench_at_depth": round(statistics.median(x / y for x, y in zip(runs["python loop"], runs[f"llama-bench @d{depth}"])), 3),
-            "depth": round(statistics.median(x / y for x, y in zip(runs[f"llama-bench @d{depth}"], ref)), 3)}
+
+        def paired(a: list[float], b: list[float]) -> float:
+            return round(statistics.median(x / y for x, y in zip(a, b)), 3)
+        at_depth = runs[f"llama-bench @d{depth}"]
+        summary["split"] = {"engine_vs_loop": paired(runs["prove-local ar"], runs["python loop"]),
+                            "loop_vs_llama_bench_at_depth": paired(runs["python loop"], at_depth),
+                            "depth": paired(at_depth, ref)}
     meta = {"model": str(path), "n": a.n, "threads": a.threads, "rounds": a.rounds, "kv": kv, "flash_attn": fa,
             "prompt_tokens": len(prompt),
             "variants": a.llama_variant, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -166,10 +170,10 @@ def main() -> int:
             lines.append(f"| {k} | {s['median']} ({s['min']}–{s['max']}) | {s['paired_vs_llama_bench']:.3f} |")
     if "split" in summary:
         sp = summary["split"]
-        lines += ["", f"Paired per round: prove-local ar / python loop **{sp['engine_vs_loop']:.3f}**, python loop / "
-                  f"llama-bench @d{depth} **{sp['loop_vs_llama_bench_at_depth']:.3f}**, llama-bench @d{depth} / llama-bench "
-                  f"**{sp['depth']:.3f}** (decoding after the {len(prompt)}-token prompt, as prove-local does, instead of "
-                  "from position 0)."]
+        lines += ["", f"Paired per round: prove-local ar / python loop **{sp['engine_vs_loop']:.3f}**, "
+                  f"python loop / llama-bench @d{depth} **{sp['loop_vs_llama_bench_at_depth']:.3f}**, "
+                  f"llama-bench @d{depth} / llama-bench **{sp['depth']:.3f}** (decoding after the "
+                  f"{len(prompt)}-token prompt, as prove-local does, instead of from position 0)."]
     write_atomic(a.out / "summary.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     engine.close()

@@ -12,8 +12,9 @@ each it runs, per concurrency level C, C clients that each send R chat requests 
 another (the prompts of scripts/load_test.py, max_tokens, temperature 0; prove-local's requests name
 the mode), after one warm-up request. Per server, mode and C: completion tokens / wall time (tokens/s),
 p50 and p95 latency per request, the requests that failed; with --rounds K each configuration runs K
-times, the servers interleaved per round (their order rotated from round to round), and the figures are the
-medians, with the paired ratio (the median over rounds of a run's tokens/s over llama-server's in the same round). Writes OUT/results.json
+times, the servers interleaved per round (their order rotated from round to round), and the figures
+are the medians, with the paired ratio (the median over rounds of a run's tokens/s over llama-server's
+in the same round). Writes OUT/results.json
 (every request), OUT/summary.md (the table, and prove-local's throughput as a multiple of
 llama-server's) and OUT/serve_bench.png (tokens/s and p50 latency against C; needs matplotlib).
 Everything is bounded: --deadline seconds for the whole run, a timeout per request; the servers are
@@ -146,7 +147,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['requests']} requests per client, {meta['max_tokens']} max tokens, greedy; medians of "
              f"{meta['rounds']} round(s), the runs' order rotated from round to round; × llama-server: the "
              f"medians' ratio, paired: the median of the ratios within a round; {meta['when']}.", "",
-             "| server | mode | clients | tokens/s | × llama-server | paired | p50 s | p95 s | ok / sent | tokens/cycle |",
+             "| server | mode | clients | tokens/s | × llama-server | paired | p50 s | p95 s | ok / sent "
+             "| tokens/cycle |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in sorted(rows, key=lambda r: (r["clients"], r["server"] != "llama-server", r["mode"] or "")):
         base = ref.get(r["clients"])
@@ -154,7 +156,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
             and r["server"] != "llama-server" else "—"
         tpc = f"{r['tokens_per_cycle']:.2f}" if r["tokens_per_cycle"] is not None else "—"
         paired = f"{r['paired']:.2f}" if r.get("paired") is not None else "—"
-        lines.append(f"| {r['server']} | {r['mode'] or '—'} | {r['clients']} | {r['tokens_per_s']:.1f} | {x} | {paired} | "
+        lines.append(f"| {r['server']} | {r['mode'] or '—'} | {r['clients']} | {r['tokens_per_s']:.1f} | {x} | "
+                     f"{paired} | "
                      f"{r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['ok']} / {r['sent']} | {tpc} |")
     return "\n".join(lines) + "\n"
 
