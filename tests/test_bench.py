@@ -691,6 +691,50 @@ def test_parallel_sweep_script(tiny_models, tmp_path):
     assert (out / "p2" / "results.json").is_file()
 
 
+def test_generate_together_waits_for_every_job_to_close_after_ctrl_c():
+    """Ctrl-C lands while the caller waits for the first job, whose generation takes a while to close:
+    generate_together raises only once it is closed. (Waiting with Thread.join, Python 3.11 marked an
+    interrupted join's thread stopped while it still ran, and the caller went on with an engine still
+    decoding: the test below failed 2-6 times in 30.) Fakes: no llama.cpp."""
+    import signal
+    import threading
+    import time
+    from prove_local.bench.runner import generate_together
+    main = threading.main_thread().ident
+
+    class Gen:
+        def __init__(self, interrupt_at=None, close_s=0.0):
+            self.i, self.interrupt_at, self.close_s, self.closed = 0, interrupt_at, close_s, False
+            self.request = object()
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.i += 1
+            if self.i > 500:
+                raise StopIteration
+            time.sleep(0.01)
+            if self.i == self.interrupt_at:
+                signal.pthread_kill(main, signal.SIGINT)
+            return self.i
+
+        def close(self):
+            time.sleep(self.close_s)          # (an engine cutting its caches back, slowly)
+            self.closed = True
+
+    gens = [Gen(close_s=0.5), Gen(interrupt_at=3)]
+    engines = [type("E", (), {"generate": lambda self, *a, g=g: g})() for g in gens]
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            generate_together(engines, [([1], None), ([2], None)])
+        assert gens[0].closed and gens[1].closed
+        assert gens[0].i < 500 and gens[1].i < 500          # both stopped after their current cycle
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def test_generate_together_ctrl_c_stops_every_request_and_leaves_only_committed_tokens(tiny_models):
     """Ctrl-C while a batched group generates (bench --parallel): every request stops after its
     current cycle, KeyboardInterrupt reaches the caller, and each engine's sequence then holds only

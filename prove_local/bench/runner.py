@@ -173,6 +173,15 @@ def generate_together(engines: list[Engine], jobs: list[tuple[list[int], Setting
     gc.collect()
     out: list = [None] * len(jobs)
     stop = threading.Event()
+    # Each job's end: a flag the worker sets once its generation is closed, and a bare lock it then
+    # releases, which the caller waits on. Not Thread.join: on Python 3.11 a Ctrl-C that interrupts a
+    # join's wait marks the thread stopped while it still runs (bpo-45274's handling releases the
+    # thread's own state lock), so a later join() returned at once and the caller read an engine whose
+    # generation was still decoding (tests/test_bench.py caught a sequence 4 positions past its tokens).
+    done = [False] * len(jobs)
+    ends = [threading.Lock() for _ in jobs]
+    for lock in ends:
+        lock.acquire()
 
     def work(k: int) -> None:
         gen = None
@@ -187,21 +196,26 @@ def generate_together(engines: list[Engine], jobs: list[tuple[list[int], Setting
         except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
             out[k] = e
         finally:
-            if gen is not None:
-                gen.close()
+            try:
+                if gen is not None:
+                    gen.close()
+            finally:
+                done[k] = True
+                ends[k].release()
 
     threads = [threading.Thread(target=work, args=(k,), name=f"bench {k}", daemon=True) for k in range(len(jobs))]
     for t in threads:
         t.start()
-    try:
-        for t in threads:
-            while t.is_alive():
-                t.join(0.1)
-    except KeyboardInterrupt:
-        stop.set()
-        for t in threads:
-            t.join()
-        raise
+    interrupted = None
+    for k in range(len(jobs)):
+        while not done[k]:                # (the flag decides: an interrupt may strike just after an acquire)
+            try:
+                ends[k].acquire(timeout=1.0)
+            except KeyboardInterrupt as e:   # every job stops after its current cycle; raised once all have
+                interrupted = e
+                stop.set()
+    if interrupted is not None:
+        raise interrupted
     for r in out:
         if isinstance(r, BaseException):
             raise r
