@@ -572,11 +572,12 @@ class Planner:
         pass - the steady mean), where it is above it; the steady mean is the calibrated t(1) (as the
         costs scale it) until SWITCH_STEADY cycles further from a wider pass are seen. Each d counts
         from its first cycle: the prompt's prefill gives one at every request's start, so a fresh
-        engine prices the switch from its first request's second cycle on (a fresh SmolLM2 engine,
-        which waited for 8 cycles at each d and 8 steady ones, drafted 10-11 one- and two-token
-        lookups into its first 64-token answer at zero switch cost, from its third cycle: the chat
-        template repeats; the passes after them cost ~7 ms more; 0.87x ar. Lookups every few cycles
-        leave few steady ones. One early outlier errs on the side of ar). Measured on the embedded
+        engine prices the switch from its first request's second cycle on (waiting for 8 cycles at
+        each d and 8 steady ones, a fresh SmolLM2 engine, with a cached curve that underpriced a
+        2-token pass, drafted 10-11 one- and two-token lookups into its first 64-token answer at zero
+        switch cost, from its third cycle: the chat template repeats; the passes after them cost ~7 ms
+        more. Lookups every few cycles leave few steady ones. One early outlier errs on the side of
+        ar). Measured on the embedded
         target (1 thread, 16 GSM8K-style questions, 7 runs): the first ar pass after a lookup verify
         1.10-1.17x the steady one, the next ones within noise (docs/bench.md); SmolLM2 (2 threads):
         1.22, 1.14, 1.12x."""
