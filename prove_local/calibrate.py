@@ -204,6 +204,25 @@ def repair(curve: dict[int, float]) -> dict[int, float]:
     return dict(zip(ns, ts))
 
 
+def _fit_new(curve: dict[int, float], fixed: set[int]) -> dict[int, float]:
+    """`curve` with its `fixed` widths as they are and the others moved the least that makes it rise
+    with n: each new t(n) at least every narrower t and at most every wider fixed one, then `repair`'s
+    bounds (LINEAR_TOL x n x t(1), the widest at most SPIKE x its extrapolation), which lower new widths
+    only when t(1) and the extrapolation come from the fixed ones. A new width of a completed curve was
+    timed once and scaled by the anchor's cached / current t: one slow anchor timing scales every new
+    width low, and `repair` alone would then lower the cached part (the level) to them."""
+    ns = sorted(curve)
+    out = dict(curve)
+    for i, n in enumerate(ns):
+        if n in fixed:
+            continue
+        floor = max((out[m] for m in ns[:i]), default=0.0)
+        ceiling = min((curve[m] for m in ns[i + 1:] if m in fixed), default=float("inf"))
+        out[n] = min(max(out[n], floor), ceiling)
+    bounded = repair(out)
+    return {n: (out[n] if n in fixed else bounded[n]) for n in ns}
+
+
 def _value(samples: list[float]) -> float:
     """A width's t from its timed passes: the median of MIN_SAMPLES or more (one stall cannot move
     it), else the fastest."""
@@ -360,10 +379,11 @@ def _complete(entry: dict, model, options: dict, ns, budget_s: float, threads: i
         if n in curve:
             entry["curve"][str(n)] = curve[n] * k
             entry.setdefault("mean", {})[str(n)] = med[n] * k
-    # two measurements side by side: checked together (the cached part was checked when it was read)
+    # two measurements side by side, checked together: the cached part was checked when it was read and
+    # stays as it is (it holds the level); a new width the cached ones contradict is fitted between them
     whole = {int(n): float(t) for n, t in entry["curve"].items()}
     if suspects(whole):
-        entry["curve"] = {str(n): t for n, t in repair(whole).items()}
+        entry["curve"] = {str(n): t for n, t in _fit_new(whole, have).items()}
     entry["when"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     return True
 

@@ -249,6 +249,28 @@ def test_a_partial_curve_is_not_completed_when_the_load_changes_meanwhile(fake_l
     assert calibrate._loaded(10e-3, 16e-3, 16e-3) and calibrate._loaded(10e-3, 10e-3, 14e-3)
 
 
+def test_completing_a_curve_never_moves_its_cached_part(fake_llama, monkeypatch):
+    """The new widths are scaled by the anchor's cached / current t: an anchor timed 1.4x slow now
+    (within BUSY_TOL) scales them 0.71x, and t(3) comes out below the cached t(2). The completed curve
+    keeps the cached widths as they were (its level: CI once saw t(1) lowered from 5.9 to 3.2 by a
+    completion whose scaled widths fell below it) and fits the low new width between them."""
+    model, _ = fake_llama
+    opts = dict(n_threads=2, type_k="f16", type_v="f16")
+    key = partial_cache(model, opts)
+    contexts_costing(monkeypatch, lambda n: 1.4 * line(n) if n == 1 else line(n))
+    cal = calibrate.calibrate(model, opts)
+    curve = cal["curves"][2]
+    assert cal["measured"] and set(curve) == set(calibrate.DEFAULT_NS)
+    assert [curve[n] for n in (1, 2, 4)] == pytest.approx([line(1), line(2), line(4)], rel=1e-12)
+    assert line(3) / 1.4 < line(2) and curve[3] == pytest.approx(line(2))      # raised to the cached t(2)
+    assert curve[5] == curve[6] == pytest.approx(line(4))                      # so are 5 and 6 (to t(4))
+    assert curve[8] == pytest.approx(line(8) / 1.4)                             # the rest scaled as they were
+    ns = sorted(curve)
+    assert all(curve[a] <= curve[b] for a, b in zip(ns, ns[1:])) and not calibrate.suspects(curve)
+    entry = json.loads(calibrate.cache_path().read_text())["entries"][key]
+    assert {int(n): t for n, t in entry["curve"].items()} == pytest.approx(curve)
+
+
 def test_flash_attention_auto_is_keyed_as_what_it_comes_to(fake_llama):
     model, _ = fake_llama
     key = lambda **o: calibrate.config_key(model, o, 2)      # noqa: E731
