@@ -297,6 +297,10 @@ class Engine:
         if req.auto:
             if self.member is not None:        # a batched pool: price the widths in the steps they join
                 self.planner.set_load(*self._load())
+            # an ar cycle of a quiet run (nothing due, nothing to copy): no planning at all
+            if self.planner.quiet_cycle(req.key or req.settings.mode, max(1, len(self.tokens) - self.contexts["target"].n_past),
+                                        offer):
+                return AR_PLAN, NO_HOOKS
             plan, choose = self.planner.plan_cycle(req.settings.mode, self._pending(), req.block, room, key=req.key,
                                                    lookup=offer)
             draft = self._committable(self.index.propose_supported, req) if plan.lookup else None

@@ -103,6 +103,7 @@ class Costs:
         self.scale: dict[str, float] = {}
         self.dev: dict[str, dict[int, list]] = {}           # per role, width: [mean log deviation, count]
         self.shape: dict[str, np.ndarray | None] = {}       # per role: the learned shape over 0..n_max
+        self._stale: set[str] = set()                       # roles whose shape the last observations moved
         self._off: dict[str, dict[int, float]] = {}         # per role: widths off the calibration beyond the shape's reach
         self._disputes: dict[str, int] = {}                 # per role: observations in a row while disputed
         self.flagged: dict[str, str] = {}                   # per role: why its curve should be measured again
@@ -130,6 +131,7 @@ class Costs:
         self.scale[role] = 1.0
         self.dev[role] = {}
         self.shape[role] = None
+        self._stale.discard(role)
         self._off[role] = {}
         self._disputes[role] = 0
         self.flagged.pop(role, None)
@@ -140,8 +142,10 @@ class Costs:
         if role == GATED:
             role = "target"
         b = self.base[role]
-        sh = self.shape.get(role)
         n = int(n)
+        if n == 1:                            # (the shape is relative to width 1: 1 there)
+            return float(b[1]) * self.scale[role]
+        sh = self._shape(role)
         if n >= len(b):
             slope = max(0.0, (b[-1] - b[1]) / (len(b) - 2))
             return float(b[-1] + slope * (n - len(b) + 1)) * self.scale[role] * (1.0 if sh is None else float(sh[-1]))
@@ -163,7 +167,7 @@ class Costs:
     def solo_table(self, role: str) -> np.ndarray:
         if role == GATED:
             role = "target"
-        sh = self.shape.get(role)
+        sh = self._shape(role)
         return self.base[role] * self.scale[role] * (1.0 if sh is None else sh)
 
     def table(self, role: str) -> np.ndarray:
@@ -289,6 +293,18 @@ class Costs:
         d[0] += self.SHAPE_ALPHA * (max(d[0] - 1.0, min(d[0] + 1.0, dev)) - d[0])
         d[1] += 1
         self._check_off(role, w)
+        self._stale.add(role)
+
+    def _shape(self, role: str) -> np.ndarray | None:
+        """The learned shape of `role`, rebuilt from its deviations when observations moved them since
+        (an ar cycle's observation moves the deviation at width 1, so every width's; the rebuild is
+        done when a price is read, not at each observation: the planner reads prices at a replan)."""
+        if role in self._stale:
+            self._stale.discard(role)
+            self._rebuild_shape(role)
+        return self.shape.get(role)
+
+    def _rebuild_shape(self, role: str) -> None:
         one = self.dev[role].get(1)
         seen = sorted(x for x, (_, c) in self.dev[role].items() if c >= self.SHAPE_MIN and x > 1)
         if one is None or one[1] < self.SHAPE_MIN or not seen:
@@ -304,7 +320,7 @@ class Costs:
 
     def shape_summary(self, role: str) -> dict[int, float]:
         """The learned shape at the widths observed often enough (for people: planner summary)."""
-        sh = self.shape.get(role)
+        sh = self._shape(role)
         if sh is None:
             return {}
         return {w: round(float(sh[w]), 3) for w, (_, c) in sorted(self.dev[role].items()) if c >= self.SHAPE_MIN}
@@ -347,7 +363,8 @@ class SlotStats:
                 ba[b] += 1.0
 
     def _bin(self, p: np.ndarray) -> np.ndarray:
-        return np.clip((p * self.bins).astype(int), 0, self.bins - 1)
+        # (np.minimum/np.maximum, not np.clip: its Python-level checks cost ~30 us a call between passes)
+        return np.minimum(np.maximum((p * self.bins).astype(int), 0), self.bins - 1)
 
     def slot_rates(self, n: int) -> np.ndarray:
         """Acceptance of slots 0..n-1 (smoothed towards the prior)."""
@@ -435,6 +452,7 @@ class Planner:
         self._after = 0                               # cycles after an exploration still charged to it
         self._quiet: dict[str, int] = {}              # ar cycles left before the next draw or replan, per key
         self._draw: dict[str, bool] = {}              # the next cycle attempts an exploration, per key
+        self._lookup_draw: dict[str, bool] = {}       # the lookup exploration draw quiet_cycle made, per key
         # an exploration is carried out with probability rate(its width) / rate(best) (from the last
         # replan): widths the model already expects to be far worse are explored rarely, so that on a
         # steep curve exploring costs at most explore / 4 of the time (x(1-x) <= 1/4) instead of the
@@ -776,15 +794,17 @@ class Planner:
         `explore`, within the regret budget. The match is only looked up when the table or an exploration
         draw may use it (a text whose lookup drafts do not pay costs ~1 us a cycle)."""
         tab = self._ltables.get(key)
-        st = self.stats_for(LOOKUP)
         cur = self.current.get(key)
-        local = self._lookup_local.n_cycles
-        if (tab is None or tab.cur is not cur or st.n_cycles - tab.made_at >= LOOKUP_REFRESH
-                or tab.pend != pending.get("target", 1) or tab.local > local):
+        stale = self._table_stale(tab, key, pending.get("target", 1))
+        explore = self._lookup_draw.pop(key, None)
+        if explore is None:
+            explore = self.explore > 0.0 and self.rng.random() < self.explore
+        if stale == "remake" and not explore and not self._candidate(tab, lookup):
+            return None                          # (the table is made again once a match may use it)
+        if stale == "remake":
             tab = self._ltables[key] = self._lookup_table(mode, key, pending, block_max)
             self._lookup_missed = False
-        elif local < LOOKUP_LOCAL_EAGER and local != tab.local and (
-                self._lookup_missed or local - tab.local >= LOOKUP_EAGER_EVERY):
+        elif stale == "acceptance":
             # the request's own record moved (its first lookup cycles; a miss at once, so that a text that
             # does not copy stops drafting fast): the acceptance again, at the same costs
             self._lookup_missed = False
@@ -794,7 +814,6 @@ class Planner:
         # the exploration draw comes first: without one, only the match lengths the table has a plan for
         # can matter, and the index is asked for those alone (`lookup_need`: a text without a repeated
         # n-gram of that length costs one dict lookup a cycle instead of a search)
-        explore = self.explore > 0.0 and self.rng.random() < self.explore
         if not tab.any and not explore:
             return None
         self.lookup_need = 1 if explore else tab.min_match
@@ -830,6 +849,70 @@ class Planner:
                 return None
             plan = Plan(plan.kind, plan.block, verify=plan.verify, lookup=k)
         return plan
+
+    def _table_stale(self, tab: _LookupTable | None, key: str, pend: int) -> str | None:
+        """Whether the lookup table of `key` must be made again before it is read: "remake" (none yet,
+        a replan, LOOKUP_REFRESH lookup cycles since, other pending counts, a new request), "acceptance"
+        (the request's first lookup cycles moved its own record: the rates again at the same costs),
+        or None."""
+        local = self._lookup_local.n_cycles
+        if (tab is None or tab.cur is not self.current.get(key)
+                or self.stats_for(LOOKUP).n_cycles - tab.made_at >= LOOKUP_REFRESH
+                or tab.pend != pend or tab.local > local):
+            return "remake"
+        if local < LOOKUP_LOCAL_EAGER and local != tab.local and (
+                self._lookup_missed or local - tab.local >= LOOKUP_EAGER_EVERY):
+            return "acceptance"
+        return None
+
+    def quiet_cycle(self, key: str, pend: int, lookup=None) -> bool:
+        """Whether the next cycle of `key` is an ar cycle of a quiet run (`_quiet_run`) that plan_cycle
+        would return as AR_PLAN without anything else (the caller then runs ar and skips it): no
+        replan or exploration due, and where lookup drafts are offered (`lookup`: as plan_cycle's), a
+        current lookup table and no match it has a plan for. On a text with nothing to copy this is
+        the planner's whole work per cycle: its counters, one random draw and the index's one dict
+        lookup (the full plan_cycle took ~30 us a cycle between the embedded pair's ~0.5 ms passes).
+        `pend`: the committed tokens the target has not been fed (1 after an ar cycle). A cycle it
+        declines is planned by plan_cycle as if this had not been asked (the same random draws)."""
+        q = self._quiet.get(key)
+        if not q:
+            return False
+        if lookup is not None:
+            tab = self._ltables.get(key)
+            stale = self._table_stale(tab, key, pend)
+            if stale == "acceptance":
+                return False
+            if self.explore > 0.0 and self.rng.random() < self.explore:
+                self._lookup_draw[key] = True    # (plan_cycle's exploration draw, drawn here)
+                return False
+            if self._candidate(tab, lookup) if stale else (tab.any and self._planned(tab, lookup)):
+                self._lookup_draw[key] = False
+                return False
+        self._quiet[key] = q - 1
+        return True
+
+    def _offered(self, need: int, lookup) -> bool:
+        """Whether the index offers a match of at least `need` tokens."""
+        self.lookup_need = need
+        match = lookup()
+        return match is not None and match.length >= need
+
+    def _planned(self, tab: _LookupTable, lookup) -> bool:
+        """Whether the index offers a match that the (current) table `tab` has a plan for."""
+        self.lookup_need = tab.min_match
+        match = lookup()
+        return match is not None and tab.rows[min(max(1, match.length), MAX_MATCH)] is not None
+
+    def _candidate(self, tab: _LookupTable | None, lookup) -> bool:
+        """Whether a lookup table that must be made again (`_table_stale`: "remake") may have a use
+        now: none yet, or the index offers a match one token shorter than the shortest the stale
+        table planned (its rates move little between replans; with no plan at all, a match of the
+        index's longest key). Until then it is not made: a replan used to remake it at ~0.4 ms
+        between the embedded pair's ~0.5 ms passes, ~3 times a request, mostly on text that never
+        offered a match it could use."""
+        if tab is None:
+            return True
+        return self._offered(max(1, min(tab.min_match, MAX_MATCH + 1) - 1), lookup)
 
     def _switch_moved(self, tab: _LookupTable, cur) -> bool:
         """Whether the switch price (what a lookup draft among ar cycles costs the ar passes after it)

@@ -3,6 +3,8 @@ pays for the switch it causes (the one-token passes after a wider pass run slowe
 table costs little to keep. Fakes only: scripted cycles with scripted decode seconds, no timing."""
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
@@ -162,3 +164,78 @@ def test_a_lookup_table_priced_before_the_switch_was_known_is_made_again():
     assert pl.switch_cost() == pytest.approx(0.2e-3)
     assert plan() == AR_PLAN
     assert pl._ltables["lossless"] is not made and pl._ltables["lossless"].switch == pytest.approx(0.2e-3)
+
+
+def test_a_quiet_cycle_is_what_plan_cycle_would_have_planned():
+    """Engine.plan asks `quiet_cycle` first and runs ar without planning when it says so: the same
+    scripted 600 cycles (offers that come and go, explorations drawn, replans, lookup drafts accepted or
+    not) planned with and without asking it give the same plans and leave the random stream where it
+    was; most cycles of a text that rarely copies never reach plan_cycle."""
+    from prove_local.lookup import Match
+    rng = np.random.default_rng(7)
+    # the index's offer per cycle: mostly none; now and then a match of 2-9 tokens, a few in a row
+    script = []
+    while len(script) < 600:
+        script += [None] * int(rng.integers(5, 60)) + [Match(pos=0, length=int(rng.integers(2, 10)))] * int(rng.integers(1, 4))
+    accepted = rng.integers(0, 3, size=len(script))
+
+    def drive(ask: bool):
+        pl = planner(accept=0.7)
+        pl.explore = 0.05
+        pl.rng = random.Random(11)
+        plans, quiet, i = [], 0, 0
+
+        def offer():                      # as NgramIndex.offer(lookup_need): no match shorter than its key
+            m = script[i]
+            return m if m is not None and m.length >= min(pl.lookup_need, 4) else None
+        for i in range(len(script)):
+            if ask and pl.quiet_cycle("lossless", 1, offer):
+                plan, quiet = AR_PLAN, quiet + 1
+            else:
+                plan, _ = pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000, "lossless", lookup=offer)
+            plans.append(plan)
+            if plan.kind == "ar":
+                c = cycle(AR_PLAN, 1e-3)
+            elif plan.kind == LOOKUP:
+                k = plan.lookup
+                c = cycle(plan, 1.2e-3 + 0.3e-3 * k, k=k, accepted=min(k, int(accepted[i])))
+            else:                          # a MARS proposal (explored): two passes
+                b = plan.block
+                c = Cycle(proposed=[5] * b, p=[0.5] * b, q=[0.5] * b, committed=[5] * (1 + min(b - 1, int(accepted[i]))),
+                          n_accepted=min(b - 1, int(accepted[i])), widths={ROLE: [b, b]},
+                          decode_seconds={ROLE: 3e-3}, seconds=3e-3, plan=plan)
+            pl.observe(c, "lossless")
+        return plans, quiet, pl.rng.random()
+
+    plain, none, draw = drive(ask=False)
+    fast, quiet, draw_fast = drive(ask=True)
+    assert none == 0 and fast == plain and draw_fast == draw
+    kinds = {p.kind for p in plain}
+    assert {"ar", LOOKUP} <= kinds                   # the script did draft by lookup
+    assert quiet > len(script) // 2                 # and most cycles were quiet
+
+
+def test_a_replan_remakes_the_lookup_table_only_once_a_match_may_use_it():
+    """A replan makes the lookup table stale; it is made again at the first cycle whose offer is at
+    most one token shorter than the shortest match the stale table planned, not at every replan of a
+    text with nothing to copy (each table ~0.4 ms between the embedded pair's ~0.5 ms passes)."""
+    from prove_local.lookup import Match
+    pl = planner()
+    pl._lookup_rates = lambda scores: scores ** 3     # drafts pay after long matches only (here: 5 tokens)
+    made = []
+    make = pl._lookup_table
+    pl._lookup_table = lambda *a, **k: made.append(1) or make(*a, **k)      # noqa: E731
+    offer = [None]
+    plan = lambda: pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000, "lossless", lookup=lambda: offer[0])[0]  # noqa: E731
+    plan()
+    tab = pl._ltables["lossless"]
+    assert made == [1] and tab.any and 3 <= tab.min_match
+    for _ in range(3):                                   # replans, nothing offered
+        pl.age["lossless"] = 1 << 30
+        pl._quiet.clear()
+        assert plan() == AR_PLAN
+    assert made == [1] and pl._ltables["lossless"] is tab
+    offer[0] = Match(pos=0, length=tab.min_match - 2)    # too short for any plan: still not made
+    assert plan() == AR_PLAN and made == [1]
+    offer[0] = Match(pos=0, length=16)
+    assert plan().kind == LOOKUP and made == [1, 1] and pl._ltables["lossless"] is not tab
