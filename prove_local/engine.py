@@ -286,14 +286,15 @@ class Engine:
         room = self.n_ctx - len(self.tokens)
         offer = None
         if req.lookup and room > 2:            # "auto" or K: the index's match at the end of the tokens
-            self.index.sync(self.tokens)
             if req.lookup != "auto":           # --lookup K: a K-token draft wherever there is a match
+                self.index.sync(self.tokens)
                 if self.index.match() is not None:
                     return (Plan(LOOKUP, lookup=min(req.lookup, room - 1)),
                             Hooks(propose_lookup=self._committable(self.index.propose, req)))
             else:                              # the planner's: only what the n-gram statistics back
-                # looked up only if the planner may use it, and only as long as it may use it
-                offer = lambda: self.index.offer(self.planner.lookup_need)          # noqa: E731
+                # looked up only if the planner may use it, and only as long as it may use it (the
+                # index catches up with the committed tokens then: the planner's back-off skips cycles)
+                offer = self._offer
         if req.auto:
             if self.member is not None:        # a batched pool: price the widths in the steps they join
                 self.planner.set_load(*self._load())
@@ -323,6 +324,12 @@ class Engine:
                 out[role] = sorted(n for _, n in recent)[len(recent) // 2]
                 seqs = max(seqs, sorted(k for k, _ in recent)[len(recent) // 2])
         return out, seqs
+
+    def _offer(self):
+        """The lookup index's offer to the planner (NgramIndex.offer at the planner's lookup_need),
+        the index synced to the committed tokens first."""
+        self.index.sync(self.tokens)
+        return self.index.offer(self.planner.lookup_need)
 
     def _committable(self, propose, req: "Request"):
         """A lookup drafting function cut to what the request can still commit: at most the tokens

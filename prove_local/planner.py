@@ -29,6 +29,7 @@ model itself would commit greedily, whatever the widths (tests/test_planner.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -48,6 +49,7 @@ LOOKUP_REFRESH = 8                              # lookup cycles between recomput
 LOOKUP_LOCAL_WEIGHT = 4.0                       # the engine-wide lookup record counts as this many of the request's own slots
 LOOKUP_LOCAL_EAGER = 16                         # the request's first lookup cycles recompute the table:
 LOOKUP_EAGER_EVERY = 4                          # after each miss, and after every 4th lookup cycle
+LOOKUP_BACKOFF = 4                              # most cycles the index is not asked after offers of no use
 LOOKUP_START = 2                                # a request's first lookup drafts are at most this long (slow start)
 
 
@@ -410,9 +412,16 @@ class _LookupTable:
     min_match: int = MAX_MATCH + 1   # the shortest match length that gets a plan (MAX_MATCH + 1: none)
     switch: float = 0.0          # the switch price in those costs (Planner.switch_cost), and an ar cycle's cost
     t_ar: float = 0.0
+    cand: list | None = None     # per match length: the best plan and its rate, before the comparison with `rate`
+    cand_r: object = None
 
     def __post_init__(self):
         self.min_match = next((m for m, r in enumerate(self.rows) if m and r is not None), MAX_MATCH + 1)
+
+
+def _same_ar(a, b) -> bool:
+    """Whether two current choices (Choice, or None) are both `ar`."""
+    return a is not None and b is not None and a.kind == "ar" and b.kind == "ar"
 
 
 @dataclass
@@ -453,6 +462,8 @@ class Planner:
         self._quiet: dict[str, int] = {}              # ar cycles left before the next draw or replan, per key
         self._draw: dict[str, bool] = {}              # the next cycle attempts an exploration, per key
         self._lookup_draw: dict[str, bool] = {}       # the lookup exploration draw quiet_cycle made, per key
+        self._lookup_wait: dict[str, int] = {}        # cycles left before the index is asked again, per key
+        self._lookup_back: dict[str, int] = {}        # the back-off's current gap, per key
         # an exploration is carried out with probability rate(its width) / rate(best) (from the last
         # replan): widths the model already expects to be far worse are explored rarely, so that on a
         # steep curve exploring costs at most explore / 4 of the time (x(1-x) <= 1/4) instead of the
@@ -495,6 +506,8 @@ class Planner:
         self._lookup_cap = LOOKUP_START
         self._ltables.clear()
         self._lookup_missed = False
+        self._lookup_wait.clear()                 # (a prompt may copy from its first cycle)
+        self._lookup_back.clear()
         self._since_wide = 1                      # the prompt's prefill was a wide pass
 
     def stats_for(self, mode: str) -> SlotStats:
@@ -799,6 +812,21 @@ class Planner:
         explore = self._lookup_draw.pop(key, None)
         if explore is None:
             explore = self.explore > 0.0 and self.rng.random() < self.explore
+        if not explore and self._lookup_waits(key):
+            return None                          # (backing off: the index is not asked this cycle)
+        asked = []
+
+        def ask():
+            asked.append(True)
+            return lookup()
+        plan = self._lookup_decide(mode, key, pending, block_max, room, ask, tab, cur, stale, explore)
+        if asked:                                # the back-off: a draft, or an offer of no use
+            self._lookup_found(key, plan is not None)
+        return plan
+
+    def _lookup_decide(self, mode: str, key: str, pending: dict, block_max: int, room: int, lookup, tab, cur,
+                       stale: str | None, explore: bool) -> Plan | None:
+        """_lookup_plan's decision, once the index may be asked (`lookup`)."""
         if stale == "remake" and not explore and not self._candidate(tab, lookup):
             return None                          # (the table is made again once a match may use it)
         if stale == "remake":
@@ -852,18 +880,33 @@ class Planner:
 
     def _table_stale(self, tab: _LookupTable | None, key: str, pend: int) -> str | None:
         """Whether the lookup table of `key` must be made again before it is read: "remake" (none yet,
-        a replan, LOOKUP_REFRESH lookup cycles since, other pending counts, a new request), "acceptance"
-        (the request's first lookup cycles moved its own record: the rates again at the same costs),
-        or None."""
+        LOOKUP_REFRESH lookup cycles since, other pending counts, a new request, a replan that changed
+        the choice), "acceptance" (the request's first lookup cycles moved its own record: the rates
+        again at the same costs), or None. A replan that kept `ar` is caught up with here at once
+        (`_rebased`: no numpy work)."""
         local = self._lookup_local.n_cycles
-        if (tab is None or tab.cur is not self.current.get(key)
-                or self.stats_for(LOOKUP).n_cycles - tab.made_at >= LOOKUP_REFRESH
+        if (tab is None or self.stats_for(LOOKUP).n_cycles - tab.made_at >= LOOKUP_REFRESH
                 or tab.pend != pend or tab.local > local):
             return "remake"
+        cur = self.current.get(key)
+        if tab.cur is not cur:
+            if tab.cand is None or not _same_ar(tab.cur, cur):
+                return "remake"
+            self._ltables[key] = tab = self._rebased(tab, cur)
         if local < LOOKUP_LOCAL_EAGER and local != tab.local and (
                 self._lookup_missed or local - tab.local >= LOOKUP_EAGER_EVERY):
             return "acceptance"
         return None
+
+    def _rebased(self, tab: _LookupTable, cur) -> _LookupTable:
+        """`tab` compared with the rate of a new current choice that is `ar` again (a replan that kept
+        it): the same plans and rates per match length, each kept where it beats the new rate by
+        lookup_margin. Its costs stay those it was made with (made again every LOOKUP_REFRESH lookup
+        cycles, at each request, and when the switch's price moves): a replan used to remake the
+        table, ~0.4 ms between the embedded pair's ~0.5 ms passes, ~2 times a request."""
+        ok = tab.cand_r > cur.rate * (1.0 + self.lookup_margin)
+        rows = [r if good and m else None for m, (r, good) in enumerate(zip(tab.cand, ok))]
+        return dataclasses.replace(tab, rows=rows, rate=cur.rate, cur=cur, any=any(r is not None for r in rows))
 
     def quiet_cycle(self, key: str, pend: int, lookup=None) -> bool:
         """Whether the next cycle of `key` is an ar cycle of a quiet run (`_quiet_run`) that plan_cycle
@@ -885,11 +928,34 @@ class Planner:
             if self.explore > 0.0 and self.rng.random() < self.explore:
                 self._lookup_draw[key] = True    # (plan_cycle's exploration draw, drawn here)
                 return False
-            if self._candidate(tab, lookup) if stale else (tab.any and self._planned(tab, lookup)):
-                self._lookup_draw[key] = False
-                return False
+            if self._lookup_waits(key):
+                pass
+            elif stale or tab.any:
+                if self._candidate(tab, lookup) if stale else self._planned(tab, lookup):
+                    self._lookup_draw[key] = False
+                    return False
+                self._lookup_found(key, False)
         self._quiet[key] = q - 1
         return True
+
+    def _lookup_waits(self, key: str) -> bool:
+        """Whether the index is not asked this cycle (one of the cycles of a back-off)."""
+        left = self._lookup_wait.get(key, 0)
+        if left:
+            self._lookup_wait[key] = left - 1
+        return bool(left)
+
+    def _lookup_found(self, key: str, usable: bool) -> None:
+        """The back-off of the index's checks: after an offer the table has no use for (none, or too
+        short), the index is not asked for the next 1, 2, 4, ... LOOKUP_BACKOFF cycles; after a usable
+        one it is asked every cycle again. A match is found at most LOOKUP_BACKOFF cycles after it
+        starts (a repeat that is copied goes on far longer), and a text with nothing to copy pays for
+        the index's sync and offer (~16 us between the embedded pair's passes) one cycle in five."""
+        if usable:
+            self._lookup_back[key] = 0
+            return
+        back = min(LOOKUP_BACKOFF, 2 * self._lookup_back.get(key, 0) or 1)
+        self._lookup_back[key] = self._lookup_wait[key] = back
 
     def _offered(self, need: int, lookup) -> bool:
         """Whether the index offers a match of at least `need` tokens."""
@@ -999,11 +1065,13 @@ class Planner:
             f_r = f_rate[ms, f_i]
             for m in np.flatnonzero(f_r > best_r):
                 rows[m], best_r[m] = Plan(mode, B, lookup=int(ks[f_i[m]])), f_r[m]
+        cand = rows
         ok = best_r > base * (1.0 + self.lookup_margin)
         rows = [r if good and m else None for m, (r, good) in enumerate(zip(rows, ok))]
         bests = [(int(ks[i]), float(rate[m, i])) for m, i in enumerate(best_i)]
         return _LookupTable(rows, bests, base, st.n_cycles, cur, pend["target"], any(r is not None for r in rows),
-                            self._lookup_local.n_cycles, rate, costs, switch=switch, t_ar=t_ar)
+                            self._lookup_local.n_cycles, rate, costs, switch=switch, t_ar=t_ar,
+                            cand=cand, cand_r=best_r.copy())
 
     def _lookup_plans(self, kind: str, block: int = 1, verify: int | None = None) -> list[Plan]:
         """The plans of k = 1..LOOKUP_K_MAX lookup tokens (a lookup verify, or a `block`-slot proposal

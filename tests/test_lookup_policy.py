@@ -215,10 +215,11 @@ def test_a_quiet_cycle_is_what_plan_cycle_would_have_planned():
     assert quiet > len(script) // 2                 # and most cycles were quiet
 
 
-def test_a_replan_remakes_the_lookup_table_only_once_a_match_may_use_it():
-    """A replan makes the lookup table stale; it is made again at the first cycle whose offer is at
-    most one token shorter than the shortest match the stale table planned, not at every replan of a
-    text with nothing to copy (each table ~0.4 ms between the embedded pair's ~0.5 ms passes)."""
+def test_a_stale_lookup_table_is_made_again_only_once_a_match_may_use_it():
+    """The lookup table (~0.4 ms of numpy between the embedded pair's ~0.5 ms passes) is made again
+    only when it may be read: a replan that keeps `ar` re-compares the same rows with the new rate
+    (no numpy work); any other staleness (here: other pending counts) waits for the first offer at
+    most one token shorter than the shortest match the stale table planned."""
     from prove_local.lookup import Match
     pl = planner()
     pl._lookup_rates = lambda scores: scores ** 3     # drafts pay after long matches only (here: 5 tokens)
@@ -226,16 +227,69 @@ def test_a_replan_remakes_the_lookup_table_only_once_a_match_may_use_it():
     make = pl._lookup_table
     pl._lookup_table = lambda *a, **k: made.append(1) or make(*a, **k)      # noqa: E731
     offer = [None]
-    plan = lambda: pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000, "lossless", lookup=lambda: offer[0])[0]  # noqa: E731
+
+    def plan(pend: int = 1):
+        return pl.plan_cycle("lossless", {ROLE: pend}, 4, 1000, "lossless", lookup=lambda: offer[0])[0]
     plan()
+    offer[0] = Match(pos=0, length=16)
+    pl._lookup_wait.clear()                              # (the back-off after the first cycle's empty offer)
+    assert plan().kind == LOOKUP and len(made) == 2       # made before ar was the choice, then for it
     tab = pl._ltables["lossless"]
-    assert made == [1] and tab.any and 3 <= tab.min_match
-    for _ in range(3):                                   # replans, nothing offered
+    assert tab.any and tab.min_match == 5 and tab.cur is pl.current["lossless"]
+    offer[0] = None
+    for _ in range(3):                                   # replans that keep ar: re-compared, not made
         pl.age["lossless"] = 1 << 30
         pl._quiet.clear()
         assert plan() == AR_PLAN
-    assert made == [1] and pl._ltables["lossless"] is tab
-    offer[0] = Match(pos=0, length=tab.min_match - 2)    # too short for any plan: still not made
-    assert plan() == AR_PLAN and made == [1]
+    assert plan() == AR_PLAN                             # (the table is caught up with at the next cycle)
+    now = pl._ltables["lossless"]
+    assert now.cur is pl.current["lossless"] and now.cur is not tab.cur
+    assert len(made) == 2 and now.rows == tab.rows and now.cand is tab.cand
+    pl.current["lossless"] = type("C", (), {"kind": "ar", "rate": 1e9, "width": 1})()   # an ar this fast
+    pl._quiet["lossless"] = 100
+    assert not pl._rebased(now, pl.current["lossless"]).any            # no draft beats it
+    pl.current["lossless"] = now.cur
+    pl._lookup_wait.clear()
+    assert plan(pend=2) == AR_PLAN and len(made) == 2    # stale (pending 2), nothing offered: not made
+    offer[0] = Match(pos=0, length=3)                    # too short for any plan: still not made
+    pl._lookup_wait.clear()
+    assert plan(pend=2) == AR_PLAN and len(made) == 2
     offer[0] = Match(pos=0, length=16)
-    assert plan().kind == LOOKUP and made == [1, 1] and pl._ltables["lossless"] is not tab
+    pl._lookup_wait.clear()
+    plan(pend=2)
+    assert len(made) == 3 and pl._ltables["lossless"].pend == 2
+
+
+def test_the_index_is_asked_less_often_while_its_offers_are_of_no_use():
+    """The back-off: after an offer the table has no use for, the index is not asked for 1, 2, 4, then
+    LOOKUP_BACKOFF cycles at a time; a match it can use is drafted at most LOOKUP_BACKOFF cycles after
+    it starts, and from then on the index is asked every cycle."""
+    from prove_local.lookup import Match
+    from prove_local.planner import LOOKUP_BACKOFF
+    pl = planner()
+    pl._lookup_rates = lambda scores: scores ** 3     # drafts pay after long matches only
+    asked, offer = [], [Match(pos=0, length=2)]      # a short match every cycle: of no use
+
+    def look():
+        asked.append(len(plans))
+        return offer[0]
+    plans = []
+    for _ in range(200):
+        if pl.quiet_cycle("lossless", 1, look):
+            plans.append(AR_PLAN)
+        else:
+            plans.append(pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000, "lossless", lookup=look)[0])
+    cycles = sorted(set(asked))
+    gaps = [b - a for a, b in zip(cycles, cycles[1:])]
+    assert all(p.kind == "ar" for p in plans) and max(gaps) == LOOKUP_BACKOFF + 1
+    assert len(cycles) < 200 / LOOKUP_BACKOFF                # (replans ask it too)
+    offer[0] = Match(pos=0, length=16)                       # a repeat starts
+    start = len(plans)
+    for _ in range(20):
+        if pl.quiet_cycle("lossless", 1, look):
+            plans.append(AR_PLAN)
+        else:
+            plans.append(pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000, "lossless", lookup=look)[0])
+    first = next(i for i in range(start, len(plans)) if plans[i].kind == LOOKUP)
+    assert first - start <= LOOKUP_BACKOFF
+    assert set(range(first, len(plans))) <= set(asked)       # asked every cycle once it is of use
