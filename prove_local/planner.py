@@ -463,6 +463,7 @@ class Planner:
         self._draw: dict[str, bool] = {}              # the next cycle attempts an exploration, per key
         self._lookup_draw: dict[str, bool] = {}       # the lookup exploration draw quiet_cycle made, per key
         self._lookup_wait: dict[str, int] = {}        # cycles left before the index is asked again, per key
+        self._fresh: dict[str, _LookupTable] = {}     # the last lookup table made from an empty request record, per key
         self._lookup_back: dict[str, int] = {}        # the back-off's current gap, per key
         # an exploration is carried out with probability rate(its width) / rate(best) (from the last
         # replan): widths the model already expects to be far worse are explored rarely, so that on a
@@ -501,10 +502,12 @@ class Planner:
     # ---------------------------------------------------------------------- statistics
     def start_request(self) -> None:
         """A new request: its own lookup track record starts empty (the engine-wide one is its prior),
-        and its lookup drafts start short; the lookup tables, made from the previous request's record, go."""
+        and its lookup drafts start short; the lookup tables made from the previous request's record
+        go, and the last ones made from an empty record (as the new request's) stand, for
+        `_table_stale` to judge as any other (a request used to start by making one, ~0.4 ms)."""
         self._lookup_local = SlotStats(decay=1.0)
         self._lookup_cap = LOOKUP_START
-        self._ltables.clear()
+        self._ltables = dict(self._fresh)
         self._lookup_missed = False
         self._lookup_wait.clear()                 # (a prompt may copy from its first cycle)
         self._lookup_back.clear()
@@ -527,7 +530,7 @@ class Planner:
             if self._displaced is not None:
                 self._account(cycle)
         plan = cycle.plan
-        kind, b = plan.kind, plan_width(plan)
+        kind = plan.kind
         if kind != "ar":
             self._since_wide = 1                  # (a wider pass: the switch_cost of the ar cycles after it)
         if kind == "ar":
@@ -572,6 +575,7 @@ class Planner:
         # the request's own host time: in a batched step, not the time it waited for the others
         # (Cycle.waited; the step's cost is priced through the load, set_load)
         over = max(0.0, cycle.seconds - decode - getattr(cycle, "waited", 0.0))
+        b = plan_width(plan)
         for key in (kind, (kind, b)):      # per kind, and per kind and width (wider blocks cost more Python)
             old = self.overhead.get(key)
             self.overhead[key] = over if old is None else 0.9 * old + 0.1 * min(over, 4 * old + 1e-4)
@@ -625,6 +629,8 @@ class Planner:
         """New calibrated t(n) of a role (after the caller changed its thread count)."""
         self.costs.set_curve(role, curve)
         self._vcosts.clear()
+        self._ltables.clear()                     # (priced on the old curve)
+        self._fresh.clear()
 
     def set_load(self, load: dict[str, int], sequences: int = 0) -> None:
         """The other requests' tokens per role in the steps the next passes join, and their number
@@ -639,6 +645,7 @@ class Planner:
         if self.costs is not None and self.costs.set_load(load, sequences):
             self._vcosts.clear()
             self._ltables.clear()
+            self._fresh.clear()
             for key in self.age:
                 self.age[key] = 1 << 30                # replan at the next cycle
             self._quiet.clear()
@@ -1069,9 +1076,12 @@ class Planner:
         ok = best_r > base * (1.0 + self.lookup_margin)
         rows = [r if good and m else None for m, (r, good) in enumerate(zip(rows, ok))]
         bests = [(int(ks[i]), float(rate[m, i])) for m, i in enumerate(best_i)]
-        return _LookupTable(rows, bests, base, st.n_cycles, cur, pend["target"], any(r is not None for r in rows),
+        tab = _LookupTable(rows, bests, base, st.n_cycles, cur, pend["target"], any(r is not None for r in rows),
                             self._lookup_local.n_cycles, rate, costs, switch=switch, t_ar=t_ar,
                             cand=cand, cand_r=best_r.copy())
+        if tab.local == 0:                       # (what the next request starts from: start_request)
+            self._fresh[key] = tab
+        return tab
 
     def _lookup_plans(self, kind: str, block: int = 1, verify: int | None = None) -> list[Plan]:
         """The plans of k = 1..LOOKUP_K_MAX lookup tokens (a lookup verify, or a `block`-slot proposal
