@@ -50,6 +50,7 @@ LOOKUP_LOCAL_WEIGHT = 4.0                       # the engine-wide lookup record 
 LOOKUP_LOCAL_EAGER = 16                         # the request's first lookup cycles recompute the table:
 LOOKUP_EAGER_EVERY = 4                          # after each miss, and after every 4th lookup cycle
 LOOKUP_BACKOFF = 4                              # most cycles the index is not asked after offers of no use
+BACKOFF_SHARE = 0.05                            # ... where an ar cycle's host time is this share of its pass
 LOOKUP_START = 2                                # a request's first lookup drafts are at most this long (slow start)
 
 
@@ -953,16 +954,26 @@ class Planner:
         return bool(left)
 
     def _lookup_found(self, key: str, usable: bool) -> None:
-        """The back-off of the index's checks: after an offer the table has no use for (none, or too
-        short), the index is not asked for the next 1, 2, 4, ... LOOKUP_BACKOFF cycles; after a usable
-        one it is asked every cycle again. A match is found at most LOOKUP_BACKOFF cycles after it
+        """The back-off of the index's checks, where host time is a share of a cycle (`_host_bound`):
+        after an offer the table has no use for (none, or too short), the index is not asked for the
+        next 1, 2, 4, ... LOOKUP_BACKOFF cycles; after a usable one it is asked every cycle again. A match is found at most LOOKUP_BACKOFF cycles after it
         starts (a repeat that is copied goes on far longer), and a text with nothing to copy pays for
         the index's sync and offer (~16 us between the embedded pair's passes) one cycle in five."""
-        if usable:
+        if usable or not self._host_bound():
             self._lookup_back[key] = 0
             return
         back = min(LOOKUP_BACKOFF, 2 * self._lookup_back.get(key, 0) or 1)
         self._lookup_back[key] = self._lookup_wait[key] = back
+
+    def _host_bound(self) -> bool:
+        """Whether an ar cycle's own host time (measured: `overhead`) is at least BACKOFF_SHARE of its
+        pass (the embedded pair: ~0.1 of ~0.45 ms), where the index's checks are worth skipping. On
+        SmolLM2 (~0.1 of 6 ms) the back-off saved nothing measurable and cost drafts: a repeat found up
+        to 4 cycles late at every restart, the copy-heavy prompts' median 1.59 -> 1.57x `ar`, 5-10 % on
+        six of 16 prompts."""
+        if self.costs is None or "target" not in self.costs.base:
+            return False
+        return self._oh("ar") >= BACKOFF_SHARE * self.costs.solo("target", 1)
 
     def _offered(self, need: int, lookup) -> bool:
         """Whether the index offers a match of at least `need` tokens."""

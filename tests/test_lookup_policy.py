@@ -261,12 +261,15 @@ def test_a_stale_lookup_table_is_made_again_only_once_a_match_may_use_it():
 
 
 def test_the_index_is_asked_less_often_while_its_offers_are_of_no_use():
-    """The back-off: after an offer the table has no use for, the index is not asked for 1, 2, 4, then
+    """The back-off: where an ar cycle's host time is a share of its pass (here 0.2 of 1 ms, the
+    embedded pair's), after an offer the table has no use for, the index is not asked for 1, 2, 4, then
     LOOKUP_BACKOFF cycles at a time; a match it can use is drafted at most LOOKUP_BACKOFF cycles after
-    it starts, and from then on the index is asked every cycle."""
+    it starts, and from then on the index is asked every cycle. Where host time is no share (SmolLM2's
+    0.1 of 6 ms), the index is asked every cycle."""
     from prove_local.lookup import Match
     from prove_local.planner import LOOKUP_BACKOFF
     pl = planner()
+    pl.overhead = {k: 0.2e-3 for k in pl.overhead}         # (every kind: the same host time)
     pl._lookup_rates = lambda scores: scores ** 3     # drafts pay after long matches only
     asked, offer = [], [Match(pos=0, length=2)]      # a short match every cycle: of no use
 
@@ -293,3 +296,13 @@ def test_the_index_is_asked_less_often_while_its_offers_are_of_no_use():
     first = next(i for i in range(start, len(plans)) if plans[i].kind == LOOKUP)
     assert first - start <= LOOKUP_BACKOFF
     assert set(range(first, len(plans))) <= set(asked)       # asked every cycle once it is of use
+    pl.overhead["ar"] = 0.01e-3                              # host time no share of a pass
+    pl._lookup_wait.clear()
+    offer[0], asked[:] = Match(pos=0, length=2), []
+    start = len(plans)
+    for _ in range(30):
+        if pl.quiet_cycle("lossless", 1, look):
+            plans.append(AR_PLAN)
+        else:
+            plans.append(pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000, "lossless", lookup=look)[0])
+    assert set(range(start, len(plans))) <= set(asked)
