@@ -809,11 +809,13 @@ class Planner:
     # ---------------------------------------------------------------------- lookup drafts
     def _lookup_plan(self, mode: str, key: str, pending: dict, block_max: int, room: int, lookup) -> Plan | None:
         """The plan for a lookup offer (`lookup()` -> the index's lookup.Match, or None), from the lookup
-        table (recomputed at every replan and every LOOKUP_REFRESH lookup cycles): per match length m, a
+        table (made again every LOOKUP_REFRESH lookup cycles and at a replan that changes the choice,
+        once a match may use it: `_table_stale`, `_candidate`): per match length m, a
         lookup draft of k tokens, a MARS proposal filled by k lookup tokens, or None (the current choice
         runs). Where the table has no plan, an exploration (the lookup's best k for m) with probability
         `explore`, within the regret budget. The match is only looked up when the table or an exploration
-        draw may use it (a text whose lookup drafts do not pay costs ~1 us a cycle)."""
+        draw may use it (a text whose lookup drafts do not pay costs ~1 us a cycle), and not while the
+        index's checks back off (`_lookup_found`)."""
         tab = self._ltables.get(key)
         cur = self.current.get(key)
         stale = self._table_stale(tab, key, pending.get("target", 1))
