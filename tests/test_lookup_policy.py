@@ -21,6 +21,13 @@ def cycle(plan: Plan, decode: float, k: int = 0, accepted: int = 0) -> Cycle:
                  widths={ROLE: [1 + k]}, decode_seconds={ROLE: decode}, seconds=decode, plan=plan)
 
 
+def next_plan(pl: Planner, offer) -> Plan:
+    """The next lossless cycle's plan as Engine.plan asks for it: a quiet cycle, else plan_cycle's."""
+    if pl.quiet_cycle("lossless", 1, offer):
+        return AR_PLAN
+    return pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000, "lossless", lookup=offer)[0]
+
+
 def planner(curve=None, accept: float = 0.6) -> Planner:
     pl = Planner(Costs({ROLE: curve or {1: 1e-3, 2: 1.5e-3, 4: 2.5e-3, 16: 9e-3}}), explore=0.0)
     pl.overhead = {"ar": 0.0, LOOKUP: 0.0, (LOOKUP, 1): 0.0}
@@ -278,10 +285,7 @@ def test_the_index_is_asked_less_often_while_its_offers_are_of_no_use():
         return offer[0]
     plans = []
     for _ in range(200):
-        if pl.quiet_cycle("lossless", 1, look):
-            plans.append(AR_PLAN)
-        else:
-            plans.append(pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000, "lossless", lookup=look)[0])
+        plans.append(next_plan(pl, look))
     cycles = sorted(set(asked))
     gaps = [b - a for a, b in zip(cycles, cycles[1:])]
     assert all(p.kind == "ar" for p in plans) and max(gaps) == LOOKUP_BACKOFF + 1
@@ -289,10 +293,7 @@ def test_the_index_is_asked_less_often_while_its_offers_are_of_no_use():
     offer[0] = Match(pos=0, length=16)                       # a repeat starts
     start = len(plans)
     for _ in range(20):
-        if pl.quiet_cycle("lossless", 1, look):
-            plans.append(AR_PLAN)
-        else:
-            plans.append(pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000, "lossless", lookup=look)[0])
+        plans.append(next_plan(pl, look))
     first = next(i for i in range(start, len(plans)) if plans[i].kind == LOOKUP)
     assert first - start <= LOOKUP_BACKOFF
     assert set(range(first, len(plans))) <= set(asked)       # asked every cycle once it is of use
@@ -301,8 +302,35 @@ def test_the_index_is_asked_less_often_while_its_offers_are_of_no_use():
     offer[0], asked[:] = Match(pos=0, length=2), []
     start = len(plans)
     for _ in range(30):
-        if pl.quiet_cycle("lossless", 1, look):
-            plans.append(AR_PLAN)
-        else:
-            plans.append(pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000, "lossless", lookup=look)[0])
+        plans.append(next_plan(pl, look))
     assert set(range(start, len(plans))) <= set(asked)
+
+
+def test_a_request_starts_from_the_last_table_made_from_an_empty_record():
+    """A new request's own lookup record is empty: it starts from the last table made from an empty
+    record (no numpy work at its first cycle), never from one made from the previous request's record."""
+    from prove_local.lookup import Match
+    pl = planner()
+    pl._lookup_rates = lambda scores: scores ** 3
+    made = []
+    make = pl._lookup_table
+    pl._lookup_table = lambda *a, **k: made.append(1) or make(*a, **k)      # noqa: E731
+    offer = [None]
+
+    def plan():
+        pl._lookup_wait.clear()
+        return pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000, "lossless", lookup=lambda: offer[0])[0]
+    plan()
+    empty = pl._ltables["lossless"]
+    assert made == [1] and empty.local == 0
+    pl.start_request()
+    plan()
+    assert made == [1] and pl._ltables["lossless"].cand is empty.cand      # (re-compared at most)
+    offer[0] = Match(pos=0, length=16)                   # the request drafts, and a draft misses
+    draft = plan()
+    assert draft.kind == LOOKUP
+    pl.observe(cycle(draft, 1.5e-3, k=draft.lookup, accepted=0), "lossless")
+    plan()
+    assert len(made) == 3 and pl._ltables["lossless"].local == 1           # made from its record
+    pl.start_request()
+    assert pl._ltables["lossless"].local == 0 and pl._ltables["lossless"].cand is not None
