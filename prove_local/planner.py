@@ -938,9 +938,7 @@ class Planner:
             if self.explore > 0.0 and self.rng.random() < self.explore:
                 self._lookup_draw[key] = True    # (plan_cycle's exploration draw, drawn here)
                 return False
-            if self._lookup_waits(key):
-                pass
-            elif stale or tab.any:
+            if not self._lookup_waits(key) and (stale or tab.any):
                 if self._candidate(tab, lookup) if stale else self._planned(tab, lookup):
                     self._lookup_draw[key] = False
                     return False
@@ -958,9 +956,10 @@ class Planner:
     def _lookup_found(self, key: str, usable: bool) -> None:
         """The back-off of the index's checks, where host time is a share of a cycle (`_host_bound`):
         after an offer the table has no use for (none, or too short), the index is not asked for the
-        next 1, 2, 4, ... LOOKUP_BACKOFF cycles; after a usable one it is asked every cycle again. A match is found at most LOOKUP_BACKOFF cycles after it
-        starts (a repeat that is copied goes on far longer), and a text with nothing to copy pays for
-        the index's sync and offer (~16 us between the embedded pair's passes) one cycle in five."""
+        next 1, 2, 4, ... LOOKUP_BACKOFF cycles; after a usable one it is asked every cycle again. A
+        match is found at most LOOKUP_BACKOFF cycles after it starts (a repeat that is copied goes on
+        far longer), and a text with nothing to copy pays for the index's sync and offer (~16 us
+        between the embedded pair's passes) one cycle in five."""
         if usable or not self._host_bound():
             self._lookup_back[key] = 0
             return
