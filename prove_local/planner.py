@@ -54,6 +54,11 @@ BACKOFF_SHARE = 0.05                            # ... where an ar cycle's host t
 LOOKUP_START = 2                                # a request's first lookup drafts are at most this long (slow start)
 
 
+# the lookup table's slots: the score of each of the MAX_MATCH + LOOKUP_K_MAX distinct match lengths
+# (lookup.score; 0 for none), and per match length m and draft length k the index of slot k's score
+_TABLE_SCORES = np.array([u / (u + 1.0) if u > 0 else 0.0 for u in range(MAX_MATCH + LOOKUP_K_MAX)])
+_TABLE_SLOTS = np.arange(0, MAX_MATCH + 1)[:, None] + np.arange(1, LOOKUP_K_MAX + 1)[None, :] - 1
+
 AR_SAMPLE = 8                                   # ar cycles per one whose cost the planner records
 SWITCH_AFTER = 4                                # ar cycles after a wider pass whose excess time is the switch's
 SWITCH_STEADY = 8                               # steady ar cycles (recorded densely until then) before the switch is priced
@@ -414,7 +419,7 @@ class _LookupTable:
     switch: float = 0.0          # the switch price in those costs (Planner.switch_cost), and an ar cycle's cost
     t_ar: float = 0.0
     cand: list | None = None     # per match length: the best plan and its rate, before the comparison with `rate`
-    cand_r: object = None
+    cand_r: list | None = None
 
     def __post_init__(self):
         self.min_match = next((m for m, r in enumerate(self.rows) if m and r is not None), MAX_MATCH + 1)
@@ -478,6 +483,9 @@ class Planner:
         # wider pass, an average of the ar cycles' decode seconds, and of the ar cycles further away
         self._since_wide = SWITCH_AFTER + 1
         self._after_wide = [[0.0, 0] for _ in range(SWITCH_AFTER + 1)]    # [0]: the steady ar cycles
+        self._after_start = [[0.0, 0] for _ in range(SWITCH_AFTER + 1)]   # after the prefill ([0] unused)
+        self._wide_prefill = False                    # the last wider pass was the prompt's prefill
+        self._since_start = SWITCH_AFTER              # cycles since the request's start (outside one: settled)
         self.explore, self.explore_wide, self.ar_margin = explore, explore_wide, ar_margin
         self.hysteresis, self.replan_every, self.k_max = hysteresis, replan_every, k_max
         self.rng = random.Random(seed)
@@ -513,6 +521,7 @@ class Planner:
         self._lookup_wait.clear()                 # (a prompt may copy from its first cycle)
         self._lookup_back.clear()
         self._since_wide = 1                      # the prompt's prefill was a wide pass
+        self._wide_prefill, self._since_start = True, 0
 
     def stats_for(self, mode: str) -> SlotStats:
         if mode not in self.stats:
@@ -532,8 +541,11 @@ class Planner:
                 self._account(cycle)
         plan = cycle.plan
         kind = plan.kind
+        i = self._since_start                     # the cycle's index in its request
+        self._since_start = i + 1
         if kind != "ar":
             self._since_wide = 1                  # (a wider pass: the switch_cost of the ar cycles after it)
+            self._wide_prefill = False
         if kind == "ar":
             # an ar cycle has no acceptance to learn; its cost and overhead are sampled (1 in
             # AR_SAMPLE), which keeps the planner's own time per ar cycle near nothing (a 0.35 ms
@@ -541,10 +553,18 @@ class Planner:
             # the few right after a wider pass are all recorded for the switch's cost
             self._ar_seen += 1
             d = self._since_wide
-            # (the steady ones every cycle until there are SWITCH_STEADY: the switch is priced from the
-            # request's first dozen cycles, the prompt's prefill being the first wider pass)
-            if d <= SWITCH_AFTER or not self._ar_seen % AR_SAMPLE or self._after_wide[0][1] < SWITCH_STEADY:
-                self._record_switch(0 if d > SWITCH_AFTER else d, sum(cycle.decode_seconds.values()))
+            if d <= SWITCH_AFTER:
+                # after the prefill: the start's records (switch_cost's prior); after a wider pass of
+                # the request: the switch's own, once the start's slow passes are over (a wider pass in
+                # the request's first cycles is not recorded: its switch and the start's are one)
+                if self._wide_prefill:
+                    self._record_switch(d, sum(cycle.decode_seconds.values()), self._after_start)
+                elif i >= SWITCH_AFTER:
+                    self._record_switch(d, sum(cycle.decode_seconds.values()))
+            elif not self._ar_seen % AR_SAMPLE or self._after_wide[0][1] < SWITCH_STEADY:
+                # (the steady ones every cycle until there are SWITCH_STEADY: the switch is priced from
+                # the request's first dozen cycles)
+                self._record_switch(0, sum(cycle.decode_seconds.values()))
             self._since_wide = d + 1
             if self._ar_seen % AR_SAMPLE:
                 return False
@@ -594,9 +614,10 @@ class Planner:
             return True
         return False
 
-    def _record_switch(self, d: int, seconds: float) -> None:
-        """An ar cycle's decode seconds, d cycles after a wider pass (0: further away)."""
-        rec = self._after_wide[d]
+    def _record_switch(self, d: int, seconds: float, records: list | None = None) -> None:
+        """An ar cycle's decode seconds, d cycles after a wider pass (0: further away), into `records`
+        (the switch's own, `_after_wide`, or the request start's, `_after_start`)."""
+        rec = (self._after_wide if records is None else records)[d]
         rec[1] += 1
         if rec[1] > 1:
             seconds = min(seconds, 3.0 * rec[0])               # one stalled pass moves it by little
@@ -607,16 +628,19 @@ class Planner:
         of ar cycles: the sum over d = 1..SWITCH_AFTER of (mean decode seconds d cycles after a wider
         pass - the steady mean), where it is above it; the steady mean is the calibrated t(1) (as the
         costs scale it) until SWITCH_STEADY cycles further from a wider pass are seen. Each d counts
-        from its first cycle: the prompt's prefill gives one at every request's start, so a fresh
-        engine prices the switch from its first request's second cycle on (waiting for 8 cycles at
-        each d and 8 steady ones, a fresh SmolLM2 engine, with a cached curve that underpriced a
-        2-token pass, drafted 10-11 one- and two-token lookups into its first 64-token answer at zero
-        switch cost, from its third cycle: the chat template repeats; the passes after them cost ~7 ms
-        more. Lookups every few cycles leave few steady ones. One early outlier errs on the side of
-        ar). Measured on the embedded
-        target (1 thread, 16 GSM8K-style questions, 7 runs): the first ar pass after a lookup verify
-        1.10-1.17x the steady one, the next ones within noise (docs/bench.md); SmolLM2 (2 threads):
-        1.22, 1.14, 1.12x."""
+        from its first cycle. The records are the wider passes of a request (a lookup verify, a MARS
+        proposal) from its SWITCH_AFTER-th cycle on; until there is one, those after the prompt's
+        prefill stand for them (a prior that errs on the side of ar: a fresh engine prices the switch
+        from its first request's second cycle on). Measured: the first ar pass after a lookup verify
+        1.10-1.17x the steady one on the embedded target (1 thread), 1.22, 1.14, 1.12x on SmolLM2 (2
+        threads); after the prefill, in plain ar as much as in any mode, 2.5, 1.7, 1.15x on the
+        embedded target (2 threads, the bench's 60 GSM8K-style questions): the first cycles of every
+        request run slow whatever came before. Priced from those, the switch came out at ~1.2 ms,
+        2.5 ar cycles, where the passes after a lookup or MARS pass later in a request cost 0.15 ms
+        more (the median of the first), and lookup drafts that the text would have taken (76 % of a
+        one-token draft's) were declined. (Before the prefill counted, a fresh SmolLM2 engine with a
+        cached curve that underpriced a 2-token pass drafted 10-11 one- and two-token lookups into its
+        first 64-token answer at zero switch cost: the chat template repeats.)"""
         steady = self._after_wide[0]
         if steady[1] >= SWITCH_STEADY:
             ref = steady[0]
@@ -624,7 +648,8 @@ class Planner:
             ref = self.costs.solo("target", 1)      # (the calibrated one-token pass, until runs of them are seen)
         else:
             return 0.0
-        return sum(max(0.0, m - ref) for m, n in self._after_wide[1:] if n >= 1)
+        records = self._after_wide if self._after_wide[1][1] else self._after_start
+        return sum(max(0.0, m - ref) for m, n in records[1:] if n >= 1)
 
     def set_curve(self, role: str, curve: dict[int, float]) -> None:
         """New calibrated t(n) of a role (after the caller changed its thread count)."""
@@ -914,8 +939,8 @@ class Planner:
         lookup_margin. Its costs stay those it was made with (made again every LOOKUP_REFRESH lookup
         cycles, at each request, and when the switch's price moves): a replan used to remake the
         table, ~0.4 ms between the embedded pair's ~0.5 ms passes, ~2 times a request."""
-        ok = tab.cand_r > cur.rate * (1.0 + self.lookup_margin)
-        rows = [r if good and m else None for m, (r, good) in enumerate(zip(tab.cand, ok))]
+        bar = cur.rate * (1.0 + self.lookup_margin)          # (Python floats: no numpy call between passes)
+        rows = [r if m and rate > bar else None for m, (r, rate) in enumerate(zip(tab.cand, tab.cand_r))]
         return dataclasses.replace(tab, rows=rows, rate=cur.rate, cur=cur, any=any(r is not None for r in rows))
 
     def quiet_cycle(self, key: str, pend: int, lookup=None) -> bool:
@@ -931,18 +956,20 @@ class Planner:
         if not q:
             return False
         if lookup is not None:
-            tab = self._ltables.get(key)
-            stale = self._table_stale(tab, key, pend)
-            if stale == "acceptance":
-                return False
             if self.explore > 0.0 and self.rng.random() < self.explore:
                 self._lookup_draw[key] = True    # (plan_cycle's exploration draw, drawn here)
                 return False
-            if not self._lookup_waits(key) and (stale or tab.any):
-                if self._candidate(tab, lookup) if stale else self._planned(tab, lookup):
+            # a cycle of the index's back-off is quiet whatever the table: plan_cycle would not read it
+            # (nor make it again) before the index may be asked
+            if not self._lookup_waits(key):
+                tab = self._ltables.get(key)
+                stale = self._table_stale(tab, key, pend)
+                if stale == "acceptance" or ((stale or tab.any) and (
+                        self._candidate(tab, lookup) if stale else self._planned(tab, lookup))):
                     self._lookup_draw[key] = False
                     return False
-                self._lookup_found(key, False)
+                if stale or tab.any:
+                    self._lookup_found(key, False)
         self._quiet[key] = q - 1
         return True
 
@@ -1045,12 +1072,9 @@ class Planner:
         g0, t0 = self.costs.step_rest()                     # (as in rates: the step's throughput)
         t_ar = max(1e-12, cycle_cost(self.costs.t, pend, AR_PLAN) + self._oh("ar"))
         base = cur.rate if cur is not None else (g0 + 1.0) / (t0 + t_ar)
-        ks = np.arange(1, LOOKUP_K_MAX + 1)
-        ms = np.arange(0, MAX_MATCH + 1)
         # slot j of a match of m extends a match of m + j - 1 tokens: its score lookup.score(m + j - 1);
         # the acceptance of the MAX_MATCH + LOOKUP_K_MAX distinct scores, then spread over the table
-        u = np.arange(MAX_MATCH + LOOKUP_K_MAX, dtype=float)
-        a = self._lookup_rates(np.where(u > 0, u / (u + 1.0), 0.0))[ms[:, None] + ks[None, :] - 1]
+        a = self._lookup_rates(_TABLE_SCORES)[_TABLE_SLOTS]
         run = np.cumprod(a, axis=1)                              # P(slots 1..j all accepted)
         gain = 1.0 + np.cumsum(run, axis=1)                      # E(m, k)
         plans = self._lookup_plans(LOOKUP)
@@ -1060,7 +1084,7 @@ class Planner:
         best = max(mars, key=lambda o: o.rate) if mars else None
         if costs is None:
             switch = self.switch_cost() if cur is None or cur.kind == "ar" else 0.0
-            oh = np.array([self._oh(LOOKUP, int(k)) for k in ks])
+            oh = np.array([self._oh(LOOKUP, k) for k in range(1, LOOKUP_K_MAX + 1)])
             cost = self._plan_costs(pend, plans) + oh + switch
             full = short = None
             if best is not None:
@@ -1072,25 +1096,25 @@ class Planner:
         if was is not best:                      # (the MARS options changed: a replan, which rebuilds the costs)
             best, full = None, None
         rate = (g0 + gain) / (t0 + np.maximum(cost, 1e-12)[None, :])
-        best_i = rate.argmax(axis=1)
-        best_r = rate[ms, best_i]
-        rows = [plans[best_i[m]] for m in ms]
+        # (Python lists from here: between two passes a numpy call costs microseconds, a list item little)
+        best_i, best_r = rate.argmax(axis=1).tolist(), rate.max(axis=1)
+        bests = [(i + 1, r) for i, r in zip(best_i, best_r.tolist())]     # (k, its rate) per match length
+        rows = [plans[i] for i in best_i]
         # a MARS proposal filled by k lookup tokens (only where the mode proposes with masks)
         if best is not None and full is not None:
             B = best.width
             f_rate = (g0 + gain + run * (best.tokens - 1.0)) / (t0 + np.maximum(
                 run * full[None, :] + (1.0 - run) * short[None, :], 1e-12))
-            f_i = f_rate.argmax(axis=1)
-            f_r = f_rate[ms, f_i]
-            for m in np.flatnonzero(f_r > best_r):
-                rows[m], best_r[m] = Plan(mode, B, lookup=int(ks[f_i[m]])), f_r[m]
-        cand = rows
-        ok = best_r > base * (1.0 + self.lookup_margin)
-        rows = [r if good and m else None for m, (r, good) in enumerate(zip(rows, ok))]
-        bests = [(int(ks[i]), float(rate[m, i])) for m, i in enumerate(best_i)]
+            f_i, f_r = f_rate.argmax(axis=1), f_rate.max(axis=1)
+            for m in np.flatnonzero(f_r > best_r).tolist():
+                rows[m] = Plan(mode, B, lookup=int(f_i[m]) + 1)
+            best_r = np.maximum(best_r, f_r)
+        cand, cand_r = rows, best_r.tolist()
+        bar = base * (1.0 + self.lookup_margin)
+        rows = [r if m and r_m > bar else None for m, (r, r_m) in enumerate(zip(cand, cand_r))]
         tab = _LookupTable(rows, bests, base, st.n_cycles, cur, pend["target"], any(r is not None for r in rows),
                             self._lookup_local.n_cycles, rate, costs, switch=switch, t_ar=t_ar,
-                            cand=cand, cand_r=best_r.copy())
+                            cand=cand, cand_r=cand_r)
         if tab.local == 0:                       # (what the next request starts from: start_request)
             self._fresh[key] = tab
         return tab
@@ -1115,10 +1139,10 @@ class Planner:
         lengths it has not tried yet, instead of relearning the same lesson in every bin."""
         st, loc, w = self.stats_for(LOOKUP), self._lookup_local, LOOKUP_LOCAL_WEIGHT
         bin_acc, bin_tested = np.asarray(loc.bin_accepted), np.asarray(loc.bin_tested)
-        expected = float(bin_tested @ st.p_rates(loc.centers))
+        prior = st.p_rates(loc.centers)            # per bin (the same bins: a bin's center lies in it)
+        expected = float(bin_tested @ prior)
         shortfall = min(1.0, (float(bin_acc.sum()) + w) / (expected + w))
-        b = loc._bin(scores)
-        return (bin_acc[b] + w * shortfall * st.p_rates(scores)) / (bin_tested[b] + w)
+        return ((bin_acc + w * shortfall * prior) / (bin_tested + w))[loc._bin(scores)]
 
     def lookup_summary(self, key: str) -> dict | None:
         """The lookup table of `key` for people and the bench: per match length, the plan it gets."""

@@ -243,8 +243,11 @@ class Greedy:
         match (or of the bonus row after a full match) follows. See Sampler.sample_and_accept_n."""
         k = len(drafted)
         g, target = greedy_and_prob(logits, drafted)
-        n = leading_run(np.asarray(drafted, dtype=np.int64) == g[:k])
-        return n, int(g[n]), target.tolist(), None, n < k
+        g = g.tolist()                   # (a few drafted tokens: compared in Python, no arrays)
+        n = 0
+        while n < k and int(drafted[n]) == g[n]:
+            n += 1
+        return n, g[n], target.tolist(), None, n < k
 
 
 GREEDY = Greedy()

@@ -155,12 +155,37 @@ def test_a_fresh_planner_prices_the_switch_from_the_cycles_after_the_prefill():
     assert pl.switch_cost() == pytest.approx(0.6e-3 + 0.3e-3 + 2 * 0.0)
 
 
+def test_the_slow_passes_at_a_request_start_are_not_the_switch_once_the_request_has_switched():
+    """Every request's first cycles run slow, in plain ar too (the embedded target: 2.5, 1.7, 1.15x a
+    steady pass after the prefill, where a lookup verify later in a request costs the next pass 1.15x):
+    the cycles after the prefill price the switch only until a wider pass of a request, from its
+    SWITCH_AFTER-th cycle on, is followed by ar cycles; a wider pass in the first cycles is not recorded
+    (its cost and the start's are one), nor are later requests' starts."""
+    pl = planner()                                           # (start_request: the prefill was the wider pass)
+    start = {1: 2.5e-3, 2: 1.7e-3, 3: 1.15e-3}
+    pl.observe(cycle(AR_PLAN, start[1]), "lossless")          # cycle 0, d = 1 after the prefill
+    assert pl.switch_cost() == pytest.approx(1.5e-3)          # the prior: t(1) = 1 ms until runs of ar are seen
+    pl.observe(cycle(Plan(LOOKUP, lookup=1), 1.5e-3, k=1), "lossless")   # cycle 1: a lookup among the slow ones
+    pl.observe(cycle(AR_PLAN, start[2]), "lossless")          # cycle 2, d = 1 after it: the start's, not recorded
+    assert pl.switch_cost() == pytest.approx(1.5e-3)
+    for _ in range(SWITCH_AFTER + SWITCH_STEADY):
+        pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
+    pl.observe(cycle(Plan(LOOKUP, lookup=1), 1.5e-3, k=1), "lossless")   # later in the request
+    pl.observe(cycle(AR_PLAN, 1.15e-3), "lossless")
+    assert pl.switch_cost() == pytest.approx(0.15e-3)
+    pl.start_request()                                       # the next request's start: the prior's records only
+    for d in (1, 2, 3):
+        pl.observe(cycle(AR_PLAN, start[d]), "lossless")
+    assert pl.switch_cost() == pytest.approx(0.15e-3)
+    assert pl._after_start[1][0] == pytest.approx(2.5e-3) and pl._after_start[1][1] == 2
+
+
 def test_a_lookup_table_priced_before_the_switch_was_known_is_made_again():
     """k = 1 at 60 % acceptance, t(2) = 1.5 t(1): drafted while the switch is unknown; once the passes after
     a wider one are seen to cost 0.2 ms more, the next offer finds the table repriced and no plan."""
     from prove_local.lookup import Match
     pl = planner()
-    pl._since_wide = SWITCH_AFTER + 1                       # (no prefill record)
+    pl._since_wide, pl._since_start = SWITCH_AFTER + 1, SWITCH_AFTER    # (later in a request: the start's passes are over)
     offer = lambda: Match(pos=0, length=4)                                # noqa: E731
     plan = lambda: pl.plan_cycle("lossless", {ROLE: 1}, 0, 100, "lossless", lookup=offer)[0]   # noqa: E731
     assert plan() == Plan(LOOKUP, lookup=1)
@@ -173,11 +198,13 @@ def test_a_lookup_table_priced_before_the_switch_was_known_is_made_again():
     assert pl._ltables["lossless"] is not made and pl._ltables["lossless"].switch == pytest.approx(0.2e-3)
 
 
-def test_a_quiet_cycle_is_what_plan_cycle_would_have_planned():
+@pytest.mark.parametrize("host", [0.0, 0.2e-3])
+def test_a_quiet_cycle_is_what_plan_cycle_would_have_planned(host):
     """Engine.plan asks `quiet_cycle` first and runs ar without planning when it says so: the same
     scripted 600 cycles (offers that come and go, explorations drawn, replans, lookup drafts accepted or
     not) planned with and without asking it give the same plans and leave the random stream where it
-    was; most cycles of a text that rarely copies never reach plan_cycle."""
+    was; most cycles of a text that rarely copies never reach plan_cycle. `host`: each cycle's own host
+    time, where 0.2 ms (a fifth of t(1)) makes the index's checks back off (Planner._host_bound)."""
     from prove_local.lookup import Match
     rng = np.random.default_rng(7)
     # the index's offer per cycle: mostly none; now and then a match of 2-9 tokens, a few in a row
@@ -191,6 +218,8 @@ def test_a_quiet_cycle_is_what_plan_cycle_would_have_planned():
         pl.explore = 0.05
         pl.rng = random.Random(11)
         plans, quiet, i = [], 0, 0
+        waits = []
+        pl._lookup_waits = lambda key: waits.append(pl._lookup_wait.get(key, 0) > 0) or type(pl)._lookup_waits(pl, key)
 
         def offer():                      # as NgramIndex.offer(lookup_need): no match shorter than its key
             m = script[i]
@@ -211,12 +240,14 @@ def test_a_quiet_cycle_is_what_plan_cycle_would_have_planned():
                 c = Cycle(proposed=[5] * b, p=[0.5] * b, q=[0.5] * b, committed=[5] * (1 + min(b - 1, int(accepted[i]))),
                           n_accepted=min(b - 1, int(accepted[i])), widths={ROLE: [b, b]},
                           decode_seconds={ROLE: 3e-3}, seconds=3e-3, plan=plan)
+            c.seconds += host
             pl.observe(c, "lossless")
-        return plans, quiet, pl.rng.random()
+        return plans, quiet, pl.rng.random(), sum(waits)
 
-    plain, none, draw = drive(ask=False)
-    fast, quiet, draw_fast = drive(ask=True)
+    plain, none, draw, waited = drive(ask=False)
+    fast, quiet, draw_fast, _ = drive(ask=True)
     assert none == 0 and fast == plain and draw_fast == draw
+    assert (waited > 0) == (host > 0)                # (the back-off's cycles were in the script)
     kinds = {p.kind for p in plain}
     assert {"ar", LOOKUP} <= kinds                   # the script did draft by lookup
     assert quiet > len(script) // 2                 # and most cycles were quiet

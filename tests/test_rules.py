@@ -197,6 +197,29 @@ def test_top1_and_prob_of():
     np.testing.assert_allclose(rules.prob_of(logits, [2, 1]), [0.2, 0.25], rtol=1e-6)
 
 
+@pytest.mark.parametrize("vocab", [2048, 50000])
+def test_row_stats_agree_with_a_float64_softmax_small_and_large_passes(vocab):
+    """A small pass (rows x vocabulary <= SMALL_PASS: the embedded pair's 2,048 tokens) is read all rows at
+    once, a large one row by row; both give the argmax, p̃ and the probabilities of given tokens of a
+    float64 softmax to float32 rounding, logits near 0, large and negative, and NaN for rows not asked."""
+    from prove_local.logits import SMALL_PASS, row_stats
+    rng = np.random.default_rng(vocab)
+    assert (3 * vocab <= SMALL_PASS) == (vocab < 10000)
+    for shift in (0.0, 40.0, -40.0, 95.0):
+        logits = (rng.standard_normal((3, vocab)) * 4 + shift).astype(np.float32)
+        ref = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
+        ref /= ref.sum(axis=1, keepdims=True)
+        ids, p = rules.top1(logits)
+        assert np.array_equal(ids, ref.argmax(axis=1))
+        np.testing.assert_allclose(p, ref.max(axis=1), rtol=2e-6)
+        x = rng.integers(0, vocab, 2)
+        g, q = rules.greedy_and_prob(logits, x)
+        assert np.array_equal(g, ids)
+        np.testing.assert_allclose(q, ref[np.arange(2), x], rtol=2e-6, atol=1e-12)
+        _, _, sums = row_stats(logits, exp_rows=[2, 0])
+        assert np.isnan(sums[1]) and not np.isnan(sums[[0, 2]]).any()
+
+
 # --------------------------------------------------------------------------------- sampling
 def sampler(seed=0, **kw):
     from prove_local.sampling import Sampler
