@@ -29,7 +29,8 @@ are bitwise those of the same request alone (tests/test_batching.py).
 Limits (llama.cpp's, in the vendored version): with `kv_unified` off llama.cpp splits a batch into
 ubatches of *equal* token counts over *consecutive* sequence ids (`split_equal`), so a step of passes of
 different widths, or of sequences 0 and 2 without 1, is computed as several graphs inside the one
-`llama_decode`; a step of one-token passes of sequences 0..k-1 is one.
+`llama_decode`; a step of one-token passes of sequences 0..k-1 is one (the pool keeps its busy
+sequences consecutive where it can: pool.EnginePool._contiguous).
 """
 from __future__ import annotations
 

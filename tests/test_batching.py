@@ -411,6 +411,33 @@ def test_the_pool_shares_contexts_and_each_answer_equals_its_own(models, solo):
         unbatched.close()
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_batched_pool_keeps_its_busy_sequences_consecutive(models, batched):
+    """llama.cpp decodes a step of sequences 0 and 2 as two ubatches (split_equal over consecutive ids):
+    a batched pool gives a request the free slot that leaves the busy sequence ids in the fewest runs,
+    its cached prompt deciding only among those; with nothing busy, or engines of their own, the cached
+    prompt alone decides, and a slot asked for by number is that slot."""
+    pool = EnginePool(Loaded(models["target"], None, None, dict(F32)), parallel=4, batched=batched)
+    try:
+        for i in range(1, 4):
+            pool._engines[i] = pool._make(i)
+        likes = lambda j: (lambda e: 10 if e is pool._engines[j] else 1)   # noqa: E731  (a cached prompt in slot j)
+        with pool._cond:
+            assert pool._pick(likes(2)) == 2                  # nothing busy
+            pool._busy[0] = True
+            assert pool._pick(likes(2)) == (1 if batched else 2)
+            assert pool._pick(likes(3)) == (1 if batched else 3)
+            pool._busy[2] = True                              # {0, 2}: the hole first
+            assert pool._pick(likes(3)) == (1 if batched else 3)
+            pool._busy[0], pool._busy[2], pool._busy[3] = False, False, True
+            assert pool._pick(likes(0)) == (2 if batched else 0)   # {3}: next to it
+            assert pool._pick(0) == 0                         # by number
+    finally:
+        with pool._cond:
+            pool._busy[:] = [False] * 4                       # (no request holds them: close waits for none)
+        assert pool.close()
+
+
 def test_flash_attention_is_off_in_shared_contexts_unless_asked_for(models, solo):
     """Flash attention `auto` is off on a CPU, in a context of its own and in a shared one (its CPU
     kernel depends on the pass's shape: llama.flash_attn_setting); `on` is honoured. Batched on F16 KV
