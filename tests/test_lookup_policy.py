@@ -138,6 +138,29 @@ def test_an_exploration_must_fit_the_regret_budget_before_it_runs():
     assert not pl._worth_exploring(ex, "lossless", "lossless")
 
 
+def test_beside_other_requests_an_exploration_has_their_share_of_the_budget():
+    """In a batched step an exploration holds up every request in it: beside 3 others an engine's
+    budget is a quarter of explore_budget x its time, for the explorations and for the draws alike."""
+    from prove_local.planner import Choice
+    pl = planner()
+    pl.explore_by_rate = True
+    pl._options["lossless"] = [Choice("ar", 1, 1000.0, 1.0, 1e-3), Choice("lossless", 2, 600.0, 1.8, 3e-3)]
+    pl.rng.random = lambda: 0.0
+    ex = Plan("lossless", 2)
+    pl.elapsed = 0.2                                          # alone: 2 ms of budget for a 1.2 ms loss
+    assert pl._worth_exploring(ex, "lossless", "lossless") and pl._budget_left()
+    pl.set_load({ROLE: 3}, 3)                                 # beside 3 others: 0.5 ms
+    assert not pl._worth_exploring(ex, "lossless", "lossless")
+    pl.regret = 0.6e-3
+    assert not pl._budget_left()
+    pl.elapsed, pl.regret = 0.8, 0.9e-3                       # 2 ms again, 0.9 spent: 0.9 + 1.2 > 2
+    assert not pl._worth_exploring(ex, "lossless", "lossless") and pl._budget_left()
+    pl.regret = 0.0
+    assert pl._worth_exploring(ex, "lossless", "lossless")
+    pl.set_load({}, 0)                                        # alone again
+    assert pl._allowance() == pytest.approx(0.01 * 0.8)
+
+
 def test_a_fresh_planner_prices_the_switch_from_the_cycles_after_the_prefill():
     """The prompt's prefill is a wider pass: the ar cycles right after it are the first switch records, and
     until runs of ar cycles are seen the calibrated t(1) stands for them, so a fresh engine prices the
