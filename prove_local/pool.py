@@ -143,7 +143,9 @@ class EnginePool:
 
     def _pick(self, prefer) -> int:
         free = [i for i, b in enumerate(self._busy) if not b]
-        if self.shared is not None and not isinstance(prefer, int):
+        if isinstance(prefer, int) and prefer in free:
+            return prefer                        # a slot asked for by number (the UI's: its conversation's KV)
+        if self.shared is not None:
             free = self._contiguous(free)
         if callable(prefer):
             made = [i for i in free if self._engines[i] is not None]
@@ -151,9 +153,6 @@ class EnginePool:
                 best = max(made, key=lambda i: prefer(self._engines[i]))
                 if prefer(self._engines[best]) > 0:
                     return best
-            prefer = None
-        if prefer in free:
-            return prefer
         return next((j for j in free if self._engines[j] is not None), free[0])
 
     def _contiguous(self, free: list[int]) -> list[int]:

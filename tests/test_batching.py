@@ -432,6 +432,8 @@ def test_a_batched_pool_keeps_its_busy_sequences_consecutive(models, batched):
             pool._busy[0], pool._busy[2], pool._busy[3] = False, False, True
             assert pool._pick(likes(0)) == (2 if batched else 0)   # {3}: next to it
             assert pool._pick(0) == 0                         # by number
+            pool._busy[0], pool._busy[3] = True, False
+            assert pool._pick(0) == 1                         # that slot busy: as any other request
     finally:
         with pool._cond:
             pool._busy[:] = [False] * 4                       # (no request holds them: close waits for none)
