@@ -484,7 +484,6 @@ class Planner:
         self._since_wide = SWITCH_AFTER + 1
         self._after_wide = [[0.0, 0] for _ in range(SWITCH_AFTER + 1)]    # [0]: the steady ar cycles
         self._after_start = [[0.0, 0] for _ in range(SWITCH_AFTER + 1)]   # after the prefill ([0] unused)
-        self._wide_prefill = False                    # the last wider pass was the prompt's prefill
         self._since_start = SWITCH_AFTER              # cycles since the request's start (outside one: settled)
         self.explore, self.explore_wide, self.ar_margin = explore, explore_wide, ar_margin
         self.hysteresis, self.replan_every, self.k_max = hysteresis, replan_every, k_max
@@ -521,7 +520,7 @@ class Planner:
         self._lookup_wait.clear()                 # (a prompt may copy from its first cycle)
         self._lookup_back.clear()
         self._since_wide = 1                      # the prompt's prefill was a wide pass
-        self._wide_prefill, self._since_start = True, 0
+        self._since_start = 0
 
     def stats_for(self, mode: str) -> SlotStats:
         if mode not in self.stats:
@@ -545,7 +544,6 @@ class Planner:
         self._since_start = i + 1
         if kind != "ar":
             self._since_wide = 1                  # (a wider pass: the switch_cost of the ar cycles after it)
-            self._wide_prefill = False
         if kind == "ar":
             # an ar cycle has no acceptance to learn; its cost and overhead are sampled (1 in
             # AR_SAMPLE), which keeps the planner's own time per ar cycle near nothing (a 0.35 ms
@@ -554,10 +552,11 @@ class Planner:
             self._ar_seen += 1
             d = self._since_wide
             if d <= SWITCH_AFTER:
-                # after the prefill: the start's records (switch_cost's prior); after a wider pass of
-                # the request: the switch's own, once the start's slow passes are over (a wider pass in
-                # the request's first cycles is not recorded: its switch and the start's are one)
-                if self._wide_prefill:
+                # after the prefill (no wider pass since the request's start: d = i + 1): the start's
+                # records (switch_cost's prior); after a wider pass of the request: the switch's own,
+                # once the start's slow passes are over (a wider pass in the request's first cycles is
+                # not recorded: its switch and the start's are one)
+                if d == i + 1:
                     self._record_switch(d, sum(cycle.decode_seconds.values()), self._after_start)
                 elif i >= SWITCH_AFTER:
                     self._record_switch(d, sum(cycle.decode_seconds.values()))
