@@ -104,6 +104,8 @@ class Costs:
     DISPUTE_LO = 1.5
     DISPUTE_SCALE = 4.0
     DISPUTE_OBSERVATIONS = 32
+    # the widths around a step's token count whose curve steps price one more token in it (`marginal`)
+    MARGINAL_WINDOW = 2
 
     def __init__(self, curves: dict[str, dict[int, float]], n_max: int = 160):
         self.n_max = n_max
@@ -169,8 +171,21 @@ class Costs:
         a llama_decode of its own."""
         m = self.load.get(role, 0)
         if m and n == 1:
-            return self.solo(role, m + 1) - self.solo(role, m)
+            return self.marginal(role, m)
         return self.solo(role, n)
+
+    def marginal(self, role: str, m: int) -> float:
+        """What one more token adds to a step of m tokens: the median of the curve's steps
+        t(k + 1) - t(k) for k within MARGINAL_WINDOW of m, between 0 and t(1). The step at m alone is
+        a difference of two noisy timings: SmolLM2's curve calibrated through a stall here (t(1..8)
+        40.6, 75.7, 159.3, 207.7 x 4, 329.4 ms, flat where the stall ended) priced the 4th token of a
+        step at 48.4 ms, above a pass of its own, and the 5th to 7th at 0; beside 3 other requests
+        ar looked dearer than a 1-token lookup draft, and `lossless` drafted one in ~1 of 23 cycles,
+        each a second ubatch the whole step waited for (docs/planner.md). A token never costs a step
+        more than its own one-token pass would (at worst llama.cpp decodes it apart)."""
+        lo = max(1, m - self.MARGINAL_WINDOW)
+        steps = [self.solo(role, k + 1) - self.solo(role, k) for k in range(lo, m + self.MARGINAL_WINDOW + 1)]
+        return min(max(0.0, float(np.median(steps))), self.solo(role, 1))
 
     def solo_table(self, role: str) -> np.ndarray:
         if role == GATED:

@@ -168,6 +168,66 @@ def test_a_cached_poisoned_curve_is_measured_again_not_trusted(fake_llama, capsy
     assert not again["measured"] and len(made) == 1
 
 
+def contexts_stalled(monkeypatch, passes: int, contexts: int, made: list):
+    """calibrate's contexts from now on: in each of the first `contexts` made, the first `passes` passes
+    cost 3 x line(n) (a stall that ends while the curve is measured), the rest line(n)."""
+    class Ctx(TimedContext):
+        def __init__(self, model, **opts):
+            stalled = len(made) < contexts
+            made.append(opts)
+            self.count = 0
+            super().__init__(cost=lambda n: (3 if stalled and self.count <= passes else 1) * line(n))
+
+        def eval(self, tokens, rows=None):
+            self.count += 1
+            super().eval(tokens, rows)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+    monkeypatch.setattr(calibrate, "Context", Ctx)
+
+
+# the context's fill, the warm-up pass, the warm one-token passes and the 3 repetitions over every width
+# (settle 2 + timed 2 each; the fake passes take no real time, so all 3 fit the budget): every width is
+# timed in the stall, the curve has a plausible shape 3x too high, and its t(1) timed again at the end
+# is line(1)
+STALL = 2 + calibrate.WARM_MIN + 3 * 4 * len(calibrate.DEFAULT_NS)
+
+
+def test_a_curve_measured_while_a_stall_ended_is_measured_again_and_never_cached(fake_llama, monkeypatch, capsys):
+    model, _ = fake_llama
+    opts = dict(n_threads=2, type_k="f16", type_v="f16")
+    made: list = []
+    contexts_stalled(monkeypatch, STALL, contexts=1, made=made)          # the stall ends during the first try
+    cal = calibrate.calibrate(model, opts)
+    assert len(made) == 2 and cal["measured"]
+    assert cal["curves"][2] == pytest.approx({n: line(n) for n in calibrate.DEFAULT_NS})
+    assert calibrate.calibrate(model, opts)["curves"][2] == cal["curves"][2]     # cached: no third context
+    assert len(made) == 2
+    # a stall in both tries: the curve serves this run and is not cached (said on stderr)
+    calibrate.cache_path().unlink()
+    made.clear()
+    contexts_stalled(monkeypatch, STALL, contexts=2, made=made)
+    capsys.readouterr()
+    cal = calibrate.calibrate(model, opts)
+    assert len(made) == 2 and cal["curves"][2][1] == pytest.approx(3 * line(1))
+    assert "not cached" in capsys.readouterr().err and not calibrate.cache_path().exists()
+    contexts_stalled(monkeypatch, STALL, contexts=0, made=made)          # quiet: measured and cached
+    cal = calibrate.calibrate(model, opts)
+    assert len(made) == 3 and cal["curves"][2] == pytest.approx({n: line(n) for n in calibrate.DEFAULT_NS})
+    assert calibrate.cache_path().exists()
+    # recalibrate (the engine's, on disputed passes) keeps an unsettled curve out of the cache too
+    contexts_stalled(monkeypatch, STALL, contexts=2, made=made)
+    made.clear()
+    curve = calibrate.recalibrate(model, opts, 2, "passes disagreed")
+    assert curve[1] == pytest.approx(3 * line(1)) and len(made) == 2
+    entry = json.loads(calibrate.cache_path().read_text())["entries"][calibrate.entry_key(model, opts, 2)]
+    assert "replaced" not in entry and float(entry["curve"]["1"]) == pytest.approx(line(1))
+
+
 def test_recalibrate_replaces_the_entry_and_keeps_why(fake_llama):
     model, made = fake_llama
     opts = dict(n_threads=2, type_k="f16", type_v="f16")

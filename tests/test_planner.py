@@ -278,6 +278,28 @@ def test_in_a_batched_step_passes_cost_what_they_add_to_it():
     assert pl.plan("lossless", {"target": 1}, 16, 400).kind == "ar"
 
 
+def test_one_more_token_in_a_step_is_priced_from_the_curve_around_it_never_above_its_own_pass():
+    # SmolLM2's curve as a calibration through a stall cached it here (ms): t(4) - t(3) alone is
+    # 48.4, dearer than a one-token pass of its own, and 0 from 4 to 7 where the stall ended
+    stalled = {1: 40.6, 2: 75.7, 3: 159.3, 4: 207.7, 5: 207.7, 6: 207.7, 7: 207.7, 8: 329.4}
+    c = Costs({"target": stalled})
+    c.set_load({"target": 3}, 3)
+    # the median of the steps t(k + 1) - t(k), k = 1..5: 0, 0, 35.1, 48.4, 83.6
+    assert c.t("target", 1) == pytest.approx(75.7 - 40.6)
+    assert c.table("target")[1] == pytest.approx(75.7 - 40.6)
+    pl = Planner(c, explore=0.0)
+    ar = pl.rates("lossless", {"target": 1}, 16)[0]
+    assert ar.kind == "ar" and ar.seconds == pytest.approx(75.7 - 40.6)
+    # every step around it above t(1) (a one-token pass timed fast): at most t(1)
+    c = Costs({"target": {1: 1.0, 2: 3.0, 8: 15.0}})
+    c.set_load({"target": 4}, 4)
+    assert c.t("target", 1) == pytest.approx(1.0)
+    # a smooth CPU curve: the step itself (linear: every step alike)
+    c = Costs({"target": {1: 1.0, 16: 7.0}})
+    c.set_load({"target": 6}, 6)
+    assert c.t("target", 1) == pytest.approx(0.4)
+
+
 def test_a_changed_load_replans_at_the_next_cycle():
     gpu = {1: 1.0, 32: 1.0, 64: 2.0, 160: 5.0}
     pl = planner_with(gpu, [1.0] + [0.9] * 15)
