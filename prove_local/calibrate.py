@@ -12,7 +12,9 @@ and the curve is checked before it is trusted (`suspects`: a pass never gets che
 tokens, costs at most ~n one-token passes, and the widest width does not jump past what the others
 extrapolate to): suspect widths are measured again, and what is still suspect is repaired (`repair`).
 A cached curve is checked when it is read, and one that fails is measured again and replaced; so is
-one the engine's passes keep disagreeing with (`recalibrate`, from planner.Costs' `flagged`).
+one the engine's passes keep disagreeing with (`recalibrate`, from planner.Costs' `flagged`). A curve
+during whose measurement the load changed (its t(1) timed again right after it disagrees) is measured
+once more, and one still unsettled is used but not cached (`_keep`).
 
 The planner needs the *shape* of the curve, t(n)/t(1), more than its scale (it rescales online from
 the passes it sees), so a short, noisy measurement is enough; it is cached on disk keyed by the model
