@@ -413,6 +413,7 @@ class _Layout:
     tested: np.ndarray
     starts: np.ndarray
     passes: dict
+    steps: np.ndarray            # passes per plan, every role's: the batched steps its cycle spans
 
 
 @dataclass
@@ -676,10 +677,10 @@ class Planner:
         """The other requests' tokens per role in the steps the next passes join, and their number
         (a batched pool: the engine's estimate from its recent steps, batching.SeqView.others; {}
         alone). The planner then maximises the step's throughput, not the request's own: an option
-        committing g tokens for passes that add c seconds to the steps (Costs.t: a one-token pass
-        t(M + 1) - t(M), a wider one t(n), a graph of its own) is rated (G + g) / (T + c), with G the
-        other sequences' tokens per step (one each) and T what their decodes cost (Costs.step_rest).
-        Alone that is g / c, as before. Beside G requests a proposal must pay for holding up all of
+        committing g tokens in P passes that add c seconds to the steps (Costs.t: a one-token pass
+        t(M + 1) - t(M), a wider one t(n), a graph of its own) is rated (P G + g) / (P T + c), with G
+        the other sequences' tokens per step (one each) and T what their decodes cost
+        (Costs.step_rest): each pass of the cycle is a step of the pool. Alone that is g / c. Beside G requests a proposal must pay for holding up all of
         them: the choice narrows as the load grows, on any backend. A changed load makes the next
         cycle replan."""
         if self.costs is not None and self.costs.set_load(load, sequences):
@@ -734,7 +735,9 @@ class Planner:
         gain = np.array(m.expected_tokens(s, n_max, gated=bool(pending.get(GATED))))[lay.tested]
         oh = np.array([self._oh(mode, w) for w in range(1, n_max + 1)])[lay.width - 1]
         secs = np.maximum(1e-12, cost + oh)
-        rate = (g0 + gain) / (t0 + secs)
+        # a cycle of P passes spans P steps, in each of which the others commit G tokens for T seconds
+        # (alone G = T = 0: g / c); ar is one step
+        rate = (lay.steps * g0 + gain) / (lay.steps * t0 + secs)
         ends = lay.starts[1:].tolist() + [len(rate)]
         for w, (a, b) in enumerate(zip(lay.starts.tolist(), ends)):
             i = a + int(np.argmax(rate[a:b]))               # a block's best verify width
@@ -764,8 +767,11 @@ class Planner:
             for role, (idx, ns) in by_role.items():
                 uniq, inv = np.unique(np.asarray(ns, dtype=int), return_inverse=True)
                 passes[role] = (np.asarray(idx, dtype=int), uniq, inv)
+            steps = np.zeros(len(plans))
+            for idx, _, _ in passes.values():
+                steps += np.bincount(idx, minlength=len(plans))
             lay = _Layout(np.array([plan_width(p) for p in plans]), np.array([tested(p) for p in plans]),
-                          np.array(starts), passes)
+                          np.array(starts), passes, steps)
             if len(self._layouts) > 64:
                 self._layouts.clear()
             self._layouts[key] = lay
@@ -1046,9 +1052,10 @@ class Planner:
         now = self.switch_cost() if cur is None or cur.kind == "ar" else 0.0
         return abs(now - tab.switch) > SWITCH_REPRICE * tab.t_ar
 
-    def _plan_costs(self, pend: dict, plans: list[Plan]) -> np.ndarray:
+    def _plan_costs(self, pend: dict, plans: list[Plan]) -> tuple[np.ndarray, np.ndarray]:
         """modes.cycle_cost of each plan, the passes from Mode.widths (cached per pending counts, as
-        _layout does) and their t(n) from the curves' tables in one step."""
+        _layout does) and their t(n) from the curves' tables in one step; and each plan's passes (the
+        batched steps its cycle spans, as _Layout.steps)."""
         key = ("plans", tuple(sorted(pend.items())), tuple((p.kind, p.block, p.verify, p.lookup) for p in plans))
         lay = self._layouts.get(key)
         if lay is None:
@@ -1060,12 +1067,13 @@ class Planner:
                     ns += ws
             lay = self._layouts[key] = {r: (np.asarray(i, dtype=int), np.asarray(n, dtype=int))
                                         for r, (i, n) in by_role.items()}
-        out = np.zeros(len(plans))
+        out, steps = np.zeros(len(plans)), np.zeros(len(plans))
         for role, (idx, ns) in lay.items():       # the curves' tables, one lookup per role (t() past their end)
             table = self.costs.table(role)
             ts = table[ns] if ns.max() < len(table) else np.array([self.costs.t(role, int(n)) for n in ns])
             out += np.bincount(idx, weights=ts, minlength=len(plans))
-        return out
+            steps += np.bincount(idx, minlength=len(plans))
+        return out, steps
 
     def _lookup_table(self, mode: str, key: str, pending: dict, block_max: int, costs=None) -> _LookupTable:
         """For every match length m: the expected tokens per second of a lookup draft of k = 1..LOOKUP_K_MAX
@@ -1099,17 +1107,20 @@ class Planner:
         if costs is None:
             switch = self.switch_cost() if cur is None or cur.kind == "ar" else 0.0
             oh = np.array([self._oh(LOOKUP, k) for k in range(1, LOOKUP_K_MAX + 1)])
-            cost = self._plan_costs(pend, plans) + oh + switch
-            full = short = None
+            cost, l_steps = self._plan_costs(pend, plans)
+            cost = cost + oh + switch
+            full = short = f_steps = s_steps = None
             if best is not None:
                 B, v = best.width, best.verify if best.verify is not None else best.width
-                full = self._plan_costs(pend, self._lookup_plans(mode, B, v)) + self._oh(mode, B) + switch
-                short = self._plan_costs(pend, self._lookup_plans(mode, B, 0)) + self._oh(mode, B) + switch
-            costs = (cost, full, short, best, switch)
-        cost, full, short, was, switch = costs
+                full, f_steps = self._plan_costs(pend, self._lookup_plans(mode, B, v))
+                short, s_steps = self._plan_costs(pend, self._lookup_plans(mode, B, 0))
+                full, short = full + self._oh(mode, B) + switch, short + self._oh(mode, B) + switch
+            costs = (cost, full, short, best, switch, (l_steps, f_steps, s_steps))
+        cost, full, short, was, switch, (l_steps, f_steps, s_steps) = costs
         if was is not best:                      # (the MARS options changed: a replan, which rebuilds the costs)
             best, full = None, None
-        rate = (g0 + gain) / (t0 + np.maximum(cost, 1e-12)[None, :])
+        # (as in rates: a cycle of P passes spans P steps of the others' G tokens and T seconds)
+        rate = (l_steps * g0 + gain) / (l_steps * t0 + np.maximum(cost, 1e-12)[None, :])
         # (Python lists from here: between two passes a numpy call costs microseconds, a list item little)
         best_i, best_r = rate.argmax(axis=1).tolist(), rate.max(axis=1)
         bests = [(i + 1, r) for i, r in zip(best_i, best_r.tolist())]     # (k, its rate) per match length
@@ -1117,7 +1128,8 @@ class Planner:
         # a MARS proposal filled by k lookup tokens (only where the mode proposes with masks)
         if best is not None and full is not None:
             B = best.width
-            f_rate = (g0 + gain + run * (best.tokens - 1.0)) / (t0 + np.maximum(
+            n_steps = run * f_steps[None, :] + (1.0 - run) * s_steps[None, :]
+            f_rate = (n_steps * g0 + gain + run * (best.tokens - 1.0)) / (n_steps * t0 + np.maximum(
                 run * full[None, :] + (1.0 - run) * short[None, :], 1e-12))
             f_i, f_r = f_rate.argmax(axis=1), f_rate.max(axis=1)
             for m in np.flatnonzero(f_r > best_r).tolist():
@@ -1308,21 +1320,76 @@ class Planner:
                 "stats": {m: s.summary() for m, s in self.stats.items()}}
 
 
+def _planner_at(curve: dict[int, float], slot_rates, n_max: int = 160) -> Planner:
+    """A planner on this curve whose lossless statistics are these per-slot rates, as if from endless
+    data, and that never explores (the projections' planner)."""
+    planner = Planner(Costs({"target": curve}, n_max=n_max), explore=0.0)
+    st = planner.stats_for("lossless")
+    rates = np.asarray(list(slot_rates) + [0.0] * N_SLOTS, dtype=float)[:N_SLOTS]
+    st.tested[:] = [1e12] * N_SLOTS
+    st.accepted[:] = (rates * 1e12).tolist()
+    return planner
+
+
 def projection(curve: dict[int, float], slot_rates, block_max: int = 16, overhead: float = 0.0) -> list[dict]:
     """Expected lossless tokens per one-token pass cost for every block width B (verify = B) and
     the planner's prior choice, from a pass-cost curve and per-slot acceptance rates: the projection
     table of the bench (a flat curve, as on a GPU, must make the planner pick the full block)."""
-    planner = Planner(Costs({"target": curve}), explore=0.0)
-    st = planner.stats_for("lossless")
-    rates = np.asarray(list(slot_rates) + [0.0] * N_SLOTS, dtype=float)[:N_SLOTS]
-    st.tested[:] = [1e12] * N_SLOTS                   # the given rates, as if from endless data
-    st.accepted[:] = (rates * 1e12).tolist()
+    planner = _planner_at(curve, slot_rates)
     planner.overhead = {"ar": overhead, "lossless": overhead}
     t1 = planner.costs.t("target", 1)
     options = planner.rates("lossless", {"target": 1}, block_max)
     best = max(options, key=lambda ch: ch.rate)
     return [{"kind": o.kind, "width": o.width, "tokens_per_t1": round(o.rate * t1, 4),
              "chosen": (o.kind, o.width) == (best.kind, best.width)} for o in options]
+
+
+def batch_projection(curve: dict[int, float], slot_rates, concurrency=(1, 2, 4, 8, 16, 32),
+                     block_max: int = 16) -> list[dict]:
+    """What batching does to lossless, on paper, from a pass-cost curve t(n) (seconds of one
+    llama_decode of n tokens) and per-slot acceptance; no timing. Per concurrency c:
+    - `ar_batch_gain`: an all-ar step's throughput over one request's, (c / t(c)) / (1 / t(1));
+    - `choice`, `step_gain`: the batch-aware planner's choice for one lossless request beside c - 1
+      ar requests (`Planner.rates` under `set_load`, the rule the engine runs) and the step's
+      throughput it expects from it over the all-ar step's;
+    - `in_phase`: per width, if all c requests ran it at once — every pass one ubatch of c times its
+      tokens (llama.cpp's split_equal puts sequences of equal widths into one ubatch) — the step's
+      tokens per second over the all-ar step's; `best_in_phase` the best of those (ar: 1.0), and
+      `choice_in_phase` the planner's choice there.
+    The acceptance is the same at every concurrency (batching changes what a pass costs, not what a
+    proposal gets right)."""
+    n_top = max(concurrency) * (block_max + 1) + 1
+    solo = Costs({"target": curve}, n_max=n_top)
+    mode, pend = MODES["lossless"], {"target": 1}
+    gain = mode.expected_tokens(_planner_at(curve, slot_rates).stats_for("lossless").slot_rates(block_max).tolist(),
+                                block_max)
+    plans = {(w, v): gain[v] for w in range(1, block_max + 1) for v in range(1, w + 1)}
+    out = []
+    for c in concurrency:
+        planner = _planner_at(curve, slot_rates, n_top)
+        if c > 1:
+            planner.set_load({"target": c - 1}, c - 1)
+        options = planner.rates("lossless", pend, block_max)
+        plan = planner.plan("lossless", pend, block_max, room=1 << 20)    # (its margins and all)
+        ar = options[0]
+        best = ar if plan.kind == "ar" else next(o for o in options[1:] if o.width == plan.block)
+        t_ar = solo.solo("target", c)
+        in_phase = {}                            # per width, at its best verify width in phase
+        for (w, v), g in plans.items():
+            secs = sum(solo.solo("target", c * n) for n in mode.widths(pend, Plan("lossless", w, verify=v))["target"])
+            in_phase[w] = max(in_phase.get(w, 0.0), round(g * t_ar / secs, 4))
+        top = max(in_phase, key=in_phase.get)
+        out.append({
+            "concurrency": c,
+            "ar_batch_gain": round(c * solo.solo("target", 1) / t_ar, 4),
+            "choice": label(plan),
+            "tokens_per_cycle": round(best.tokens, 4),
+            "step_gain": round(best.rate / ar.rate, 4),
+            "in_phase": in_phase,
+            "best_in_phase": {"width": top if in_phase[top] > 1.0 else 1, "gain": max(1.0, in_phase[top])},
+            "choice_in_phase": 1.0 if best.kind == "ar" else in_phase[best.width],
+        })
+    return out
 
 
 def widths_histogram(cycles) -> dict:

@@ -388,3 +388,21 @@ def test_a_request_starts_from_the_last_table_made_from_an_empty_record():
     assert len(made) == 3 and pl._ltables["lossless"].local == 1           # made from its record
     pl.start_request()
     assert pl._ltables["lossless"].local == 0 and pl._ltables["lossless"].cand is not None
+
+
+def test_beside_other_requests_a_filled_proposal_spans_the_steps_of_its_passes():
+    """A MARS block filled by k lookup tokens is two passes when its lookup tokens are accepted (a
+    proposal and a verify), one when not: beside G other requests those are as many steps of their G
+    tokens and T seconds. Flat curve (every pass 1 s, a one-token pass joins a step for free), lookup
+    slots accepted half the time, the current MARS block B=16 committing 10 tokens a cycle; beside one
+    ar request (G = 1, T = 1) the best row is k = 1: with P(accepted) 0.5 it spans 1.5 steps,
+    (1.5 x 1 + 1.5 + 0.5 x 9) / (1.5 x 1 + 0.5 x 2 + 0.5 x 1) = 2.5 (rated as one step: 2.8)."""
+    from prove_local.planner import Choice
+    pl = planner(curve={1: 1.0, 64: 1.0}, accept=0.5)
+    pl.overhead = {}
+    pl._options["lossless"] = [Choice("ar", 1, 1.0, 1.0, 1.0), Choice("lossless", 16, 5.0, 10.0, 2.0, 16)]
+    alone = pl._lookup_table("lossless", "lossless", {ROLE: 1}, 16)
+    assert alone.cand[4] == Plan("lossless", 16, lookup=1) and alone.cand_r[4] == pytest.approx(6.0 / 1.5)
+    pl.set_load({ROLE: 1}, 1)
+    tab = pl._lookup_table("lossless", "lossless", {ROLE: 1}, 16)
+    assert tab.cand[4] == Plan("lossless", 16, lookup=1) and tab.cand_r[4] == pytest.approx(2.5)

@@ -17,7 +17,7 @@ import pytest
 from prove_local import calibrate, modes
 from prove_local.engine import Engine, Settings
 from prove_local.llama import Context, Model
-from prove_local.planner import Costs, Planner, SlotStats, projection
+from prove_local.planner import Costs, Planner, SlotStats, batch_projection, projection
 from prove_local.rules import Plan
 from tests.reference import greedy_ar
 from tests.tiny import tiny_gguf
@@ -276,6 +276,52 @@ def test_in_a_batched_step_passes_cost_what_they_add_to_it():
     assert pl.plan("lossless", {"target": 1}, 16, 400).kind == "lossless"
     pl.set_load({"target": 3}, 3)
     assert pl.plan("lossless", {"target": 1}, 16, 400).kind == "ar"
+
+
+def test_a_cycle_of_two_passes_spans_two_steps_of_the_other_requests():
+    # beside one ar request on a flat curve (a one-token pass joins the step for free), B=1 v=1 is
+    # ar in two passes: two one-token passes for the same two tokens ar commits in two steps. Rated
+    # as one step, (G + 2) / (T + 0) = 3 against ar's 2, it looked 1.5x better than ar
+    flat = {1: 1.0, 64: 1.0}
+    pl = planner_with(flat, [1.0] + [0.9] * 15)
+    pl.set_load({"target": 1}, 1)
+    opts = pl.rates("lossless", {"target": 1}, 16)
+    ar, b1 = opts[0], opts[1]
+    assert (ar.kind, b1.kind, b1.width, b1.tokens) == ("ar", "lossless", 1, 2.0)
+    assert b1.rate == pytest.approx(ar.rate) and ar.rate == pytest.approx(2.0)
+    # a 2-pass option on a steep curve beside 3 requests: (2 G + g) / (2 T + c), its passes solo
+    cpu = {1: 1.0, 2: 1.13, 3: 1.29, 4: 1.69, 16: 4.98}
+    pl = planner_with(cpu, [1.0, 0.58, 0.5, 0.45] + [0.4] * 12)
+    pl.set_load({"target": 3}, 3)
+    b3 = next(o for o in pl.rates("lossless", {"target": 1}, 16) if o.width == 3)
+    G, T = pl.costs.step_rest()
+    assert (G, T) == (3.0, pytest.approx(1.29))
+    assert b3.rate == pytest.approx((2 * G + b3.tokens) / (2 * T + b3.seconds))
+    # (the proposal pass a ubatch of its own; the verify pass joins the step where it is one token)
+    assert b3.seconds == pytest.approx(pl.costs.solo("target", 3) + pl.costs.t("target", b3.verify))
+
+
+def test_batch_projection_on_paper():
+    # the paper's cost model (every pass a one-token pass): alone the full block, its two passes for
+    # g16 tokens; beside one ar request still the block (its two passes are ubatches of their own,
+    # llama.cpp's split_equal: (2 x 1 + g16) / (2 x 1 + 2) against ar's (1 + 1) / 1); beside 7 ar:
+    # (14 + g16) / 4 < 8, ar. All requests proposing the full block at once keep its whole gain
+    rates = [1.0] + [0.9] * 15
+    g16 = 2.0 + sum(0.9 ** j for j in range(1, 16))          # the free slot 1, the correction, slots 2-16
+    rows = batch_projection({1: 1.0, 64: 1.0}, rates, (1, 2, 8))
+    assert [r["concurrency"] for r in rows] == [1, 2, 8]
+    assert [r["ar_batch_gain"] for r in rows] == [1.0, 2.0, 8.0]
+    assert rows[0]["choice"] == "B=16 v=16" and rows[0]["step_gain"] == pytest.approx(g16 / 2, abs=1e-3)
+    assert rows[1]["choice"] == "B=16 v=16" and rows[1]["step_gain"] == pytest.approx((2 + g16) / 4 / 2, abs=1e-3)
+    assert (rows[2]["choice"], rows[2]["step_gain"], rows[2]["choice_in_phase"]) == ("ar", 1.0, 1.0)
+    for r in rows:
+        assert r["best_in_phase"] == {"width": 16, "gain": pytest.approx(g16 / 2, abs=1e-3)}
+        assert r["in_phase"][1] == 1.0                      # B=1: ar in two passes
+    assert rows[1]["choice_in_phase"] == pytest.approx(g16 / 2, abs=1e-3)
+    # a steep CPU curve (t(n) ~ n): ar everywhere, alone and in phase
+    rows = batch_projection({1: 1.0, 2: 2.0, 64: 64.0}, [1.0, 0.5] + [0.3] * 14, (1, 4))
+    assert all(r["choice"] == "ar" and r["best_in_phase"] == {"width": 1, "gain": 1.0} for r in rows)
+    assert rows[1]["ar_batch_gain"] == pytest.approx(1.0)
 
 
 def test_one_more_token_in_a_step_is_priced_from_the_curve_around_it_never_above_its_own_pass():
