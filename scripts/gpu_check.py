@@ -268,6 +268,20 @@ def batch_steps(model, threads: int | None, flash_attn: bool, n_prefix: int, rep
         ctx.close()
 
 
+def project(entry: dict) -> dict:
+    """lossless under batching on paper (scripts/batch_projection.py) over this shape's measured pass
+    curve (with flash attention where both were measured): the planner's choice beside c - 1 ar
+    requests and the best width if all c proposed at once, with the embedded proposer's acceptance.
+    Widths past the measured ones are extrapolated along the curve's mean slope."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from batch_projection import EMBEDDED_RATES
+
+    from prove_local.planner import batch_projection
+    key = "pass_cost_flash_attn" if "pass_cost_flash_attn" in entry else "pass_cost"
+    curve = {int(n): t / 1e3 for n, t in entry[key]["t_ms"].items()}
+    return {"curve": key, "rows": batch_projection(curve, EMBEDDED_RATES, STEP_SEQUENCES)}
+
+
 def run_modes(engine, prompts: list[list[int]], runs: list[tuple[str, object]], deadline: float) -> dict:
     """Each (name, Settings) run on every prompt after a warm-up: wall-clock seconds, tokens, passes,
     the widths the planner chose, and whether the exact modes equal ar."""
@@ -515,6 +529,10 @@ def main(argv=None) -> int:
                     key = "pass_cost_flash_attn" if fa == "both" else "pass_cost"
                     entry[key] = pass_costs(model, a.n_max, reps, a.prefix, a.threads, True, deadline)
                 entry["batch_steps"] = batch_steps(model, a.threads, fa == "on", a.prefix, max(2, reps), deadline)
+                entry["batch_projection"] = project(entry)
+                log(f"{name} batch_projection (lossless / all-ar step; planner beside ar, best in phase): " + "; ".join(
+                    f"c={r['concurrency']} {r['choice']} x{r['step_gain']} / x{r['best_in_phase']['gain']}"
+                    for r in entry["batch_projection"]["rows"]))
                 st = entry["batch_steps"]["ms"]
                 log(f"{name} batch_steps (ms, c = {', '.join(map(str, STEP_SEQUENCES))} sequences): "
                     + "; ".join(f"{k} " + " / ".join(str(v) for v in row.values()) for k, row in st.items()))

@@ -355,6 +355,9 @@ def test_gpu_check_cpu_form_writes_json(pulled, tmp_path):
         steps = m["batch_steps"]["ms"]                             # the concurrency sweep
         assert set(steps) == {"ar", "wide", "mixed"} and all(list(r) == ["1", "2", "4", "8"] for r in steps.values())
         assert all(v > 0 for r in steps.values() for v in r.values())
+        proj = m["batch_projection"]                               # lossless under batching, on paper
+        assert proj["curve"] == "pass_cost" and [r["concurrency"] for r in proj["rows"]] == [1, 2, 4, 8]
+        assert all(r["step_gain"] >= 1.0 and r["best_in_phase"]["gain"] >= 1.0 for r in proj["rows"])
     modes = d["pair"]["modes"]
     assert set(modes) == {"ar", "lossless", "prove"}
     assert modes["lossless"]["same_as_ar"] is True                 # F32 weights and KV cache: exact
