@@ -680,8 +680,9 @@ class Planner:
         committing g tokens in P passes that add c seconds to the steps (Costs.t: a one-token pass
         t(M + 1) - t(M), a wider one t(n), a graph of its own) is rated (P G + g) / (P T + c), with G
         the other sequences' tokens per step (one each) and T what their decodes cost
-        (Costs.step_rest): each pass of the cycle is a step of the pool. Alone that is g / c. Beside G requests a proposal must pay for holding up all of
-        them: the choice narrows as the load grows, on any backend. A changed load makes the next
+        (Costs.step_rest): each pass of the cycle is a step of the pool. Alone that is g / c. Beside
+        G requests a proposal must pay for holding up all of them: the choice narrows as the load
+        grows, on any backend. A changed load makes the next
         cycle replan."""
         if self.costs is not None and self.costs.set_load(load, sequences):
             self._vcosts.clear()
