@@ -507,6 +507,70 @@ def recalibrate(model, options: dict, threads: int, why: str, *, budget_s: float
     return {int(n): float(t) for n, t in entry["curve"].items()}
 
 
+# ------------------------------------------------------------------------------- the adapter's switch
+SWITCH_REPS = 7           # rounds of measure_switch (each: a stock pass, two adapter passes, two stock passes)
+
+
+def measure_switch(ctx, fill: list[int], *, reps: int = SWITCH_REPS) -> dict:
+    """What switching a gated adapter on and off adds to the passes of `ctx` (a context with its
+    adapter), in seconds inside llama_decode. llama.cpp re-plans the whole graph at each switch
+    (`llama_set_adapters_lora` sets `sched_need_reserve`; the next llama_decode rebuilds the scheduler
+    and reserves the worst-case graphs), and a gated lossless cycle switches twice: on for its
+    proposal pass, off for its verify pass. Per round: a 3-token stock pass (settling), a 2-token
+    adapter pass (switched on) and another (not switched), a 3-token stock pass (switched off) and
+    another (not switched); `on` and `off` are the medians of the differences, `switch` their sum
+    (each at least 0). Every pass is removed again."""
+    base = ctx.n_past
+    toks = (list(fill) or [0]) * 3
+
+    def timed(width: int, adapter: bool) -> float:
+        before = ctx.decode_seconds
+        ctx.eval(toks[:width], rows=list(range(width)), adapter=adapter)
+        ctx.truncate(base)
+        return ctx.decode_seconds - before
+
+    on, off = [], []
+    try:
+        for _ in range(reps):
+            timed(3, False)
+            switched, same = timed(2, True), timed(2, True)
+            on.append(switched - same)
+            switched, same = timed(3, False), timed(3, False)
+            off.append(switched - same)
+    finally:
+        if ctx.n_past > base:
+            ctx.truncate(base)
+    out = {"on": max(0.0, median(on)), "off": max(0.0, median(off))}
+    out["switch"] = out["on"] + out["off"]
+    return out
+
+
+def switch_cost(model, adapter, options: dict, threads: int, *, refresh: bool = False, n_fill: int = 128) -> float:
+    """The cached seconds a gated lossless cycle of `model` with `adapter` spends switching it
+    (`measure_switch`, on a fresh context with the decoding options and `threads`; ~1 s on SmolLM2-135M
+    and 2 CPU threads, once per model, adapter and options)."""
+    path = cache_path()
+    cache = _load_cache(path)
+    a = Path(adapter.path).resolve()
+    st = a.stat()
+    key = f"{model_key(model)}|switch|{a}|{st.st_size}|{st.st_mtime_ns}|{config_key(model, options, threads)}|{build_id()}"
+    entry = cache["entries"].get(key)
+    if entry is None or refresh or not isinstance(entry.get("switch"), (int, float)):
+        t0 = time.perf_counter()
+        opts = {**options, "n_ctx": n_fill + 16, "n_threads": threads}
+        with Context(model, adapter=adapter, **opts) as ctx:
+            fill = [int(t) % max(1, min(model.n_vocab, 256)) for t in range(7, 7 + n_fill)]
+            ctx.eval(fill, rows=[])
+            ctx.eval(fill[:2], rows=[0, 1], adapter=True)       # (a first adapter pass warms its weights)
+            ctx.truncate(n_fill)
+            entry = measure_switch(ctx, fill)
+        entry.update(seconds=round(time.perf_counter() - t0, 3), when=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                     model=str(model.path), adapter=str(a), threads=threads)
+        cache["entries"][key] = entry
+        _save_cache(path, cache)
+    return float(entry["switch"])
+
+
 def recheck_threads(ctx, candidates: list[int], *, reps: int = 5) -> int:
     """On a live context, time one-token passes with each thread count and keep the fastest (it is
     set on the context). The cache is left as it was."""

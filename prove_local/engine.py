@@ -14,7 +14,7 @@ from typing import Iterator
 
 
 from . import constrain, modes, rules, sampling
-from .calibrate import calibrate, recalibrate, recheck_threads
+from .calibrate import calibrate, recalibrate, recheck_threads, switch_cost
 from .errors import ContextFull, EngineBusy, ModeError
 from .llama import Adapter, Context, Model
 from .lookup import NgramIndex
@@ -193,6 +193,10 @@ class Engine:
             curves[role] = cal["curves"][cal["threads"]]
             self._thread_curves[role] = cal["curves"]
         self.planner.costs = Costs(curves)
+        target = self.contexts["target"]
+        if getattr(target, "adapter", None) is not None:   # a gated adapter: what its switches cost
+            self.planner.costs.adapter_switch = switch_cost(target.model, target.adapter, self.context_options,
+                                                    target.n_threads, refresh=refresh)
 
     def adopt_calibration(self, other: "Engine") -> bool:
         """Take the calibrated pass costs of `other`, an engine on the same models with the same options
@@ -212,6 +216,7 @@ class Engine:
             self._thread_curves[role] = dict(other._thread_curves[role])
             curves[role] = self._thread_curves[role][th]
         self.planner.costs = Costs(curves)
+        self.planner.costs.adapter_switch = other.planner.costs.adapter_switch
         return True
 
     def _recheck_threads(self) -> None:

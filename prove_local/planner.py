@@ -119,6 +119,10 @@ class Costs:
         self.flagged: dict[str, str] = {}                   # per role: why its curve should be measured again
         self.load: dict[str, int] = {}                      # per role: other tokens in the steps its passes join (set_load)
         self.others = 0                                     # the other sequences in those steps
+        # seconds a gated lossless cycle spends switching its adapter on and off, on top of its two
+        # passes (calibrate.switch_cost: llama.cpp re-plans the graph at each switch; SmolLM2-135M Q4_1,
+        # 2 threads: ~10 ms on, ~8 off, where a one-token pass takes ~13); the engine sets it
+        self.adapter_switch = 0.0
         for role, curve in curves.items():
             self.set_curve(role, curve)
 
@@ -148,18 +152,19 @@ class Costs:
 
     def solo(self, role: str, n: int) -> float:
         """t(n) of a pass decoded alone: the curve, times the scale and the shape (role GATED: the
-        target's adapter pass, priced as the target's pass)."""
-        if role == GATED:
-            role = "target"
-        b = self.base[role]
+        target's adapter pass, priced as the target's pass plus the adapter's switches, `adapter_switch`)."""
         n = int(n)
+        extra = 0.0
+        if role == GATED:
+            role, extra = "target", (self.adapter_switch if n > 0 else 0.0)
+        b = self.base[role]
         if n == 1:                            # (the shape is relative to width 1: 1 there)
-            return float(b[1]) * self.scale[role]
+            return float(b[1]) * self.scale[role] + extra
         sh = self._shape(role)
         if n >= len(b):
             slope = max(0.0, (b[-1] - b[1]) / (len(b) - 2))
-            return float(b[-1] + slope * (n - len(b) + 1)) * self.scale[role] * (1.0 if sh is None else float(sh[-1]))
-        return float(b[n]) * self.scale[role] * (1.0 if sh is None else float(sh[n]))
+            return float(b[-1] + slope * (n - len(b) + 1)) * self.scale[role] * (1.0 if sh is None else float(sh[-1])) + extra
+        return float(b[n]) * self.scale[role] * (1.0 if sh is None else float(sh[n])) + extra
 
     def t(self, role: str, n: int) -> float:
         """What a pass of n tokens costs: alone, t(n); in a batched step that decodes `load[role]` = M
@@ -189,7 +194,9 @@ class Costs:
 
     def solo_table(self, role: str) -> np.ndarray:
         if role == GATED:
-            role = "target"
+            out = self.solo_table("target") + self.adapter_switch
+            out[0] = 0.0
+            return out
         sh = self._shape(role)
         return self.base[role] * self.scale[role] * (1.0 if sh is None else sh)
 
@@ -436,6 +443,7 @@ class _LookupTable:
     t_ar: float = 0.0
     cand: list | None = None     # per match length: the best plan and its rate, before the comparison with `rate`
     cand_r: list | None = None
+    ceilings: list | None = None     # per k - 1: a k-token draft's rate with every token accepted
 
     def __post_init__(self):
         self.min_match = next((m for m, r in enumerate(self.rows) if m and r is not None), MAX_MATCH + 1)
@@ -454,6 +462,7 @@ class Choice:
     tokens: float = 1.0          # expected tokens committed per cycle
     seconds: float = 0.0         # expected seconds per cycle (passes + Python overhead)
     verify: int | None = None    # the best verify width of a block (lossless)
+    ceiling: float = math.inf    # its rate were every proposed token accepted (what exploring it can find; ar: inf)
 
 
 class Planner:
@@ -619,7 +628,12 @@ class Planner:
             return False
         worst = 0.0
         batch = getattr(cycle, "batch", None) or {}
+        gated = kind == "lossless" and bool(cycle.source) and cycle.source[-1] == "adapter"
         for role, secs in cycle.decode_seconds.items():
+            if gated and role == "target":        # (its passes' seconds: the adapter's switches are priced apart)
+                secs -= self.costs.adapter_switch
+                if secs <= 0:
+                    continue
             r = self.costs.observe(role, cycle.widths.get(role, []), secs, batch=batch.get(role))
             worst = max(worst, r or 0.0)
         # a pass that suddenly costs many times its t(n): a loaded machine, re-check the threads
@@ -739,11 +753,13 @@ class Planner:
         # a cycle of P passes spans P steps, in each of which the others commit G tokens for T seconds
         # (alone G = T = 0: g / c); ar is one step
         rate = (lay.steps * g0 + gain) / (lay.steps * t0 + secs)
+        whole = np.array(m.expected_tokens([1.0] * n_max, n_max, gated=bool(pending.get(GATED))))[lay.tested]
+        ceiling = (lay.steps * g0 + whole) / (lay.steps * t0 + secs)
         ends = lay.starts[1:].tolist() + [len(rate)]
         for w, (a, b) in enumerate(zip(lay.starts.tolist(), ends)):
             i = a + int(np.argmax(rate[a:b]))               # a block's best verify width
             out.append(Choice(mode, w + 1, float(rate[i]), float(gain[i]), float(secs[i]),
-                              int(lay.tested[i]) if m.verify_choice else None))
+                              int(lay.tested[i]) if m.verify_choice else None, float(ceiling[a:b].max())))
         return out
 
     def _layout(self, mode: str, pend: dict, n_max: int) -> "_Layout":
@@ -920,6 +936,8 @@ class Planner:
             k, rate = tab.best[m]
             if not self._budget_left() or (self.explore_by_rate and self.rng.random() * tab.rate >= rate):
                 return None
+            if self.explore_by_rate and tab.ceilings is not None and tab.ceilings[k - 1] < tab.rate:
+                return None                      # it could not win with every token accepted (_worth_exploring)
             self._displaced, self._after = tab.rate, 0
             plan = Plan(LOOKUP, lookup=k)
         if plan.lookup > self._lookup_cap:       # slow start: no longer than the request has earned
@@ -1125,6 +1143,8 @@ class Planner:
         # (Python lists from here: between two passes a numpy call costs microseconds, a list item little)
         best_i, best_r = rate.argmax(axis=1).tolist(), rate.max(axis=1)
         bests = [(i + 1, r) for i, r in zip(best_i, best_r.tolist())]     # (k, its rate) per match length
+        # a k-token draft's rate were every token accepted (what exploring it can find: Choice.ceiling)
+        ceilings = ((l_steps * g0 + 2.0 + np.arange(LOOKUP_K_MAX)) / (l_steps * t0 + np.maximum(cost, 1e-12))).tolist()
         rows = [plans[i] for i in best_i]
         # a MARS proposal filled by k lookup tokens (only where the mode proposes with masks)
         if best is not None and full is not None:
@@ -1141,7 +1161,7 @@ class Planner:
         rows = [r if m and r_m > bar else None for m, (r, r_m) in enumerate(zip(cand, cand_r))]
         tab = _LookupTable(rows, bests, base, st.n_cycles, cur, pend["target"], any(r is not None for r in rows),
                             self._lookup_local.n_cycles, rate, costs, switch=switch, t_ar=t_ar,
-                            cand=cand, cand_r=cand_r)
+                            cand=cand, cand_r=cand_r, ceilings=ceilings)
         if tab.local == 0:                       # (what the next request starts from: start_request)
             self._fresh[key] = tab
         return tab
@@ -1249,6 +1269,10 @@ class Planner:
 
     def _worth_exploring(self, ex: Plan, mode: str, key: str) -> bool:
         """Carry out an exploration with probability rate(its width) / rate(best choice), and only if
+        it could beat the best choice were every slot it proposes accepted (`Choice.ceiling`: what
+        exploring it could find; else it can only lose, and teach acceptance that no plan would use:
+        SmolLM2 + adapter, 2 threads, a B=2 gated cycle costs 84 ms for at most 3 tokens that `ar`
+        makes in 42, 1 % of the time in explorations of it), and only if
         what it is expected to lose (its predicted seconds beyond its tokens at the best rate) fits the
         regret budget now: the budget is judged before the exploration as well as after it, or the
         first cycles of a fresh engine, with nothing spent and little time seen, would explore as
@@ -1260,6 +1284,8 @@ class Planner:
         best = max(o.rate for o in options)
         want = (ex.kind, plan_width(ex))           # (an ar plan: width 1)
         o = next((o for o in options if (o.kind, o.width) == want), None)
+        if o is not None and o.ceiling < best:
+            return False                           # it could not win with every slot accepted
         rate = o.rate if o is not None else best
         if o is not None and best > 0:
             loss = max(0.0, o.seconds - o.tokens / best)
@@ -1314,6 +1340,7 @@ class Planner:
         return {"current": {m: {"kind": c.kind, "width": c.width, "tokens_per_second": round(c.rate, 1)}
                             for m, c in self.current.items()},
                 "scale": dict(self.costs.scale) if self.costs else {},
+                "adapter_switch_ms": round(self.costs.adapter_switch * 1e3, 2) if self.costs else 0.0,
                 "shape": {r: self.costs.shape_summary(r) for r in self.costs.base} if self.costs else {},
                 "exploration_regret_share": round(self.regret / self.elapsed, 4) if self.elapsed else 0.0,
                 "overhead_us": {k if isinstance(k, str) else f"{k[0]}@{k[1]}": round(v * 1e6, 1)

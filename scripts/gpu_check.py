@@ -400,7 +400,8 @@ def run_pair(proposer: Path, verifier: Path, ngl: int, threads: int | None, max_
 
 def run_adapter(ngl: int, threads: int | None, max_new: int, deadline: float) -> dict:
     """SmolLM2-135M-Instruct with its gated MARS adapter (docs/adapter.md): ar, lossless auto and fixed
-    blocks 8 and 16 (lookup drafts off: the adapter's proposals alone) on the same prompts."""
+    blocks 8 and 16 (lookup drafts off: the adapter's proposals alone) on the same prompts; and what
+    each switch of the adapter costs (`adapter_switch`, and the price the planner learned)."""
     from prove_local.engine import Engine, Settings
     from prove_local.llama import Adapter, Model
     from prove_local.loading import DEFAULT_ADAPTER, smollm2_path
@@ -413,12 +414,45 @@ def run_adapter(ngl: int, threads: int | None, max_new: int, deadline: float) ->
     runs = [("ar", Settings(mode="ar", max_new=max_new))] + [
         (f"lossless B={b}", Settings(mode="lossless", max_new=max_new, block=b, lookup=0)) for b in ("auto", 8, 16)]
     out = {"model": str(base), "adapter": str(DEFAULT_ADAPTER), "n_gpu_layers": ngl, "max_new": max_new}
-    modes = run_modes(engine, _prompts(m), runs, deadline)
+    prompts = _prompts(m)
+    modes = run_modes(engine, prompts, runs, deadline)
     if modes.pop("cut_short", False):
         out["cut_short"] = True
     out["modes"] = modes
+    out["switch_ms"] = adapter_switch(engine.contexts["target"], prompts[0])
+    costs = engine.planner.costs
+    out["switch_ms"]["planner"] = round(costs.adapter_switch * 1e3, 3) if costs is not None else None
     m.close()
     return out
+
+
+def adapter_switch(ctx, prompt: list[int], reps: int = 7) -> dict:
+    """What switching the gated adapter adds to a pass (llama.cpp re-plans the graph at each switch:
+    calibrate.measure_switch), in milliseconds, medians of `reps`: `on`, a 2-token adapter pass
+    right after a stock pass less the same pass after an adapter pass; `off`, a 3-token stock pass
+    right after an adapter pass less the same pass after a stock pass. Every pass is removed again."""
+    ctx.truncate(0)
+    ctx.eval(prompt)
+    n, t = ctx.n_past, prompt[-1]
+
+    def timed(width: int, adapter: bool) -> float:
+        t0 = time.perf_counter()
+        ctx.eval_view([t] * width, rows=list(range(width)), adapter=adapter)
+        dt = time.perf_counter() - t0
+        ctx.truncate(n)
+        return dt
+
+    on, off = [], []
+    for _ in range(reps):
+        timed(3, False)
+        after_stock = timed(2, True)           # switched on
+        after_adapter = timed(2, True)
+        switched_off = timed(3, False)         # switched off
+        after_stock_3 = timed(3, False)
+        on.append(after_stock - after_adapter)
+        off.append(switched_off - after_stock_3)
+    ctx.truncate(0)
+    return {"on": round(1e3 * statistics.median(on), 3), "off": round(1e3 * statistics.median(off), 3)}
 
 
 def gpu_facts() -> dict:
@@ -578,7 +612,8 @@ def main(argv=None) -> int:
                 result["adapter"] = run_adapter(ngl, a.threads, a.max_new, deadline)
                 if "modes" in result["adapter"]:
                     log("adapter: " + ", ".join(f"{m} {r['tokens_per_second']} tok/s ({r.get('speed_vs_ar', 1)}x)"
-                                                for m, r in result["adapter"]["modes"].items() if isinstance(r, dict)))
+                                                for m, r in result["adapter"]["modes"].items() if isinstance(r, dict))
+                        + f"; its switches (ms): {result['adapter']['switch_ms']}")
             except (LlamaError, OSError, ValueError) as e:
                 result["adapter"] = {"error": f"{type(e).__name__}: {e}"}
                 log(result["adapter"]["error"])

@@ -422,3 +422,31 @@ def test_engine_measures_a_disputed_curve_again_at_most_twice(monkeypatch):
         run(eng, [1, 2, 3], mode="lossless", block="auto", max_new=4)
     assert calls == ["dispute 0", "dispute 1"]             # then dismissed: MAX_RECALIBRATIONS
     assert eng.planner.costs.base[role][1] == pytest.approx(2e-3) and not eng.planner.costs.flagged
+
+
+class SwitchingContext(TimedContext):
+    """A TimedContext with a gated adapter: a pass whose adapter setting differs from the last pass's
+    costs `on` (switched on) or `off` (switched off) more, as llama.cpp's graph re-plan does."""
+
+    def __init__(self, on: float, off: float, **kw):
+        super().__init__(**kw)
+        self.on, self.off, self.adapter_on = on, off, False
+
+    def eval(self, tokens, rows=None, adapter: bool = False):
+        if adapter != self.adapter_on:
+            extra = self.on if adapter else self.off
+            self.decode_seconds += extra
+            self.now += extra
+            self.adapter_on = adapter
+        super().eval(tokens, rows)
+
+
+def test_the_adapters_switches_are_measured_apart_from_its_passes():
+    ctx = SwitchingContext(10e-3, 8e-3, n_past=40)
+    got = calibrate.measure_switch(ctx, list(range(50)))
+    assert got["on"] == pytest.approx(10e-3) and got["off"] == pytest.approx(8e-3)
+    assert got["switch"] == pytest.approx(18e-3) and ctx.n_past == 40
+    # a stall on one round moves no median; a context without switches measures 0
+    stalled = SwitchingContext(10e-3, 8e-3, n_past=40, stall=lambda n, k: 0.5 if (n, k) == (2, 4) else 0.0)
+    assert calibrate.measure_switch(stalled, list(range(50)))["switch"] == pytest.approx(18e-3)
+    assert calibrate.measure_switch(SwitchingContext(0.0, 0.0), [1, 2])["switch"] == 0.0

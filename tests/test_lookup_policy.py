@@ -406,3 +406,22 @@ def test_beside_other_requests_a_filled_proposal_spans_the_steps_of_its_passes()
     pl.set_load({ROLE: 1}, 1)
     tab = pl._lookup_table("lossless", "lossless", {ROLE: 1}, 16)
     assert tab.cand[4] == Plan("lossless", 16, lookup=1) and tab.cand_r[4] == pytest.approx(2.5)
+
+
+def test_a_lookup_exploration_that_could_not_win_with_every_token_accepted_is_not_made():
+    """As a MARS width (Planner._worth_exploring): a k-token lookup draft that would lose to the current
+    choice even if every token were accepted is not explored; where it could win, it is."""
+    from prove_local.lookup import Match
+
+    def explored(curve):
+        pl = planner(curve, accept=0.3)
+        pl.explore_by_rate, pl.elapsed = True, 1e6            # (the regret budget is no limit here)
+        pl.rng.random = lambda: 0.0                              # every draw would explore
+        tab = pl._ltables["lossless"] = pl._lookup_table("lossless", "lossless", {ROLE: 1}, 0)
+        assert not tab.any                                       # at 30 % no draft is planned
+        return pl._lookup_decide("lossless", "lossless", {ROLE: 1}, 0, 1000, lambda: Match(pos=0, length=4),
+                                 tab, None, None, True)
+
+    assert explored({1: 1e-3, 2: 2.5e-3, 4: 5e-3, 16: 20e-3}) is None     # k + 1 tokens cost k + 1.5 passes
+    plan = explored(None)                                        # t(2) = 1.5 t(1): 2 tokens in 1.5 passes
+    assert plan is not None and plan.kind == LOOKUP and plan.lookup >= 1

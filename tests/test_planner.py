@@ -18,7 +18,7 @@ from prove_local import calibrate, modes
 from prove_local.engine import Engine, Settings
 from prove_local.llama import Context, Model
 from prove_local.planner import Costs, Planner, SlotStats, batch_projection, projection
-from prove_local.rules import Plan
+from prove_local.rules import Cycle, Plan
 from tests.reference import greedy_ar
 from tests.tiny import tiny_gguf
 
@@ -820,3 +820,57 @@ def test_engine_explains_an_auto_request_that_ran_ar(models):
     assert all(not modes.proposes(c.plan) for c in cycles)
     assert engine.explain(Settings(mode="lossless", block="auto")).startswith("auto chose ar")
     assert engine.explain(Settings(mode="lossless", block=4)) is None       # fixed widths: nothing to explain
+
+
+def gated_cycle(seconds, block=4, batch=None):
+    """A gated lossless cycle as rules.gated_lossless_cycle reports it: the adapter pass [1 + block - 1]
+    and the stock verify pass [1 + block], both on the target context; every slot the adapter's."""
+    return Cycle(list(range(block)), [0.9] * block, [0.9] * block, [0, 1], 1, widths={"target": [block, block + 1]},
+                 decode_seconds={"target": seconds}, seconds=seconds, plan=Plan("lossless", block, verify=block),
+                 source=["adapter"] * block, batch={"target": batch} if batch else {})
+
+
+def test_a_gated_cycle_is_priced_with_the_adapters_switches():
+    # each gated cycle switches the adapter on and off, and llama.cpp re-plans its graph at each switch
+    # (calibrate.measure_switch): here 3 ms a cycle beside 1 ms passes, which the flat curve does not price
+    flat = {1: 1e-3, 64: 1e-3}
+    pl = planner_with(flat, [0.9, 0.7, 0.5, 0.3] + [0.0] * 12)
+    pend = {"target": 1, modes.GATED: 1}
+
+    def choice():
+        b = max(pl.rates("lossless", pend, 4), key=lambda o: o.rate)
+        return b.kind, b.width
+
+    assert choice() == ("lossless", 4)                 # ~2.9 tokens per 2 ms against 1 per ms
+    pl.costs.adapter_switch = 3e-3
+    assert pl.costs.solo(modes.GATED, 4) == pytest.approx(4e-3) and pl.costs.solo(modes.GATED, 0) == 0.0
+    assert pl.costs.table(modes.GATED)[4] == pytest.approx(4e-3) and pl.costs.table(modes.GATED)[0] == 0.0
+    assert pl.costs.solo("target", 4) == pytest.approx(1e-3)     # the stock passes are not the adapter's
+    pl._layouts.clear()
+    assert choice() == ("ar", 1)                       # 2.9 tokens per 5 ms: ar
+    assert pl.summary()["adapter_switch_ms"] == pytest.approx(3.0)
+    # what the gated cycles teach the scale is their passes' seconds, the switches taken out
+    for _ in range(20):
+        pl.observe(gated_cycle(5e-3))
+    assert pl.costs.scale["target"] == pytest.approx(1.0, abs=0.02)
+    pl.costs.adapter_switch = 0.0                      # (priced as before: the scale learns the switches)
+    for _ in range(20):
+        pl.observe(gated_cycle(5e-3))
+    assert pl.costs.scale["target"] > 1.5
+
+
+def test_an_exploration_that_could_not_win_with_every_slot_accepted_is_not_made():
+    # explorations learn acceptance; a width that would lose to the best choice with every slot
+    # accepted can only lose (SmolLM2 + adapter on 2 threads: a gated B=2 cycle, two passes and the
+    # adapter's switches, for at most 3 tokens against ar's 3 one-token passes)
+    pend = {"target": 1, modes.GATED: 1}
+
+    def explored(curve):
+        pl = planner_with(curve, [0.5] * 16)
+        pl.elapsed = 1e6                                   # (the regret budget is no limit here)
+        pl._options["lossless"] = pl.rates("lossless", pend, 4)
+        return [b for b in range(1, 5) for _ in range(40) if pl._worth_exploring(Plan("lossless", b), "lossless", "lossless")]
+
+    steep = {1: 1.0, 2: 2.0, 3: 2.7, 4: 3.1, 5: 3.8, 16: 11.0}
+    assert explored(steep) == []
+    assert {2, 3, 4} <= set(explored({1: 1.0, 64: 1.0}))   # a flat curve: 3-5 tokens per 2 passes at best

@@ -97,3 +97,35 @@ def test_cli_defaults_on_a_cpu_are_exact_past_the_split_threshold(smol):
                     for m in ("ar", "lossless"))
     assert lossless != ar
     f16.close()
+
+
+def test_a_gated_adapters_switches_are_measured_once_and_priced(smol, tmp_path, monkeypatch):
+    """The engine of a stock model with a gated MARS adapter prices each gated cycle's two switches of
+    the adapter (calibrate.switch_cost: measured on a fresh context, cached per model, adapter and
+    options); a pool's engines take the first one's price."""
+    from prove_local import calibrate
+    from prove_local.llama import Adapter
+    from prove_local.loading import DEFAULT_ADAPTER
+
+    monkeypatch.setenv("PROVE_LOCAL_CACHE", str(tmp_path / "cache"))
+    adapter = Adapter(smol, DEFAULT_ADAPTER)
+    e = Engine.load(smol, adapter=adapter, n_ctx=512, n_threads=2)
+    e.calibrate()
+    price = e.planner.costs.adapter_switch
+    entries = [v for k, v in calibrate._load_cache(calibrate.cache_path())["entries"].items() if "|switch|" in k]
+    assert len(entries) == 1 and entries[0]["switch"] == price >= 0.0
+    assert entries[0]["switch"] == pytest.approx(entries[0]["on"] + entries[0]["off"])
+    # cached: a second engine measures nothing
+    monkeypatch.setattr(calibrate, "measure_switch", lambda *a, **k: pytest.fail("measured again"))
+    again = Engine.load(smol, adapter=adapter, n_ctx=512, n_threads=2)
+    again.calibrate()
+    assert again.planner.costs.adapter_switch == price
+    other = Engine.load(smol, adapter=adapter, n_ctx=512, n_threads=2)
+    assert other.adopt_calibration(e) and other.planner.costs.adapter_switch == price
+    for x in (e, again, other):
+        x.close()
+    # no adapter: nothing to switch
+    plain = Engine.load(smol, n_ctx=512, n_threads=2, mask_token=0)
+    plain.calibrate()
+    assert plain.planner.costs.adapter_switch == 0.0
+    plain.close()
