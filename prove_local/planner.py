@@ -444,6 +444,7 @@ class _LookupTable:
     cand: list | None = None     # per match length: the best plan and its rate, before the comparison with `rate`
     cand_r: list | None = None
     ceilings: list | None = None     # per k - 1: a k-token draft's rate with every token accepted
+    ar_rate: float = 0.0             # ar's rate in the same prices
 
     def __post_init__(self):
         self.min_match = next((m for m, r in enumerate(self.rows) if m and r is not None), MAX_MATCH + 1)
@@ -936,8 +937,8 @@ class Planner:
             k, rate = tab.best[m]
             if not self._budget_left() or (self.explore_by_rate and self.rng.random() * tab.rate >= rate):
                 return None
-            if self.explore_by_rate and tab.ceilings is not None and tab.ceilings[k - 1] < tab.rate:
-                return None                      # it could not win with every token accepted (_worth_exploring)
+            if self.explore_by_rate and tab.ceilings is not None and tab.ceilings[k - 1] < tab.ar_rate:
+                return None                      # it could not beat ar with every token accepted (_worth_exploring)
             self._displaced, self._after = tab.rate, 0
             plan = Plan(LOOKUP, lookup=k)
         if plan.lookup > self._lookup_cap:       # slow start: no longer than the request has earned
@@ -1161,7 +1162,7 @@ class Planner:
         rows = [r if m and r_m > bar else None for m, (r, r_m) in enumerate(zip(cand, cand_r))]
         tab = _LookupTable(rows, bests, base, st.n_cycles, cur, pend["target"], any(r is not None for r in rows),
                             self._lookup_local.n_cycles, rate, costs, switch=switch, t_ar=t_ar,
-                            cand=cand, cand_r=cand_r, ceilings=ceilings)
+                            cand=cand, cand_r=cand_r, ceilings=ceilings, ar_rate=(g0 + 1.0) / (t0 + t_ar))
         if tab.local == 0:                       # (what the next request starts from: start_request)
             self._fresh[key] = tab
         return tab
@@ -1269,10 +1270,12 @@ class Planner:
 
     def _worth_exploring(self, ex: Plan, mode: str, key: str) -> bool:
         """Carry out an exploration with probability rate(its width) / rate(best choice), and only if
-        it could beat the best choice were every slot it proposes accepted (`Choice.ceiling`: what
-        exploring it could find; else it can only lose, and teach acceptance that no plan would use:
-        SmolLM2 + adapter, 2 threads, a B=2 gated cycle costs 84 ms for at most 3 tokens that `ar`
-        makes in 42, 1 % of the time in explorations of it), and only if
+        it could beat `ar` were every slot it proposes accepted (`Choice.ceiling`): else no acceptance
+        it could find would ever make it the choice, and it can only lose (SmolLM2 + adapter, 2
+        threads: a B=2 gated cycle costs ~80 ms for at most 3 tokens that `ar` makes in ~40, and such
+        explorations took ~0.7 % of the time). Against `ar`'s rate, which rests on pass costs alone, not
+        against the best choice's: that is an acceptance estimate, and an optimistic one would bar the
+        narrower explorations that correct it. And only if
         what it is expected to lose (its predicted seconds beyond its tokens at the best rate) fits the
         regret budget now: the budget is judged before the exploration as well as after it, or the
         first cycles of a fresh engine, with nothing spent and little time seen, would explore as
@@ -1284,8 +1287,9 @@ class Planner:
         best = max(o.rate for o in options)
         want = (ex.kind, plan_width(ex))           # (an ar plan: width 1)
         o = next((o for o in options if (o.kind, o.width) == want), None)
-        if o is not None and o.ceiling < best:
-            return False                           # it could not win with every slot accepted
+        ar = options[0].rate                       # (rates(): ar first)
+        if o is not None and o.ceiling < ar:
+            return False                           # it could not beat ar with every slot accepted
         rate = o.rate if o is not None else best
         if o is not None and best > 0:
             loss = max(0.0, o.seconds - o.tokens / best)
