@@ -401,7 +401,7 @@ def run_pair(proposer: Path, verifier: Path, ngl: int, threads: int | None, max_
 def run_adapter(ngl: int, threads: int | None, max_new: int, deadline: float) -> dict:
     """SmolLM2-135M-Instruct with its gated MARS adapter (docs/adapter.md): ar, lossless auto and fixed
     blocks 8 and 16 (lookup drafts off: the adapter's proposals alone) on the same prompts; and what
-    each switch of the adapter costs (`adapter_switch`, and the price the planner learned)."""
+    each switch of the adapter costs (`adapter_switch`, and the planner's price of it)."""
     from prove_local.engine import Engine, Settings
     from prove_local.llama import Adapter, Model
     from prove_local.loading import DEFAULT_ADAPTER, smollm2_path
@@ -426,33 +426,16 @@ def run_adapter(ngl: int, threads: int | None, max_new: int, deadline: float) ->
     return out
 
 
-def adapter_switch(ctx, prompt: list[int], reps: int = 7) -> dict:
-    """What switching the gated adapter adds to a pass (llama.cpp re-plans the graph at each switch:
-    calibrate.measure_switch), in milliseconds, medians of `reps`: `on`, a 2-token adapter pass
-    right after a stock pass less the same pass after an adapter pass; `off`, a 3-token stock pass
-    right after an adapter pass less the same pass after a stock pass. Every pass is removed again."""
-    ctx.truncate(0)
-    ctx.eval(prompt)
-    n, t = ctx.n_past, prompt[-1]
+def adapter_switch(ctx, prompt: list[int]) -> dict:
+    """What switching the gated adapter on and off adds to the passes of `ctx` (llama.cpp re-plans the
+    graph at each switch), in milliseconds: calibrate.measure_switch after `prompt`."""
+    from prove_local.calibrate import measure_switch
 
-    def timed(width: int, adapter: bool) -> float:
-        t0 = time.perf_counter()
-        ctx.eval_view([t] * width, rows=list(range(width)), adapter=adapter)
-        dt = time.perf_counter() - t0
-        ctx.truncate(n)
-        return dt
-
-    on, off = [], []
-    for _ in range(reps):
-        timed(3, False)
-        after_stock = timed(2, True)           # switched on
-        after_adapter = timed(2, True)
-        switched_off = timed(3, False)         # switched off
-        after_stock_3 = timed(3, False)
-        on.append(after_stock - after_adapter)
-        off.append(switched_off - after_stock_3)
     ctx.truncate(0)
-    return {"on": round(1e3 * statistics.median(on), 3), "off": round(1e3 * statistics.median(off), 3)}
+    ctx.eval(prompt, rows=[])
+    got = measure_switch(ctx, prompt)
+    ctx.truncate(0)
+    return {k: round(1e3 * v, 3) for k, v in got.items()}
 
 
 def gpu_facts() -> dict:

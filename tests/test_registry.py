@@ -362,6 +362,11 @@ def test_gpu_check_cpu_form_writes_json(pulled, tmp_path):
     assert set(modes) == {"ar", "lossless", "prove"}
     assert modes["lossless"]["same_as_ar"] is True                 # F32 weights and KV cache: exact
     assert all(modes[m]["tokens"] > 0 and modes[m]["speed_vs_ar"] > 0 for m in modes)
+    adapter = d["adapter"]                                         # SmolLM2 + its gated adapter, when it fit
+    if "switch_ms" in adapter:
+        sw = adapter["switch_ms"]
+        assert sw["on"] >= 0 and sw["off"] >= 0 and sw["switch"] == pytest.approx(sw["on"] + sw["off"], abs=2e-3)
+        assert sw["planner"] is None or sw["planner"] >= 0
 
 
 def test_pull_downloads_only_the_needed_files_then_converts(monkeypatch, tmp_path, tiny_dirs, capsys):
