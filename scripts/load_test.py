@@ -80,7 +80,8 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def one_request(host: str, port: int, body: dict, key: str | None, timeout: float) -> dict:
-    """One chat completion: status, seconds, completion tokens, text (and prove-local's tokens per cycle)."""
+    """One chat completion: status, seconds, completion tokens, text, the server's generation ms per token
+    (and prove-local's tokens per cycle and llama_decode ms per token)."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     headers = {"Content-Type": "application/json"}
     if key:
@@ -99,8 +100,14 @@ def one_request(host: str, port: int, body: dict, key: str | None, timeout: floa
         resp = json.loads(data)
         out["tokens"] = resp["usage"]["completion_tokens"]
         out["text"] = resp["choices"][0]["message"]["content"]
+        # generation time per token as the server reports it (llama-server's `timings`, which prove-local
+        # mirrors: from the first token's pass to the last, host time and the batch's other requests included)
+        out["ms_per_token"] = (resp.get("timings") or {}).get("predicted_per_token_ms")
         if "prove" in resp:                 # prove-local's statistics (llama-server has none)
             out["tokens_per_cycle"] = resp["prove"].get("tokens_per_cycle")
+            # of which inside llama_decode: this request's share of its passes' decodes, per token
+            decode = sum((resp["prove"].get("decode_seconds") or {}).values())
+            out["decode_ms_per_token"] = 1e3 * decode / out["tokens"] if out["tokens"] else None
     else:
         out["error"] = data[:300].decode("utf-8", "replace")
     return out

@@ -14,7 +14,11 @@ the mode), after one warm-up request. Per server, mode and C: completion tokens 
 p50 and p95 latency per request, the requests that failed; with --rounds K each configuration runs K
 times, the servers interleaved per round (their order rotated from round to round), and the figures
 are the medians, with the paired ratio (the median over rounds of a run's tokens/s over llama-server's
-in the same round). Writes OUT/results.json
+in the same round), and per request the generation time per token each server reports (its
+`timings`) and, for prove-local, the part of it inside llama_decode: where the two servers' times per
+token agree and their throughputs do not, the difference is outside generation (per request); where
+prove-local's llama_decode matches llama-server's time per token, the rest of its own is host time per
+token. Writes OUT/results.json
 (every request), OUT/summary.md (the table, and prove-local's throughput as a multiple of
 llama-server's) and OUT/serve_bench.png (tokens/s and p50 latency against C; needs matplotlib).
 Everything is bounded: --deadline seconds for the whole run, a timeout per request; the servers are
@@ -136,8 +140,16 @@ def summarize(runs: list[dict]) -> list[dict]:
                      "ok": sum(x["ok"] for x in rs), "sent": sum(x["sent"] for x in rs),
                      "tokens_per_cycle": statistics.fmean(q["tokens_per_cycle"] for x in rs for q in x["requests"]
                                                           if q.get("tokens_per_cycle") is not None)
-                     if any(q.get("tokens_per_cycle") is not None for x in rs for q in x["requests"]) else None})
+                     if any(q.get("tokens_per_cycle") is not None for x in rs for q in x["requests"]) else None,
+                     "ms_per_token": _median_of(rs, "ms_per_token"),
+                     "decode_ms_per_token": _median_of(rs, "decode_ms_per_token")})
     return rows
+
+
+def _median_of(runs: list[dict], key: str) -> float | None:
+    """The median of a per-request figure over every request of `runs` that has it (None: none has)."""
+    values = [q[key] for x in runs for q in x["requests"] if q.get(key) is not None]
+    return statistics.median(values) if values else None
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
@@ -147,18 +159,22 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['requests']} requests per client, {meta['max_tokens']} max tokens, greedy; medians of "
              f"{meta['rounds']} round(s), the runs' order rotated from round to round; × llama-server: the "
              f"medians' ratio, paired: the median of the ratios within a round; {meta['when']}.", "",
+             "ms/token: the median request's generation time per token as the server reports it "
+             "(`timings.predicted_per_token_ms`, host time included); llama_decode: of which prove-local's "
+             "passes took (its `prove.decode_seconds` per token).", "",
              "| server | mode | clients | tokens/s | × llama-server | paired | p50 s | p95 s | ok / sent "
-             "| tokens/cycle |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "| tokens/cycle | ms/token | llama_decode |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (r["clients"], r["server"] != "llama-server", r["mode"] or "")):
         base = ref.get(r["clients"])
         x = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base and base["tokens_per_s"] > 0 \
             and r["server"] != "llama-server" else "—"
         tpc = f"{r['tokens_per_cycle']:.2f}" if r["tokens_per_cycle"] is not None else "—"
         paired = f"{r['paired']:.2f}" if r.get("paired") is not None else "—"
+        ms, dec = (f"{r[k]:.2f}" if r.get(k) is not None else "—" for k in ("ms_per_token", "decode_ms_per_token"))
         lines.append(f"| {r['server']} | {r['mode'] or '—'} | {r['clients']} | {r['tokens_per_s']:.1f} | {x} | "
                      f"{paired} | "
-                     f"{r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['ok']} / {r['sent']} | {tpc} |")
+                     f"{r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['ok']} / {r['sent']} | {tpc} | {ms} | {dec} |")
     return "\n".join(lines) + "\n"
 
 

@@ -68,8 +68,11 @@ def test_serve_bench_pairs_each_run_with_llama_server_in_the_same_round():
         sys.path.remove(str(SCRIPTS))
 
     def run(server, rnd, tps, clients=1):
+        ours = server != "llama-server"            # per request: the server's ms per token, ours its llama_decode part
+        requests = [{"ms_per_token": 10.0 + rnd + k, "decode_ms_per_token": 9.0 + rnd + k if ours else None}
+                    for k in (0.0, 0.5)]
         return {"server": server, "mode": None if server == "llama-server" else "ar", "clients": clients,
-                "round": rnd, "tokens_per_s": tps, "p50_s": 1.0, "p95_s": 1.0, "ok": 1, "sent": 1, "requests": []}
+                "round": rnd, "tokens_per_s": tps, "p50_s": 1.0, "p95_s": 1.0, "ok": 1, "sent": 1, "requests": requests}
     runs = [run("llama-server", 0, 100.0), run("prove-local", 0, 90.0),      # 0.9
             run("llama-server", 1, 200.0), run("prove-local", 1, 190.0),     # 0.95
             run("llama-server", 2, 300.0), run("prove-local", 2, 330.0),     # 1.1
@@ -78,6 +81,12 @@ def test_serve_bench_pairs_each_run_with_llama_server_in_the_same_round():
     assert rows["prove-local"]["paired"] == pytest.approx(0.95)
     assert rows["llama-server"]["paired"] is None
     assert rows["prove-local"]["tokens_per_s"] == pytest.approx((90.0 + 190.0) / 2)   # the median of 4 rounds
-    assert "| 0.95 |" in sb.markdown(list(rows.values()), {"model_name": "m", "parallel": 4, "threads": 2,
-                                                           "command": "c", "requests": 3, "max_tokens": 64,
-                                                           "rounds": 4, "when": "now"})
+    # ms per token: the median over every request of the rounds (prove-local: 8 requests, 10.0 .. 13.5)
+    assert rows["prove-local"]["ms_per_token"] == pytest.approx(11.75)
+    assert rows["prove-local"]["decode_ms_per_token"] == pytest.approx(10.75)
+    assert rows["llama-server"]["ms_per_token"] == pytest.approx(11.25)       # rounds 0-2
+    assert rows["llama-server"]["decode_ms_per_token"] is None
+    md = sb.markdown(list(rows.values()), {"model_name": "m", "parallel": 4, "threads": 2, "command": "c",
+                                           "requests": 3, "max_tokens": 64, "rounds": 4, "when": "now"})
+    assert "| 0.95 |" in md
+    assert "| 11.75 | 10.75 |" in md and "| 11.25 | — |" in md
