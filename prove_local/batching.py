@@ -12,8 +12,9 @@ off) to the pool's `Batcher` and blocks. A *step* starts when every engine that 
 its generation's code has a pass waiting (an engine whose generation handed a cycle to its consumer
 is waited for `PARK_GRACE_S` at most; an idle one, not at all). The batcher's one decode thread then
 puts every waiting pass into one `llama_batch` per context (each token with its sequence id, logits
-only on the rows asked for), calls `llama_decode` once, and hands each view a copy of its rows (every
-decode on one OS thread: see Batcher). The adapter switch (`llama_set_adapters_lora`) is per context, so
+only on the rows asked for), calls `llama_decode` once, and hands each view its rows: a copy, or for a
+rule's `eval_view` in a generation a view into llama.cpp's buffer, which no decode overwrites before
+the engine's next pass or the end of its cycle (Batcher._step; every decode on one OS thread: see Batcher). The adapter switch (`llama_set_adapters_lora`) is per context, so
 passes with the adapter on and passes with it off go into separate decodes of the same step; a step
 whose passes exceed the context's `n_batch` is several decodes. `truncate` is `llama_memory_seq_rm`
 on the view's sequence only; an engine keeps its committed sequence between requests (prefix reuse
@@ -52,11 +53,13 @@ IDLE, RUNNING, PENDING, PARKED = "idle", "running", "pending", "parked"
 
 class _Pass:
     """One pass of one view: what to decode, and what came of it."""
-    __slots__ = ("view", "seq", "pos", "tokens", "rows", "adapter", "result", "error", "taken", "abandoned",
+    __slots__ = ("view", "seq", "pos", "tokens", "rows", "adapter", "lend", "result", "error", "taken", "abandoned",
                  "done", "batch", "seconds")
 
-    def __init__(self, view: "SeqView", pos: int, tokens: list[int], rows: list[int], adapter: bool):
+    def __init__(self, view: "SeqView", pos: int, tokens: list[int], rows: list[int], adapter: bool,
+                 lend: bool = False):
         self.view, self.seq, self.pos, self.tokens, self.rows, self.adapter = view, view.seq, pos, tokens, rows, adapter
+        self.lend = lend             # its rows may be a view into llama.cpp's buffer (SeqView.eval_view; Batcher._step)
         self.result: np.ndarray | None = None
         self.error: BaseException | None = None
         self.taken = False           # a step has it (it is no longer in the waiting list)
@@ -249,40 +252,53 @@ class Batcher:
                     cond.notify_all()
 
     def _step(self, step: list[_Pass]) -> None:
+        """Decode the passes of a step: one llama_decode per context, or more where adapter and stock passes
+        meet or the tokens exceed n_batch. Rows are copied out of llama.cpp's buffer, except those of the
+        passes that may borrow them (`lend`: a rule's `eval_view` of an engine in a generation) in the last
+        decode of their context in the step: no decode of that context comes before their engine's next
+        pass or the end of its cycle, because a step waits for every engine in the middle of its cycle
+        (`_blocked`), and a pass of an engine that is not in a generation, which no step waits for, never
+        borrows. A 17-row verify pass over a 151,936-token vocabulary is 10 MB of copies otherwise."""
         groups: dict[tuple[int, bool], list[_Pass]] = {}
         for q in step:
             if not q.abandoned:
                 groups.setdefault((id(q.view.shared), q.adapter), []).append(q)
+        decodes = []                                 # (context, passes, adapter), in order
+        for (_, adapter), qs in groups.items():
+            qs.sort(key=lambda q: q.seq)
+            ctx = qs[0].view.shared
+            part, n = [], 0
+            for q in qs:
+                if part and n + len(q.tokens) > ctx.n_batch:
+                    decodes.append((ctx, part, adapter))
+                    part, n = [], 0
+                part.append(q)
+                n += len(q.tokens)
+            decodes.append((ctx, part, adapter))
+        last = {id(ctx): i for i, (ctx, _, _) in enumerate(decodes)}
         with self._llama:
             try:
-                for (_, adapter), qs in groups.items():
-                    qs.sort(key=lambda q: q.seq)
-                    ctx = qs[0].view.shared
-                    part, n = [], 0
-                    for q in qs:
-                        if part and n + len(q.tokens) > ctx.n_batch:
-                            self._decode(ctx, part, adapter)
-                            part, n = [], 0
-                        part.append(q)
-                        n += len(q.tokens)
-                    self._decode(ctx, part, adapter)
+                for i, (ctx, part, adapter) in enumerate(decodes):
+                    self._decode(ctx, part, adapter, lend=last[id(ctx)] == i)
             finally:
                 for q in step:                   # what a pass nobody waits for, or an unfinished one, wrote
                     if q.abandoned or (q.result is None and q.error is None):
                         q.view.shared.drop(q.seq, q.pos)
 
-    def _decode(self, ctx: Context, qs: list[_Pass], adapter: bool) -> None:
+    def _decode(self, ctx: Context, qs: list[_Pass], adapter: bool, lend: bool = False) -> None:
         """One llama_decode of passes `qs` on `ctx` (the _llama lock held); a failure is retried pass by
-        pass, so that only the pass that fails gets the error."""
+        pass, so that only the pass that fails gets the error. `lend`: no later decode of `ctx` in this
+        step, so the passes that may borrow their rows get views (`_step`)."""
         before = ctx.decode_seconds
+        views = [q.lend and q.view.member.generating for q in qs] if lend else None
         try:
-            outs = ctx.decode_batch([(q.seq, q.pos, q.tokens, q.rows) for q in qs], adapter)
+            outs = ctx.decode_batch([(q.seq, q.pos, q.tokens, q.rows) for q in qs], adapter, views)
         except Exception as e:       # noqa: BLE001 - handed to the pass's own thread
             self.decodes += 1
             if len(qs) == 1:
                 qs[0].error = e
             else:
-                for q in qs:
+                for q in qs:                     # (copies: each retry is a decode of its own)
                     self._decode(ctx, [q], adapter)
             return
         self.decodes += 1
@@ -301,7 +317,7 @@ class Batcher:
 
 class SeqView:
     """Sequence `seq` of a shared context, as the decoding rules see a context: `n_past`, `eval(tokens,
-    rows)`, `eval_view` (here the same copy: llama.cpp's buffer is every sequence's), `truncate(n)`,
+    rows)`, `eval_view` (a view into llama.cpp's buffer where Batcher._step can lend one), `truncate(n)`,
     `n_stock` and `gated` (a gated MARS adapter), `n_decode` and `decode_seconds` (its share, by
     tokens, of each llama_decode its passes were in), `batches` ((sequences, tokens) of the recent ones),
     `others` ((other sequences, their tokens) in the decodes of its recent stock passes)."""
@@ -346,12 +362,16 @@ class SeqView:
             self.shared.set_threads(n)
 
     def eval(self, tokens: list[int], rows: list[int] | None = None, adapter: bool = False) -> np.ndarray:
-        return self._eval(tokens, rows, adapter)
+        """The rows of a pass of `tokens` (default: the last), a copy the caller owns."""
+        return self._eval(tokens, rows, adapter, lend=False)
 
     def eval_view(self, tokens: list[int], rows: list[int] | None = None, adapter: bool = False) -> np.ndarray:
-        return self._eval(tokens, rows, adapter)
+        """As `eval`, but during a generation the rows may be a view into llama.cpp's buffer (as
+        llama.Context.eval_view's: valid until this view's next pass or the end of the engine's cycle,
+        which is all a rule needs; Batcher._step)."""
+        return self._eval(tokens, rows, adapter, lend=True)
 
-    def _eval(self, tokens, rows, adapter: bool) -> np.ndarray:
+    def _eval(self, tokens, rows, adapter: bool, lend: bool) -> np.ndarray:
         if not self._ctx:
             raise LlamaError(f"{self.model.path}: this context is closed")
         tokens = [int(t) for t in tokens]
@@ -364,7 +384,7 @@ class SeqView:
             raise LlamaError(f"{self.model.path}: an adapter pass on a context without an adapter")
         start = self.n_past
         if len(tokens) <= self.n_batch:          # one chunk: every pass of a cycle
-            out = self._pass(tokens, rows, adapter)
+            out = self._pass(tokens, rows, adapter, lend)
         else:
             outs, where = [], []
             for first in range(0, len(tokens), self.n_batch):
@@ -381,8 +401,8 @@ class SeqView:
             self.n_stock = start + len(tokens)
         return out
 
-    def _pass(self, tokens: list[int], rows: list[int], adapter: bool) -> np.ndarray:
-        p = _Pass(self, self.n_past, tokens, rows, adapter)
+    def _pass(self, tokens: list[int], rows: list[int], adapter: bool, lend: bool = False) -> np.ndarray:
+        p = _Pass(self, self.n_past, tokens, rows, adapter, lend)
         t0 = time.perf_counter()
         out = self.batcher.run(p)
         self.wait_seconds += max(0.0, time.perf_counter() - t0 - p.seconds)

@@ -669,15 +669,17 @@ class Context:
             self._view = cached = (addr, arr)
         return cached[1][:n_rows]
 
-    def decode_batch(self, passes: list, adapter: bool = False) -> list[np.ndarray]:
+    def decode_batch(self, passes: list, adapter: bool = False, views=None) -> list[np.ndarray]:
         """One `llama_decode` of several sequences' passes (a context made with n_seq > 1; batching.py
         drives it). `passes`: (seq, pos, tokens, rows) each, ascending by seq, every seq at most once:
         `tokens` appended to sequence `seq` at positions pos.., logits wanted for `rows` (indices into
         `tokens`). `adapter`: the context's adapter on for this decode (it is per context, so passes
         that want it and passes that do not go in separate decodes). Returns each pass's rows as float32
-        [len(rows), n_vocab], a copy its caller owns (the next decode overwrites llama.cpp's buffer,
-        whoever asks for it). On failure every sequence is cut back to its pos (llama.cpp keeps what the
-        decode's earlier ubatches wrote) and LlamaError says why."""
+        [len(rows), n_vocab]: a copy its caller owns (the next decode overwrites llama.cpp's buffer,
+        whoever asks for it), or, for a pass whose entry in `views` is true and whose rows are in batch
+        order, a view into that buffer (as `eval_view`'s: not to be written to, valid until this context's
+        next decode; the caller sees to it that none comes first). On failure every sequence is cut
+        back to its pos (llama.cpp keeps what the decode's earlier ubatches wrote) and LlamaError says why."""
         if not getattr(self, "_ctx", None):
             raise LlamaError(f"{self.model.path}: this context is closed")
         n = sum(len(t) for _, _, t, _ in passes)
@@ -725,11 +727,14 @@ class Context:
                              f"{', '.join(str(p[0]) for p in passes)} ({why})")
         logits = self._logits_view(sum(len(u) for u in wanted))
         out, r = [], 0
-        for (_, _, _, rows), u in zip(passes, wanted):
+        for k, ((_, _, _, rows), u) in enumerate(zip(passes, wanted)):
             block = logits[r:r + len(u)]
             r += len(u)
             same = len(rows) == len(u) and (len(u) == 1 or all(int(a) == int(b) for a, b in zip(rows, u)))
-            out.append(block.copy() if same else block[np.searchsorted(u, np.asarray(rows, dtype=np.int64))])
+            if not same:                  # (rows out of order or repeated: fancy indexing, a copy)
+                out.append(block[np.searchsorted(u, np.asarray(rows, dtype=np.int64))])
+            else:
+                out.append(block if views is not None and views[k] else block.copy())
         return out
 
     def drop(self, seq: int, p0: int) -> None:

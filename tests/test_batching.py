@@ -568,13 +568,15 @@ def test_closing_the_shared_contexts_fails_a_waiting_pass_instead_of_hanging_it(
 class FakeShared:
     """What the batcher needs of a shared context, recording its decodes (no llama.cpp)."""
 
-    def __init__(self):
+    def __init__(self, adapter=None):
         self.model, self.adapter, self.n_ctx, self.n_batch, self.n_vocab, self.n_threads = \
-            type("M", (), {"path": "fake.gguf"})(), None, 64, 16, 3, 1
+            type("M", (), {"path": "fake.gguf"})(), adapter, 64, 16, 3, 1
         self._ctx, self.decode_seconds, self.calls, self.dropped = object(), 0.0, [], []
+        self.lent = []               # per decode: (adapter, the `views` it was given)
 
-    def decode_batch(self, passes, adapter=False):
+    def decode_batch(self, passes, adapter=False, views=None):
         self.calls.append([(seq, pos, list(tokens)) for seq, pos, tokens, _ in passes])
+        self.lent.append((adapter, None if views is None else list(views)))
         return [np.full((len(rows), self.n_vocab), seq, dtype=np.float32) for seq, _, _, rows in passes]
 
     def drop(self, seq, p0):
@@ -605,6 +607,60 @@ def test_a_parked_engine_is_waited_for_only_its_grace(grace):
     assert fake.calls == [[(1, 0, [7, 8])]] and out[0].tolist() == [[1.0, 1.0, 1.0]]
     m1.leave()
     b.close()
+
+
+def test_rows_are_lent_only_to_a_generating_rules_pass_in_the_last_decode_of_its_context():
+    """Batcher._step hands out views into llama.cpp's buffer only where no decode of that context can come
+    before the engine reads them: a rule's `eval_view` (not `eval`, whose caller keeps the rows) of an
+    engine in a generation (a step waits for it), in the step's last decode of the context (an adapter
+    pass and a stock pass of one step are two decodes: the first one's rows are copied)."""
+    from prove_local.batching import Batcher
+
+    b, fake = Batcher(), FakeShared(adapter=object())
+    members = [b.member(i) for i in range(4)]
+    views = [SeqView(fake, i, m) for i, m in enumerate(members)]
+    for m in members[:3]:
+        m.resume()                                   # engines 0-2 in a generation; engine 3 is not
+    passes = [lambda: views[0].eval_view([1], adapter=True),     # the adapter's decode, first: copied
+              lambda: views[3].eval_view([4]),                   # not in a generation: copied
+              lambda: views[1].eval_view([2]),                   # the stock decode, last: lent
+              lambda: views[2].eval([3])]                        # eval: copied
+    threads = [threading.Thread(target=f) for f in passes]
+    for k, t in enumerate(threads):
+        t.start()
+        while k < 2 and len(b._waiting) <= k:       # (in this order: the adapter's group is decoded first)
+            t.join(0.001)
+    for t in threads:
+        t.join(LONG)
+    assert sorted(fake.lent, key=lambda x: x[0] is not True) == [(True, None), (False, [True, False, False])]
+    # a lone engine's pass (Batcher._alone: no step to wait for) is lent too, and a non-generating one not
+    for m in members[:3]:
+        m.leave()
+    fake.lent.clear()
+    members[0].resume()
+    views[0].eval_view([5])
+    members[0].leave()
+    views[0].eval_view([6])
+    assert fake.lent == [(False, [True]), (False, [False])]
+    b.close()
+
+
+def test_a_lent_row_is_the_buffer_and_a_copy_is_not(models):
+    """llama.Context.decode_batch: a pass whose `views` entry is true gets its rows as a view into
+    llama.cpp's output buffer (no copy), in batch order; the others, and rows asked for out of order,
+    get copies; the values are the same either way."""
+    ctx = Context(models["target"], n_seq=2, **F32)
+    try:
+        p = prompt(models, 3, 6)
+        lent, kept = ctx.decode_batch([(0, 0, p, [4, 5]), (1, 0, p, [5, 4])], views=[True, True])
+        buffer = ctx._logits_view(4)
+        assert np.shares_memory(lent, buffer) and not np.shares_memory(kept, buffer)   # (out of order: a copy)
+        assert np.array_equal(lent, kept[::-1])
+        a, b2 = ctx.decode_batch([(0, 6, p[:1], [0]), (1, 6, p[:1], [0])], views=[False, True])
+        buffer = ctx._logits_view(2)
+        assert not np.shares_memory(a, buffer) and np.shares_memory(b2, buffer) and np.array_equal(a, b2)
+    finally:
+        ctx.close()
 
 
 @pytest.mark.parametrize("batched", [True, False])
