@@ -15,6 +15,7 @@ from typing import Callable
 from . import rules
 from .errors import ModeError
 from .rules import AR_PLAN, Plan
+from .sampling import GREEDY_ARGMAX
 
 DEFAULT_BLOCK = 16          # proposal slots when neither the request nor the GGUF (prove.block_size) says
 DEFAULT_DRAFT_K = 4         # spec's drafted tokens per cycle when fixed widths are asked for
@@ -133,6 +134,15 @@ def _lookup_draft(plan: Plan, hooks: Hooks) -> tuple[list, list]:
     return [], []
 
 
+def _verifying(sampler, s):
+    """The sampler an exact rule's verify step gets: the request's, or, greedy, `GREEDY_ARGMAX` where
+    nobody reads the cycle's probabilities (Settings.p_tilde off: `run`, `serve`): the same tokens
+    without an exp pass over the vocabulary per verified row (None: the rules' GREEDY)."""
+    if sampler is None and not getattr(s, "p_tilde", True):
+        return GREEDY_ARGMAX
+    return sampler
+
+
 def ar_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
     return rules.ar_cycle(c["target"], t, sampler=sampler, p_tilde=s.p_tilde)
 
@@ -146,6 +156,7 @@ def lossless_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
     and the index drafts some (the lookup's draft, else a plain block)."""
     verify = hooks.choose_verify if hooks.choose_verify is not None else plan.verify
     draft, scores = _lookup_draft(plan, hooks)
+    sampler = _verifying(sampler, s)
     if draft:
         return rules.lossless_fill_cycle(c["target"], t, draft, scores, plan.block, mask, verify=verify,
                                          sampler=sampler)
@@ -186,7 +197,7 @@ def mars_widths(pend: dict, plan: Plan) -> dict:
 
 
 def spec_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
-    return rules.spec_cycle(c["target"], c["draft"], t, plan.draft_k, sampler=sampler)
+    return rules.spec_cycle(c["target"], c["draft"], t, plan.draft_k, sampler=_verifying(sampler, s))
 
 
 def spec_widths(pend: dict, plan: Plan) -> dict:
@@ -198,7 +209,7 @@ def spec_widths(pend: dict, plan: Plan) -> dict:
 def lookup_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
     """The index's draft verified in one pass (no draft: a plain ar cycle)."""
     draft, scores = _lookup_draft(plan, hooks)
-    return rules.lookup_cycle(c["target"], t, draft, scores, sampler=sampler)
+    return rules.lookup_cycle(c["target"], t, draft, scores, sampler=_verifying(sampler, s))
 
 
 def lookup_widths(pend: dict, plan: Plan) -> dict:

@@ -225,9 +225,21 @@ class Greedy:
     (logits.row_stats): no row is processed, one exp pass per row whose probability is asked for.
     The rules run `GREEDY` when the engine passes no sampler; its four methods are `Sampler`'s:
     `sample` (ar's token), `slots` (a proposal's tokens), `probs` (a verifier's probabilities of given
-    tokens) and `sample_and_accept_n` (the verify step of every exact rule)."""
+    tokens) and `sample_and_accept_n` (the verify step of every exact rule).
+
+    `q`: whether `sample` and `sample_and_accept_n` also give the probabilities that decide nothing
+    in greedy decoding (an `ar` token's p̃, the target's q of each verified draft: Cycle.p and Cycle.q,
+    which the UI shows and the bench scores; an exp pass over the vocabulary per row). `GREEDY_ARGMAX`
+    (q False) gives NaN for them and reads each row once, for its argmax: the same tokens (modes.py
+    passes it where Settings.p_tilde is off, as in `run` and `serve`). The slot confidences p̃ of a
+    proposal (`slots`) and a verifier's probabilities (`probs`) decide widths and gates: always computed."""
+
+    def __init__(self, q: bool = True):
+        self.q = q
 
     def sample(self, logits: np.ndarray, prefix) -> tuple[int, float]:
+        if not self.q:
+            return int(np.argmax(logits[0])), float("nan")
         ids, p = top1(logits)
         return int(ids[0]), float(p[0])
 
@@ -242,15 +254,20 @@ class Greedy:
         """Accept drafted[i] while it equals row i's argmax; the argmax of the first row that does not
         match (or of the bonus row after a full match) follows. See Sampler.sample_and_accept_n."""
         k = len(drafted)
-        g, target = greedy_and_prob(logits, drafted)
+        if self.q:
+            g, target = greedy_and_prob(logits, drafted)
+            target = target.tolist()
+        else:                            # the argmax of each row, nothing else (ties: the first, as above)
+            g, target = logits.argmax(axis=1), [float("nan")] * k
         g = g.tolist()                   # (a few drafted tokens: compared in Python, no arrays)
         n = 0
         while n < k and int(drafted[n]) == g[n]:
             n += 1
-        return n, g[n], target.tolist(), None, n < k
+        return n, g[n], target, None, n < k
 
 
 GREEDY = Greedy()
+GREEDY_ARGMAX = Greedy(q=False)
 
 
 class Sampler:

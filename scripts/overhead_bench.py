@@ -125,10 +125,12 @@ def measure(engine: Engine, model: Model, mode: str, max_new: int, n_prompts: in
 
 
 # the --vocab-table runs: (label, Settings keywords)
-VOCAB_RUNS = [("ar (per token)", dict(mode="ar")),
+VOCAB_RUNS = [("ar (per token)", dict(mode="ar")), ("ar (per token), p̃ off (run, serve)", dict(mode="ar", p_tilde=False)),
               ("lossless B=2", dict(mode="lossless", block=2)), ("lossless B=4", dict(mode="lossless", block=4)),
               ("lossless B=8", dict(mode="lossless", block=8)), ("lossless B=16", dict(mode="lossless", block=16)),
+              ("lossless B=16, q off (run, serve)", dict(mode="lossless", block=16, p_tilde=False)),
               ("prove B=16", dict(mode="prove", block=16, theta=0.05)), ("spec k=4", dict(mode="spec", draft_k=4)),
+              ("spec k=4, q off (run, serve)", dict(mode="spec", draft_k=4, p_tilde=False)),
               ("lossless B=16, T=0.8", dict(mode="lossless", block=16, temperature=0.8, seed=1)),
               ("lossless B=16, T=0.8, rejection", dict(mode="lossless", block=16, temperature=0.8, seed=1,
                                                        sampler="rejection"))]

@@ -29,6 +29,48 @@ def test_greedy_ar_without_p_tilde_is_the_same_token():
         assert np.isnan(without.p[0]) and with_p.p[0] == pytest.approx(dist.max() / dist.sum(), rel=1e-5)
 
 
+def test_the_argmax_only_verify_step_accepts_what_the_greedy_one_does():
+    """sampling.GREEDY_ARGMAX (Settings.p_tilde off: run, serve) reads each verified row for its argmax
+    alone: the same accepted run and the same next token as GREEDY on rows with ties and near-ties
+    (random, and drafts that follow the argmax for a while), with the target's q of each draft NaN
+    instead of its probability."""
+    from prove_local.sampling import GREEDY, GREEDY_ARGMAX
+    rng = np.random.default_rng(1)
+    for k in range(200):
+        rows = rng.normal(size=(6, V)).astype(np.float32)
+        if k % 4 == 0:                                   # a tie at a row's maximum: the first index wins
+            r = int(rng.integers(6))
+            rows[r, int(rng.integers(V))] = rows[r].max()
+        drafted = [int(x) for x in rows[:5].argmax(axis=1)]
+        cut = int(rng.integers(6))
+        if cut < 5:
+            drafted[cut] = int((drafted[cut] + 1 + rng.integers(V - 1)) % V)     # a rejection at `cut`
+        n, nxt, q, acc, res = GREEDY.sample_and_accept_n(rows, drafted, PROMPT)
+        n2, nxt2, q2, acc2, res2 = GREEDY_ARGMAX.sample_and_accept_n(rows, drafted, PROMPT)
+        assert (n2, nxt2, acc2, res2) == (n, nxt, acc, res) and n == min(cut, 5)
+        assert len(q2) == len(q) == 5 and all(np.isnan(x) for x in q2) and not any(np.isnan(x) for x in q)
+
+
+@pytest.mark.parametrize("mode", ["lossless", "spec", "lookup"])
+def test_without_p_tilde_the_exact_modes_commit_the_same_tokens_and_leave_q_unread(mode):
+    """Settings.p_tilde off gives the exact modes' verify steps GREEDY_ARGMAX (modes._verifying): the
+    same cycles and tokens as with it on, Cycle.q NaN where it was the target's probability of a
+    verified draft."""
+    def engine():
+        return make_engine(proposer(wrong={3}), draft=FakeContext(ar_model(), V))
+
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]                    # (lookup: a repeat to draft from)
+    kw = dict(mode=mode, max_new=12, block=4, draft_k=3, lookup=3 if mode == "lookup" else 0)
+    on, toks_on = run(engine(), prompt, **kw)
+    off, toks_off = run(engine(), prompt, p_tilde=False, **kw)
+    assert toks_off == toks_on and [c.n_accepted for c in off] == [c.n_accepted for c in on]
+    verified = [c for c in on if c.q]
+    assert verified and all(not np.isnan(x) for c in verified for x in c.q)
+    first = 1 if mode == "lossless" else 0               # (lossless: q[0] is slot 1's own p̃, accepted as it is)
+    assert all(np.isnan(x) for c in off if c.q for x in c.q[first:])
+    assert [c.q[:first] for c in off if c.q] == [c.q[:first] for c in on if c.q]
+
+
 def test_lossless_full_block_plus_bonus():
     ctx = FakeContext(proposer(), V)
     c = rules.lossless_cycle(ctx, PROMPT, block=4, mask=MASK)
