@@ -14,10 +14,10 @@ is waited for `PARK_GRACE_S` at most; an idle one, not at all). The batcher's on
 puts every waiting pass into one `llama_batch` per context (each token with its sequence id, logits
 only on the rows asked for), calls `llama_decode` once, and hands each view its rows: a copy, or for a
 rule's `eval_view` in a generation a view into llama.cpp's buffer, which no decode overwrites before
-the engine's next pass or the end of its cycle (Batcher._step; every decode on one OS thread: see Batcher). The adapter switch (`llama_set_adapters_lora`) is per context, so
-passes with the adapter on and passes with it off go into separate decodes of the same step; a step
-whose passes exceed the context's `n_batch` is several decodes. `truncate` is `llama_memory_seq_rm`
-on the view's sequence only; an engine keeps its committed sequence between requests (prefix reuse
+the engine's next pass or the end of its cycle (Batcher._step; every decode on one OS thread: see
+Batcher). The adapter switch (`llama_set_adapters_lora`) is per context, so passes with the adapter on
+and passes with it off go into separate decodes of the same step; a step whose passes exceed the
+context's `n_batch` is several decodes. `truncate` is `llama_memory_seq_rm` on the view's sequence only; an engine keeps its committed sequence between requests (prefix reuse
 per sequence, as with a context of its own).
 
 Isolation: a decode that fails is retried pass by pass, alone, so only the pass that fails gets the
