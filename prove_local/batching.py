@@ -17,8 +17,9 @@ rule's `eval_view` in a generation a view into llama.cpp's buffer, which no deco
 the engine's next pass or the end of its cycle (Batcher._step; every decode on one OS thread: see
 Batcher). The adapter switch (`llama_set_adapters_lora`) is per context, so passes with the adapter on
 and passes with it off go into separate decodes of the same step; a step whose passes exceed the
-context's `n_batch` is several decodes. `truncate` is `llama_memory_seq_rm` on the view's sequence only; an engine keeps its committed sequence between requests (prefix reuse
-per sequence, as with a context of its own).
+context's `n_batch` is several decodes. `truncate` is `llama_memory_seq_rm` on the view's sequence
+only; an engine keeps its committed sequence between requests (prefix reuse per sequence, as with a
+context of its own).
 
 Isolation: a decode that fails is retried pass by pass, alone, so only the pass that fails gets the
 error; a thread that gives up while its pass waits (an exception, an interrupt) takes the pass out
