@@ -85,7 +85,7 @@ class _ComputeThread:
         while True:
             job = self.jobs.get()
             try:
-                job[2] = ll.llama_decode(job[0], job[1])
+                job[2] = _decode_now(job[0], job[1])
             except BaseException as e:   # noqa: BLE001 - handed to the caller
                 job[3] = e
             finally:
@@ -97,8 +97,23 @@ _compute: _ComputeThread | None = None
 _compute_lock = threading.Lock()
 
 
+def _decode_now(ctx, batch) -> int:
+    """llama_decode, then llama_synchronize: llama.cpp returns from llama_decode once a GPU backend has
+    the work queued (its computation and the copy of the logits finish later, at the first read of an
+    output: "wait for the computation to finish (automatically done when obtaining the model output)",
+    llama-context.cpp), so a pass timed around llama_decode alone would be the launch, not the pass,
+    and the planner's curve (calibrate.py times passes by `decode_seconds`) would be a GPU's launch
+    costs. On a CPU the computation is done when llama_decode returns and the synchronize costs
+    nothing measurable."""
+    rc = ll.llama_decode(ctx, batch)
+    if rc == 0:
+        ll.llama_synchronize(ctx)
+    return rc
+
+
 def decode(ctx, batch) -> int:
-    """llama_decode(ctx, batch) on the process's compute thread (_ComputeThread); returns its code.
+    """llama_decode(ctx, batch) on the process's compute thread (_ComputeThread), finished on the device
+    before it returns (`_decode_now`); returns its code.
     The caller's wait cannot be cut short: an interrupt (Ctrl-C) is raised once the decode is over, so
     nothing touches the context while llama.cpp still works on it."""
     global _compute
@@ -109,7 +124,7 @@ def decode(ctx, batch) -> int:
                 _compute = _ComputeThread()
             c = _compute
     if threading.current_thread() is c.thread:
-        return ll.llama_decode(ctx, batch)
+        return _decode_now(ctx, batch)
     # The wait is a bare lock, which the compute thread releases once the result is in the job, not a
     # threading.Event: an interrupt can strike between an Event's lock and its `with`, leaving the lock
     # held, and then the compute thread's set() and this thread's next wait both block on it for good

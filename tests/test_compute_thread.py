@@ -83,3 +83,31 @@ def test_a_ctrl_c_during_a_decode_comes_after_it(model, monkeypatch):
             assert ctx.eval([1, 5, 9]).shape == (1, model.n_vocab)
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def test_a_pass_is_finished_on_the_device_before_decode_returns(model, monkeypatch):
+    """llama_decode returns once a GPU backend has the work queued (llama.cpp synchronizes at the first
+    read of an output), so llama.decode synchronizes the context before it returns: the time around it
+    (`decode_seconds`, the planner's pass costs) is the pass's, not its launch's. A failed decode is
+    not synchronized (nothing was queued)."""
+    events, real_decode, real_sync = [], ll.llama_decode, ll.llama_synchronize
+
+    def decode(ctx, batch):
+        events.append("decode")
+        return real_decode(ctx, batch)
+
+    def sync(ctx):
+        events.append("sync")
+        return real_sync(ctx)
+
+    monkeypatch.setattr(ll, "llama_decode", decode)
+    monkeypatch.setattr(ll, "llama_synchronize", sync)
+    with Context(model, n_ctx=64, n_threads=1) as ctx:
+        ctx.eval([1, 5, 9], rows=[])             # no output read: only decode's own synchronize waits
+        ctx.eval([2], rows=[0])
+        assert events == ["decode", "sync", "decode", "sync"]
+        events.clear()
+        monkeypatch.setattr(ll, "llama_decode", lambda ctx, batch: events.append("decode") or 1)
+        with pytest.raises(llama.LlamaError, match="no KV slot"):
+            ctx.eval([3])
+        assert events == ["decode"]
