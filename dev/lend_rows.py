@@ -21,9 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from overhead_bench import vocab_models  # noqa: E402
+from overhead_bench import cycles_of, vocab_models  # noqa: E402
 from prove_local.batching import SeqView  # noqa: E402
-from prove_local.engine import Settings  # noqa: E402
 from prove_local.loading import Loaded  # noqa: E402
 from prove_local.pool import EnginePool  # noqa: E402
 
@@ -33,17 +32,9 @@ TEXTS = ["Natalia sold clips to 48 of her friends in April, and then she sold ha
 
 
 def cycles(pool: EnginePool, prompt: list[int], n: int, kw: dict) -> list:
-    """n cycles of one engine of the pool (restarting from the prompt when an answer stops early)."""
-    out = []
+    """n cycles of one engine of the pool (overhead_bench.cycles_of on it)."""
     with pool.engine() as (_, engine):
-        while len(out) < n:
-            gen = engine.generate(prompt, Settings(max_new=16 * n, **kw))
-            for c in gen:
-                out.append(c)
-                if len(out) == n:
-                    break
-            gen.close()
-    return out
+        return cycles_of(engine, prompt, n, **kw)
 
 
 def measure(pool: EnginePool, prompts: list[list[int]], n: int, kw: dict) -> tuple[float, list]:

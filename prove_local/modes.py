@@ -134,17 +134,18 @@ def _lookup_draft(plan: Plan, hooks: Hooks) -> tuple[list, list]:
     return [], []
 
 
-def _verifying(sampler, s):
-    """The sampler an exact rule's verify step gets: the request's, or, greedy, `GREEDY_ARGMAX` where
-    nobody reads the cycle's probabilities (Settings.p_tilde off: `run`, `serve`): the same tokens
-    without an exp pass over the vocabulary per verified row (None: the rules' GREEDY)."""
+def _sampler(sampler, s):
+    """The sampler a rule gets: the request's, or, greedy, `GREEDY_ARGMAX` where nobody reads the
+    cycle's probabilities that decide nothing (Settings.p_tilde off: `run`, `serve`; an `ar` token's
+    p̃, a verified draft's q): the same tokens without an exp pass over the vocabulary per row (None:
+    the rules' GREEDY)."""
     if sampler is None and not getattr(s, "p_tilde", True):
         return GREEDY_ARGMAX
     return sampler
 
 
 def ar_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
-    return rules.ar_cycle(c["target"], t, sampler=sampler, p_tilde=s.p_tilde)
+    return rules.ar_cycle(c["target"], t, sampler=_sampler(sampler, s))
 
 
 def ar_widths(pend: dict, plan: Plan) -> dict:
@@ -156,7 +157,7 @@ def lossless_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
     and the index drafts some (the lookup's draft, else a plain block)."""
     verify = hooks.choose_verify if hooks.choose_verify is not None else plan.verify
     draft, scores = _lookup_draft(plan, hooks)
-    sampler = _verifying(sampler, s)
+    sampler = _sampler(sampler, s)
     if draft:
         return rules.lossless_fill_cycle(c["target"], t, draft, scores, plan.block, mask, verify=verify,
                                          sampler=sampler)
@@ -197,7 +198,7 @@ def mars_widths(pend: dict, plan: Plan) -> dict:
 
 
 def spec_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
-    return rules.spec_cycle(c["target"], c["draft"], t, plan.draft_k, sampler=_verifying(sampler, s))
+    return rules.spec_cycle(c["target"], c["draft"], t, plan.draft_k, sampler=_sampler(sampler, s))
 
 
 def spec_widths(pend: dict, plan: Plan) -> dict:
@@ -209,7 +210,7 @@ def spec_widths(pend: dict, plan: Plan) -> dict:
 def lookup_cycle(c, t, plan, s, mask, sampler=None, hooks=NO_HOOKS):
     """The index's draft verified in one pass (no draft: a plain ar cycle)."""
     draft, scores = _lookup_draft(plan, hooks)
-    return rules.lookup_cycle(c["target"], t, draft, scores, sampler=_verifying(sampler, s))
+    return rules.lookup_cycle(c["target"], t, draft, scores, sampler=_sampler(sampler, s))
 
 
 def lookup_widths(pend: dict, plan: Plan) -> dict:

@@ -244,15 +244,12 @@ def _verify_block(ctx, prefix: list[int], d: list[int], conf, p_rest, block: int
 
 # ---------------------------------------------------------------------------------- the rules
 
-def ar_cycle(ctx, tokens: list[int], sampler=None, p_tilde: bool = True) -> Cycle:
-    """One token from the model's next-token row (greedy: its argmax; sampled: a draw). Greedy
-    without `p_tilde`: the argmax alone, p̃ NaN (its softmax needs an exp pass over the vocabulary)."""
+def ar_cycle(ctx, tokens: list[int], sampler=None) -> Cycle:
+    """One token from the model's next-token row (greedy: its argmax; sampled: a draw). With
+    sampling.GREEDY_ARGMAX: the argmax alone, p̃ NaN (its softmax needs an exp pass over the vocabulary)."""
     pending = _pending(ctx, tokens)
     logits = _logits(ctx, pending)
-    if sampler is None and not p_tilde:
-        x, p = int(np.argmax(logits[0])), float("nan")
-    else:
-        x, p = (sampler or GREEDY).sample(logits, tokens)
+    x, p = (sampler or GREEDY).sample(logits, tokens)
     return Cycle([x], [p], None, [x], 1, widths={"target": [len(pending)]}, plan=AR_PLAN, gate=[True])
 
 

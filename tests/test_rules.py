@@ -4,6 +4,7 @@ import pytest
 
 from prove_local import modes, rules
 from prove_local.engine import Engine, ModeError, Settings
+from prove_local.sampling import GREEDY_ARGMAX
 from tests.fakes import (EOS, MASK, PROMPT, V, FakeContext, ar_model, greedy, make_engine, onehot, proposer, run,
                          successor, verifier)
 
@@ -16,15 +17,15 @@ def test_ar_cycle_commits_one_greedy_token():
 
 
 def test_greedy_ar_without_p_tilde_is_the_same_token():
-    """p_tilde=False (run, serve: nobody reads an ar token's p̃) skips the softmax, not the choice:
-    the same argmax on rows with ties and near-ties, the first of tied maxima as with p̃; p̃ is NaN."""
+    """GREEDY_ARGMAX (Settings.p_tilde off: run, serve: nobody reads an ar token's p̃) skips the
+    softmax, not the choice: the same argmax on rows with ties and near-ties, the first of tied maxima as with p̃; p̃ is NaN."""
     rng = np.random.default_rng(0)
     for k in range(50):
         dist = rng.dirichlet(np.full(V, 0.3))
         if k % 5 == 0:                                  # a tie at the maximum: the first index wins
             dist[rng.integers(V)] = dist[int(np.argmax(dist))]
         with_p = rules.ar_cycle(FakeContext(lambda prefix: dist, V), PROMPT)
-        without = rules.ar_cycle(FakeContext(lambda prefix: dist, V), PROMPT, p_tilde=False)
+        without = rules.ar_cycle(FakeContext(lambda prefix: dist, V), PROMPT, sampler=GREEDY_ARGMAX)
         assert without.committed == with_p.committed == [int(np.argmax(np.log(dist).astype(np.float32)))]
         assert np.isnan(without.p[0]) and with_p.p[0] == pytest.approx(dist.max() / dist.sum(), rel=1e-5)
 
@@ -53,7 +54,7 @@ def test_the_argmax_only_verify_step_accepts_what_the_greedy_one_does():
 
 @pytest.mark.parametrize("mode", ["lossless", "spec", "lookup"])
 def test_without_p_tilde_the_exact_modes_commit_the_same_tokens_and_leave_q_unread(mode):
-    """Settings.p_tilde off gives the exact modes' verify steps GREEDY_ARGMAX (modes._verifying): the
+    """Settings.p_tilde off gives the exact modes' verify steps GREEDY_ARGMAX (modes._sampler): the
     same cycles and tokens as with it on, Cycle.q NaN where it was the target's probability of a
     verified draft."""
     def engine():

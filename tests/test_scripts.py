@@ -90,3 +90,7 @@ def test_serve_bench_pairs_each_run_with_llama_server_in_the_same_round():
                                            "requests": 3, "max_tokens": 64, "rounds": 4, "when": "now"})
     assert "| 0.95 |" in md
     assert "| 11.75 | 10.75 |" in md and "| 11.25 | — |" in md
+    # the median request, not the mean: one slow request (a prefill, a stall) does not move it
+    skewed = run("prove-local", 0, 90.0)
+    skewed["requests"] = [{"ms_per_token": x, "decode_ms_per_token": None} for x in (10.0, 11.0, 40.0)]
+    assert sb._median_of([skewed], "ms_per_token") == pytest.approx(11.0)
