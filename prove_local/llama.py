@@ -85,7 +85,7 @@ class _ComputeThread:
         while True:
             job = self.jobs.get()
             try:
-                job[2] = _decode_now(job[0], job[1])
+                job[2] = job[0](*job[1])
             except BaseException as e:   # noqa: BLE001 - handed to the caller
                 job[3] = e
             finally:
@@ -116,6 +116,13 @@ def decode(ctx, batch) -> int:
     before it returns (`_decode_now`); returns its code.
     The caller's wait cannot be cut short: an interrupt (Ctrl-C) is raised once the decode is over, so
     nothing touches the context while llama.cpp still works on it."""
+    return on_compute_thread(_decode_now, ctx, batch)
+
+
+def on_compute_thread(fn, *args):
+    """fn(*args) on the process's compute thread (_ComputeThread; at once when called there): its result,
+    or its exception raised here; the wait cannot be cut short (`decode`). For a caller that runs
+    llama.cpp's compute itself (dev/decode_floor.py's C loop) without a second OpenMP team."""
     global _compute
     c = _compute
     if c is None or c.pid != os.getpid():           # first use, or a forked child (threads do not fork)
@@ -124,7 +131,7 @@ def decode(ctx, batch) -> int:
                 _compute = _ComputeThread()
             c = _compute
     if threading.current_thread() is c.thread:
-        return _decode_now(ctx, batch)
+        return fn(*args)
     # The wait is a bare lock, which the compute thread releases once the result is in the job, not a
     # threading.Event: an interrupt can strike between an Event's lock and its `with`, leaving the lock
     # held, and then the compute thread's set() and this thread's next wait both block on it for good
@@ -132,7 +139,7 @@ def decode(ctx, batch) -> int:
     # lock or raises; an interrupt just after it took it leaves job[5] set, which ends the loop.
     done = threading.Lock()
     done.acquire()
-    job = [ctx, batch, None, None, done, False]
+    job = [fn, args, None, None, done, False]
     c.jobs.put(job)
     interrupted = None
     while not job[5]:

@@ -111,3 +111,23 @@ def test_a_pass_is_finished_on_the_device_before_decode_returns(model, monkeypat
         with pytest.raises(llama.LlamaError, match="no KV slot"):
             ctx.eval([3])
         assert events == ["decode"]
+
+
+def test_on_compute_thread_runs_there_and_raises_here(model, recorded):
+    """llama.on_compute_thread: a function run on the compute thread (a decode inside it is not handed
+    over again), its result returned and its exception raised to the caller."""
+    def inside(tokens):
+        with Context(model, n_ctx=64, n_threads=1) as ctx:
+            return threading.current_thread().name, ctx.eval(tokens)
+
+    name, rows = llama.on_compute_thread(inside, [1, 5, 9])
+    assert name == "prove-local llama" and recorded == ["prove-local llama"]
+    with Context(model, n_ctx=64, n_threads=1) as ctx:
+        assert np.array_equal(rows, ctx.eval([1, 5, 9]))
+
+    def fails():
+        raise ValueError("from the compute thread")
+
+    with pytest.raises(ValueError, match="from the compute thread"):
+        llama.on_compute_thread(fails)
+    assert llama.on_compute_thread(lambda: 7) == 7           # the thread still serves after a failure
