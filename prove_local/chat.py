@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import re
 import secrets
+import threading
+import weakref
 from datetime import datetime
 
 from jinja2 import TemplateError
@@ -116,16 +118,33 @@ def _find_contents(text: str, messages: list[dict]) -> list[tuple[str, bool]]:
     return segments + [(text[pos:], False)]
 
 
-def _special_strings(model: Model, text: str) -> set[str]:
+SPECIAL_STRINGS_KEPT = 256       # template texts per model whose special-token strings are kept (_special_strings)
+_special_kept: "weakref.WeakKeyDictionary[Model, dict[str, frozenset[str]]]" = weakref.WeakKeyDictionary()
+_special_lock = threading.Lock()
+
+
+def _special_strings(model: Model, text: str) -> frozenset[str]:
     """The special-token strings in template text: tokens that special parsing makes of `text`
-    whose own text does not tokenize to them without it."""
-    found = set()
+    whose own text does not tokenize to them without it. Kept per model and text: the template's
+    text between messages repeats from request to request, and finding them is a tokenize call per
+    distinct token (1.2 of a SmolLM2 chat request's 1.5 ms of tokenizing, 40 calls, on this CPU)."""
     if not text:
+        return frozenset()
+    with _special_lock:
+        kept = _special_kept.setdefault(model, {})
+        found = kept.get(text)
+    if found is not None:
         return found
+    found = set()
     for tok in set(model.tokenize(text, parse_special=True)):
         piece = model.piece(tok, special=True).decode("utf-8", "replace")
         if piece and piece in text and model.tokenize(piece, parse_special=False) != [tok]:
             found.add(piece)
+    found = frozenset(found)
+    with _special_lock:
+        if len(kept) >= SPECIAL_STRINGS_KEPT:
+            kept.clear()
+        kept[text] = found
     return found
 
 

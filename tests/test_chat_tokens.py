@@ -117,3 +117,34 @@ def test_a_compiled_template_is_reused_and_still_reads_the_clock():
     for _ in range(2):
         with pytest.raises(jinja2.TemplateSyntaxError):
             chat.render("{% for m in messages %}", [])
+
+
+def test_a_templates_special_strings_are_found_once_per_text(tmp_path, monkeypatch):
+    """chat._special_strings keeps what it found per model and template text (the text between messages
+    repeats from request to request): a second request tokenizes only its own pieces, with the same
+    tokens as the whole text parsed; another model finds its own; the kept texts are bounded."""
+    from prove_local import chat
+    a, b = Model(tiny_gguf(tmp_path / "a", seed=0)), Model(tiny_gguf(tmp_path / "b", seed=0))
+    calls = []
+    for m in (a, b):
+        real = m.tokenize
+        monkeypatch.setattr(m, "tokenize", lambda *args, _real=real, **kw: calls.append(1) or _real(*args, **kw))
+
+    def tokens(m, user):
+        calls.clear()
+        conv = Conversation(m, system="You are brief.")
+        got = conv.prompt_tokens(user)
+        n = len(calls)
+        assert got == whole_text_tokens(conv), user
+        return n
+
+    first, second = tokens(a, "Hello there"), tokens(a, "x = [1, 2, 3]")
+    assert second < first / 2                  # the template's texts: no tokenizing of their tokens again (36 -> 12)
+    assert tokens(b, "Hello there") == first   # another model: nothing of a's
+    assert set(chat._special_kept) >= {a, b}
+    monkeypatch.setattr(chat, "SPECIAL_STRINGS_KEPT", 3)
+    for i in range(10):
+        chat._special_strings(a, f"text {i}<|im_end|>")
+    assert len(chat._special_kept[a]) <= 3
+    a.close()
+    b.close()
