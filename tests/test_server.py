@@ -625,3 +625,42 @@ def test_a_collected_job_hands_its_text_to_the_event_loop_once(collect):
     assert [k for k, _ in events] == ["start"] + ["text"] * (1 if collect else 2) + ["done"]
     assert "".join(t for t, _ in texts) == "Hello"
     assert [e for _, es in texts for e in es] == [("Hel", -0.1, []), ("lo", -0.2, [])]
+
+
+def test_job_threads_are_reused_and_never_shared():
+    """server.jobs.Workers: a job runs on a thread that an earlier, finished job ran on (no thread start
+    per request), jobs at the same time each get a thread of their own, and a job that raises leaves
+    its thread serving."""
+    from prove_local.server.jobs import Workers
+    w = Workers(name="test-worker")
+    ran, lock = [], threading.Lock()
+
+    def job(tag, gate=None, fail=False):
+        def run():
+            with lock:
+                ran.append((tag, threading.get_ident()))
+            if gate is not None:
+                assert gate.wait(10)
+            if fail:
+                raise RuntimeError("a job that fails")
+        return run
+
+    def idle(n):
+        deadline = time.monotonic() + 10
+        while w.idle < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.idle == n
+
+    w.submit(job("a", fail=True))
+    idle(1)                                   # job a failed; its thread waits for the next
+    gate = threading.Event()
+    w.submit(job("b", gate=gate))             # no new thread: a's takes it, and blocks
+    assert w.threads == 1
+    w.submit(job("c"))                        # b still runs: a thread of its own
+    assert w.threads == 2
+    idle(1)                                   # c is over
+    w.submit(job("d"))                        # c's thread
+    idle(1)
+    gate.set()
+    idle(2)
+    assert w.threads == 2 and len({t for _, t in ran}) == 2 and sorted(tag for tag, _ in ran) == ["a", "b", "c", "d"]
