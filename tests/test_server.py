@@ -664,3 +664,12 @@ def test_job_threads_are_reused_and_never_shared():
     gate.set()
     idle(2)
     assert w.threads == 2 and len({t for _, t in ran}) == 2 and sorted(tag for tag, _ in ran) == ["a", "b", "c", "d"]
+    few, gate = Workers(name="test-keep", keep=1), threading.Event()
+    for _ in range(3):                        # three at once: three threads; once over, one stays
+        few.submit(job("e", gate=gate))
+    assert few.threads == 3
+    gate.set()
+    deadline = time.monotonic() + 10
+    while few.threads > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert few.threads == 1 and few.idle == 1

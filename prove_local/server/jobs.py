@@ -25,10 +25,11 @@ class Workers:
     next. A thread started per request cost a one-token request 2.75 ms of its 19.2 (SmolLM2, 2 cores,
     two servers interleaved): `Thread.start` returns only once the new thread runs, and that waits for
     a core that llama.cpp's threads still spin on after a pass. Never fewer threads than jobs at once:
-    a job waiting for an engine (pool.engine's queue) holds its thread as before."""
+    a job waiting for an engine (pool.engine's queue) holds its thread as before. At most `keep` threads
+    wait for work; one more ends with its job (a burst of refused requests leaves no crowd behind)."""
 
-    def __init__(self, name: str = "generate"):
-        self.name = name
+    def __init__(self, name: str = "generate", keep: int = 32):
+        self.name, self.keep = name, keep
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.idle = 0                       # threads waiting for a job
@@ -54,6 +55,9 @@ class Workers:
             except BaseException:           # noqa: BLE001 - a job answers its own errors (Job._run)
                 log.exception("a job failed outside its own handling")
             with self._lock:
+                if self.idle >= self.keep:
+                    self.threads -= 1
+                    return
                 self.idle += 1
 
 
