@@ -23,8 +23,8 @@ log = logging.getLogger("prove_local.server")
 class Workers:
     """The threads that run the jobs: one per job running, each kept once its job is over and given the
     next. A thread started per request cost a one-token request 2.75 ms of its 19.2 (SmolLM2, 2 cores,
-    two servers interleaved): `Thread.start` returns only once the new thread runs, and that waits for
-    a core that llama.cpp's threads still spin on after a pass. Never fewer threads than jobs at once:
+    two servers interleaved): `Thread.start` returns only once the new thread runs (py-spy put 1.1 ms a
+    request in that wait; why it is that long on 2 cores was not measured). Never fewer threads than jobs at once:
     a job waiting for an engine (pool.engine's queue) holds its thread as before. At most `keep` threads
     wait for work; one more ends with its job (a burst of refused requests leaves no crowd behind)."""
 
