@@ -20,8 +20,8 @@ from .engine import Settings, seed_note
 from .errors import ContextFull, ProveError, UsageError
 from .files import read_limited
 from .grammar import MAX_GRAMMAR_FILE, Grammar, GrammarError
-from .llama import Model, gpu_offload_supported
-from .loading import (EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, GPU_LAYERS, KV_TYPES, MAX_NEW, TAU, THETA, THREADS,
+from .llama import Model, gpu_offload_supported, kv_options
+from .loading import (EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, GPU_LAYERS, KV_METAVAR, KV_TYPE, MAX_NEW, TAU, THETA, THREADS,
                       add_flash_attn_arg, add_model_args, add_width_args, finite_float, load_engine)
 from .pull import add_parser as add_pull
 from .rpc import add_parser as add_rpc_server
@@ -257,7 +257,8 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--n-gpu-layers", type=GPU_LAYERS,
                    help="layers to offload (default: all when llama.cpp has a GPU backend)")
     add_flash_attn_arg(p)
-    p.add_argument("--kv-type", choices=KV_TYPES, help="KV cache type (default: as run: f32 for F32 models, f16 on a GPU, q8_0 on a CPU)")
+    p.add_argument("--kv-type", type=KV_TYPE, metavar=KV_METAVAR,
+                   help="KV cache type, or K/V apart (default: as run: f32 for F32 models, f16 on a GPU, q8_0/f16 on a CPU)")
     p.add_argument("--json", action="store_true", help="print the curves as JSON")
     p.set_defaults(func=cmd_calibrate)
 
@@ -271,8 +272,7 @@ def cmd_calibrate(args) -> int:
     out = {}
     for path in paths:
         model = Model(path, n_gpu_layers=ngl)
-        kv = args.kv_type or model.default_kv_type
-        opts = dict(n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
+        opts = dict(n_threads=args.threads, flash_attn=args.flash_attn, **kv_options(args.kv_type or model.default_kv_type))
         cal = calibrate(model, opts, refresh=args.refresh, budget_s=args.budget, verbose=not args.json)
         out[str(path)] = {"threads": cal["threads"], "measured_now": cal["measured"],
                           "curves": {str(th): c for th, c in cal["curves"].items()}}

@@ -21,6 +21,7 @@ import numpy as np
 import llama_cpp as ll
 
 from . import rpc
+from .shapes import kv_pair
 from .errors import ContextFull, LlamaError  # noqa: F401  (raised here, caught by the front ends)
 
 
@@ -178,24 +179,36 @@ QK8_0 = 32        # values per q8_0 block: a q8_0 cache needs head widths it div
 
 
 def default_kv_type(file_type, gpu: bool, head_dims=()) -> str:
-    """The KV cache type a model gets unless --kv-type says otherwise. `file_type`: the GGUF's
-    general.file_type (0: all F32); `gpu`: its layers are offloaded (a GPU, an RPC server);
-    `head_dims`: its per-head K and V widths (q8_0 only where QK8_0 divides them, else f16).
+    """The KV cache type a model gets unless --kv-type says otherwise (one type, or K/V apart:
+    shapes.kv_pair). `file_type`: the GGUF's general.file_type (0: all F32); `gpu`: its layers are
+    offloaded (a GPU, an RPC server); `head_dims`: its per-head K and V widths (a q8_0 K only where
+    QK8_0 divides them, else f16).
 
     F32 models: f32 (batched and one-token rows agree exactly, flash attention off). On a GPU: f16,
-    llama.cpp's default. On a CPU: q8_0, so that flash attention can be on and exact
-    (`rowwise_flash_attn`): SmolLM2-135M Q4_1 on 2 cores decodes 1.20x faster than with F16 and
-    flash attention off (98.3 against 81.9 tokens/s, 7 rounds, dev/fa_bench.py), prefills 90 tokens in
-    527 ms against 639, and its next-token distributions move from the F16/off reference by a mean KL of
-    3.6e-3 (llama.cpp's own default, F16 with flash attention on: 3.1e-3; perplexity 6.181 / 6.185 /
-    6.173 for the reference; dev/kv_fidelity.py, docs/run.md), in half the memory."""
+    llama.cpp's default. On a CPU: K q8_0 and V f16 ("q8_0/f16"), so that flash attention can be on
+    and exact (`rowwise_flash_attn`: a quantized K takes the row-wise kernel) at close to llama.cpp's
+    own speed. SmolLM2-135M Q4_1 on 2 cores: q8_0 for K and V decodes 1.20x faster than F16 with flash
+    attention off (98.3 against 81.9 tokens/s, 7 rounds, dev/fa_bench.py) and moves the next-token
+    distributions from that reference by a mean KL of 3.6e-3 (llama.cpp's default, F16 with flash
+    attention on: 3.1e-3; dev/kv_fidelity.py, docs/run.md); an F16 V then decodes 1.01-1.04x faster
+    again 100-450 tokens deep (the kernel accumulates an F16 V as it is, where a q8_0 V is dequantized
+    cell by cell), in 1.44x the memory of q8_0 for both and 0.77x F16's."""
     try:
         f32 = int(file_type) == 0
     except (TypeError, ValueError):
         f32 = False
     if f32:
         return "f32"
-    return "f16" if gpu or any(d % QK8_0 for d in head_dims) else "q8_0"
+    return "f16" if gpu or any(d % QK8_0 for d in head_dims) else "q8_0/f16"
+
+
+def kv_options(kv_type: str) -> dict:
+    """A context's type_k and type_v for a KV cache type as the options give it ("q8_0", "q8_0/f16")."""
+    try:
+        type_k, type_v = kv_pair(kv_type, GGML_TYPES)
+    except ValueError as e:
+        raise LlamaError(str(e)) from None
+    return {"type_k": type_k, "type_v": type_v}
 
 
 def flash_attn_setting(flash_attn, type_k: str = "f16", type_v: str = "f16", gpu: bool = False) -> str:

@@ -13,7 +13,8 @@ from . import rpc
 from .engine import Engine
 from .errors import UsageError
 from .modes import MODES
-from .llama import FLASH_ATTN, Adapter, Model, gpu_offload_supported
+from .shapes import kv_pair
+from .llama import FLASH_ATTN, Adapter, Model, gpu_offload_supported, kv_options
 from .memory import Offload, check_fits
 
 EMBEDDED = Path(__file__).parent / "models"
@@ -38,6 +39,7 @@ def smollm2_path() -> Path | None:
     p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     return p if p.is_file() else None
 KV_TYPES = ("f32", "f16", "q8_0", "q4_0")
+KV_METAVAR = "{" + ",".join(KV_TYPES) + "}[/V]"
 
 # --- argument types shared by run, ui, bench and serve: a bad value is one argparse line ----------
 # Largest proposal block / draft length: one cycle's proposal pass is then at most one llama_decode
@@ -98,6 +100,16 @@ CTX = int_in(1, MAX_CTX)
 PARALLEL = int_in(1, MAX_PARALLEL)
 PORT = int_in(0, 65535, " (0: a free port)")
 GPU_LAYERS = int_in(-1, None, " (-1: all)")
+
+
+def KV_TYPE(text: str) -> str:
+    """An argparse type: a KV cache type, one for K and V (`q8_0`) or K/V apart (`q8_0/f16`, llama.cpp's
+    -ctk q8_0 -ctv f16)."""
+    try:
+        k, v = kv_pair(text, KV_TYPES)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return k if k == v else f"{k}/{v}"
 TOKEN_ID = int_in(0)
 THETA = finite_float(0.0)     # p*q >= theta; above 1 the gate never passes (one token per cycle)
 TAU = finite_float(0.0)       # p >= tau; likewise
@@ -123,10 +135,10 @@ def add_model_args(p: argparse.ArgumentParser, *, positional: bool = True) -> No
     p.add_argument("--n-gpu-layers", type=GPU_LAYERS,
                    help="layers to offload (default: all when llama.cpp has a GPU backend, else 0)")
     add_flash_attn_arg(p)
-    p.add_argument("--kv-type", choices=KV_TYPES,
-                   help="KV cache type (default: f32 for F32 models, so that batched and one-token "
-                        "evaluation agree exactly; on a GPU f16; on a CPU q8_0, over which llama.cpp's flash "
-                        "attention is exact and on)")
+    p.add_argument("--kv-type", type=KV_TYPE, metavar=KV_METAVAR,
+                   help="KV cache type, or K/V apart (default: f32 for F32 models, so that batched and one-token "
+                        "evaluation agree exactly; on a GPU f16; on a CPU q8_0/f16 (K q8_0, V f16), over which "
+                        "llama.cpp's flash attention is exact and on)")
     add_rpc_args(p)
 
 
@@ -283,8 +295,8 @@ def load_models(args, *, parallel: int = 1, want_verifier: bool | None = None,
     if devices:
         placement_note(prop)
     ver, drf = load(verifier), load(draft)
-    kv = args.kv_type or prop.default_kv_type
-    opts = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
+    opts = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn,
+                **kv_options(args.kv_type or prop.default_kv_type))
     adapter = Adapter(prop, adapter_path) if adapter_path is not None else None
     return Loaded(prop, ver, drf, opts, getattr(args, "mask_token", None), adapter)
 

@@ -139,11 +139,22 @@ class ModelInfo:
         return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, kv_type)
 
 
+def kv_pair(kv_type: str, types=KV_BYTES) -> tuple[str, str]:
+    """(K type, V type) of a KV cache type as the options give it: one type for both ("q8_0") or K and
+    V apart ("q8_0/f16", llama.cpp's -ctk q8_0 -ctv f16). ValueError names a type not in `types`."""
+    k, slash, v = str(kv_type).partition("/")
+    v = v if slash else k
+    for t in (k, v):
+        if t not in types:
+            raise ValueError(f"{t!r} in {kv_type!r} is not a KV cache type: choose from {', '.join(types)}, "
+                             "or K/V apart (e.g. q8_0/f16)")
+    return k, v
+
+
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, kv_type: str = "f16") -> float:
-    """K and V of one token in every layer."""
-    if kv_type not in KV_BYTES:
-        raise ValueError(f"unknown KV cache type {kv_type!r}; choose from {', '.join(KV_BYTES)}")
-    return 2 * layers * kv_heads * head_dim * KV_BYTES[kv_type]
+    """K and V of one token in every layer (`kv_type`: one type, or K/V apart: kv_pair)."""
+    k, v = kv_pair(kv_type)
+    return layers * kv_heads * head_dim * (KV_BYTES[k] + KV_BYTES[v])
 
 
 def shape_info(shape: Shape | str, quant: str, name: str | None = None) -> ModelInfo:

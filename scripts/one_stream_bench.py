@@ -51,8 +51,8 @@ def python_loop(model, prompt: list[int], generated: list[int], threads: int, kv
 
     import llama_cpp as ll
 
-    from prove_local.llama import Context, decode
-    ctx = Context(model, n_ctx=n_ctx, n_threads=threads, type_k=kv, type_v=kv, flash_attn=flash_attn)
+    from prove_local.llama import Context, decode, kv_options
+    ctx = Context(model, n_ctx=n_ctx, n_threads=threads, flash_attn=flash_attn, **kv_options(kv))
     pre = (ctypes.c_int32 * len(prompt))(*prompt)
     feed = [(ctypes.c_int32 * 1)(t) for t in [prompt[-1]] + generated[:-1]]
 
@@ -97,12 +97,12 @@ def main() -> int:
         variants.append((f"llama-bench {label}", more.split()))
 
     from prove_local.engine import Engine, Settings, tokens_per_second
-    from prove_local.llama import Model
+    from prove_local.llama import Model, kv_options
     from prove_local.loading import smollm2_path
     path = Path(a.model) if a.model else smollm2_path()
     model = Model(path)
     kv = a.kv or model.default_kv_type
-    engine = Engine.load(model, n_ctx=512, n_threads=a.threads, type_k=kv, type_v=kv, flash_attn=a.flash_attn)
+    engine = Engine.load(model, n_ctx=512, n_threads=a.threads, flash_attn=a.flash_attn, **kv_options(kv))
     fa = engine.contexts["target"].flash_attn
     prompt = model.tokenize(PROMPT, add_special=True)
     settings = Settings(mode="ar", max_new=a.n, p_tilde=False)       # as `run` (no p̃ read)

@@ -465,17 +465,18 @@ def test_flash_attention_is_off_in_shared_contexts_unless_asked_for(models, solo
         on.close()
 
 
-def test_flash_attention_over_a_q8_0_cache_is_on_in_shared_contexts_and_exact(tmp_path_factory):
-    """A q8_0 KV cache (the CPU default for quantized models): `auto` is on in a shared context too
-    (llama.cpp's row-wise kernel is the only one over a quantized cache), and requests at different
-    phases in one batch each equal the same request alone, flash attention on, in a context of its own."""
+def test_flash_attention_over_a_q8_0_k_cache_is_on_in_shared_contexts_and_exact(tmp_path_factory):
+    """A q8_0 K and an F16 V (the CPU default for quantized models): `auto` is on in a shared context
+    too (llama.cpp's row-wise kernel is the only one where K or V is quantized), and requests at
+    different phases in one batch each equal the same request alone, flash attention on, in a context
+    of its own."""
     d = tmp_path_factory.mktemp("batching-q8")
     wide = dict(heads=2, kv_heads=1)                      # 32-wide heads: q8_0 blocks are 32 values
     models = {"target": Model(tiny_gguf(d, seed=0, **wide)),
               "verifier": Model(tiny_gguf(d, seed=1, role="verifier", **wide)),
               "draft": Model(tiny_gguf(d, seed=0, mask=False, role="verifier", **wide))}
     assert models["target"].head_dims == (32, 32) and models["target"].default_kv_type == "f32"
-    q8 = dict(F32, type_k="q8_0", type_v="q8_0")
+    q8 = dict(F32, type_k="q8_0", type_v="f16")
     shared, engines = shared_engines(models, 3, **q8)
     try:
         assert shared.flash_attn == "on"

@@ -361,8 +361,29 @@ def test_flash_attention_setting():
 def test_default_kv_type():
     from prove_local.llama import default_kv_type
     assert default_kv_type("0", gpu=False) == default_kv_type(0, gpu=True) == "f32"    # an all-F32 file
-    assert default_kv_type("3", gpu=False) == default_kv_type(None, gpu=False) == "q8_0"   # a CPU: exact FA
+    assert default_kv_type("3", gpu=False) == default_kv_type(None, gpu=False) == "q8_0/f16"   # a CPU: exact FA
+    assert default_kv_type(3, gpu=False, head_dims=(64, 64)) == "q8_0/f16"
+    assert default_kv_type(3, gpu=False, head_dims=(48, 48)) == "f16"                    # 32 does not divide 48
     assert default_kv_type(3, gpu=True) == "f16"                                         # llama.cpp's
+
+
+def test_kv_type_option_takes_one_type_or_k_and_v_apart():
+    import argparse
+
+    from prove_local.llama import LlamaError, kv_options
+    from prove_local.loading import KV_TYPE
+    assert kv_options("q8_0/f16") == {"type_k": "q8_0", "type_v": "f16"}
+    assert kv_options("f32") == {"type_k": "f32", "type_v": "f32"}
+    with pytest.raises(LlamaError, match="'q5' in 'f16/q5' is not a KV cache type"):
+        kv_options("f16/q5")
+    p = argparse.ArgumentParser()
+    p.add_argument("--kv-type", type=KV_TYPE)
+    assert p.parse_args(["--kv-type", "q8_0/f16"]).kv_type == "q8_0/f16"
+    assert p.parse_args(["--kv-type", "q8_0/q8_0"]).kv_type == "q8_0"               # one type, said twice
+    assert p.parse_args(["--kv-type", "f16"]).kv_type == "f16"
+    for bad in ("q8", "q8_0/", "bf16", "f16/f16/f16"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--kv-type", bad])
 
 
 def test_flash_attention_option_on_the_command_lines():

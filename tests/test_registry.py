@@ -142,6 +142,9 @@ def test_memory_estimate_on_known_shapes():
     # Qwen2.5-7B: 28 layers, 4 KV heads of 128 -> 2*28*4*128 elements of K and V per token
     assert kv_bytes_per_token(28, 4, 128, "f16") == 57344                  # 56 KiB per token
     assert kv_bytes_per_token(28, 4, 128, "q8_0") == 57344 / 2 * 34 / 32
+    assert kv_bytes_per_token(28, 4, 128, "q8_0/f16") == 57344 / 4 * (34 / 32 + 2)    # K q8_0, V f16
+    with pytest.raises(ValueError, match="'q5' in 'q8_0/q5' is not a KV cache type"):
+        kv_bytes_per_token(28, 4, 128, "q8_0/q5")
     assert kv_bytes_per_token(64, 8, 128, "f16") * 4096 == 1 * GiB          # Qwen2.5-32B at 4k: 1 GiB
     seven, big = shape_info("qwen2.5-7b", "q4_k_m"), shape_info("qwen2.5-32b", "q4_k_m")
     assert seven.kv_bytes_per_token() * 4096 == 224 * MiB

@@ -55,31 +55,35 @@ def _rows_equal(ctx, prefix, widths, seed=1):
 
 def test_default_flash_attention_keeps_rows_exact_deep_in_a_context(smol):
     """900 tokens cached. F16 KV with flash attention `auto` (off on a CPU): every row of a 2- and
-    8-token pass is its one-token row. The CPU default, q8_0 KV, with `auto` (on: llama.cpp's row-wise
-    kernel is the only one over a quantized cache): every row of 2-, 8-, 17- and 64-token passes too.
-    F16 KV with flash attention on: llama.cpp's CPU kernel splits a one-query pass over >= 512 cells
-    across the threads (and tiles 64 queries) and the rows differ (the negative control)."""
+    8-token pass is its one-token row. The CPU default, a q8_0 K and an F16 V, with `auto` (on:
+    llama.cpp's row-wise kernel is the only one where K or V is quantized): every row of 2-, 8-, 17-
+    and 64-token passes too, and over q8_0 for both. F16 KV with flash attention on: llama.cpp's CPU
+    kernel splits a one-query pass over >= 512 cells across the threads (and tiles 64 queries) and the
+    rows differ (the negative control)."""
     prefix = np.random.default_rng(0).integers(100, 20000, 900).tolist()
     with Context(smol, n_ctx=1024, n_threads=2) as ctx:
         assert ctx.flash_attn == "off"
         assert _rows_equal(ctx, prefix, (2, 8)) == {2: 2, 8: 8}
-    with Context(smol, n_ctx=1024, n_threads=2, type_k="q8_0", type_v="q8_0") as ctx:
+    with Context(smol, n_ctx=1024, n_threads=2, type_k="q8_0", type_v="f16") as ctx:
         assert ctx.flash_attn == "on"
         assert _rows_equal(ctx, prefix, (2, 8, 17, 64)) == {2: 2, 8: 8, 17: 17, 64: 64}
+    with Context(smol, n_ctx=1024, n_threads=2, type_k="q8_0", type_v="q8_0") as ctx:
+        assert ctx.flash_attn == "on"
+        assert _rows_equal(ctx, prefix, (2, 17)) == {2: 2, 17: 17}
     with Context(smol, n_ctx=1024, n_threads=2, flash_attn="on") as ctx:
         got = _rows_equal(ctx, prefix, (2, 8))
         assert got[2] < 2 and got[8] < 8, got
 
 
 def test_cli_defaults_on_a_cpu_are_exact_past_the_split_threshold(smol):
-    """What `prove-local run` gives SmolLM2 on a CPU (q8_0 KV, flash attention on) with its shipped
-    MARS adapter: lossless (fixed and planned widths) equals `ar` token for token on a prompt of over
-    256 tokens, where F16 KV with flash attention on would read split one-query rows (above)."""
-    from prove_local.llama import Adapter, default_kv_type
+    """What `prove-local run` gives SmolLM2 on a CPU (a q8_0 K and an F16 V, flash attention on) with its
+    shipped MARS adapter: lossless (fixed and planned widths) equals `ar` token for token on a prompt of
+    over 256 tokens, where F16 KV with flash attention on would read split one-query rows (above)."""
+    from prove_local.llama import Adapter, kv_options
     from prove_local.loading import DEFAULT_ADAPTER
-    kv = default_kv_type(smol.meta("general.file_type"), gpu=False)
-    assert kv == "q8_0"
-    e = Engine.load(smol, adapter=Adapter(smol, DEFAULT_ADAPTER), n_ctx=1024, n_threads=2, type_k=kv, type_v=kv)
+    kv = smol.default_kv_type
+    assert kv == "q8_0/f16"
+    e = Engine.load(smol, adapter=Adapter(smol, DEFAULT_ADAPTER), n_ctx=1024, n_threads=2, **kv_options(kv))
     assert e.contexts["target"].flash_attn == "on"
     story = ("Mars is the fourth planet from the Sun. It is a dusty, cold desert world with a thin atmosphere. "
              "Its red colour comes from iron oxide in its soil. ") * 9

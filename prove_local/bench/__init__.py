@@ -24,8 +24,8 @@ from .. import sampling as sampling_defaults
 from ..chat import Conversation, clean_text
 from ..engine import Engine
 from ..errors import MissingExtra, UsageError
-from ..llama import Adapter, Model, gpu_offload_supported
-from ..loading import (CTX, EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, GPU_LAYERS, KV_TYPES, MAX_NEW, PARALLEL, TAU, THETA,
+from ..llama import Adapter, Model, gpu_offload_supported, kv_options
+from ..loading import (CTX, EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, GPU_LAYERS, KV_METAVAR, KV_TYPE, MAX_NEW, PARALLEL, TAU, THETA,
                        THREADS, TOKEN_ID, Loaded, add_flash_attn_arg, add_rpc_args, draft_width_arg, int_in, lookup_arg, placement_note,
                        rpc_devices, width_arg)
 from ..modes import MODES
@@ -156,8 +156,8 @@ def add_parser(sub) -> None:
     p.add_argument("--n-gpu-layers", type=GPU_LAYERS, help="layers to offload (default: all when llama.cpp has a GPU backend)")
     add_flash_attn_arg(p)
     add_rpc_args(p)     # --rpc, --tensor-split: the proposer on `prove-local rpc-server`s
-    p.add_argument("--kv-type", choices=KV_TYPES,
-                   help="KV cache type (default: as run: f32 for an F32 proposer, so the exact modes can match ar exactly; on a GPU f16; on a CPU q8_0, with flash attention on)")
+    p.add_argument("--kv-type", type=KV_TYPE, metavar=KV_METAVAR,
+                   help="KV cache type, or K/V apart (default: as run: f32 for an F32 proposer, so the exact modes can match ar exactly; on a GPU f16; on a CPU q8_0/f16, with flash attention on)")
     p.add_argument("--warmup", type=int_in(0), default=16, help="tokens per run generated before measuring (default 16; 0: none)")
     p.add_argument("--pass-cost-reps", type=int_in(1, 100), default=3,
                    help="repetitions per n of the pass-cost curve, each 2 settling + 2 timed passes (calibrate.measure; default 3)")
@@ -211,7 +211,7 @@ def cmd_bench(args) -> int:
     prompts = _prompts(args)
     models, ngl = _load_models(args, modes, proposer_path, verifier_path)
     kv = args.kv_type or models["target"].default_kv_type
-    context_options = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, type_k=kv, type_v=kv)
+    context_options = dict(n_ctx=args.ctx, n_threads=args.threads, flash_attn=args.flash_attn, **kv_options(kv))
     adapter = Adapter(models["target"], args.adapter) if args.adapter else None
     with _engines(args, models, context_options, adapter) as (engine, batch):
         sampling = dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
