@@ -75,6 +75,25 @@ def test_default_flash_attention_keeps_rows_exact_deep_in_a_context(smol):
         assert got[2] < 2 and got[8] < 8, got
 
 
+def test_a_k_and_v_of_different_types_reach_llama_cpps_cache(smol):
+    """`--kv-type q8_0/f16` gives llama.cpp a q8_0 K and an F16 V: a sequence's serialized KV state
+    grows, against the same tokens in other caches, by the V (or K) bytes that shapes.kv_bytes_per_token
+    says the types differ by (34 bytes per 32 values against 2 per value)."""
+    from prove_local.gguf_info import read_gguf_info
+    from prove_local.llama import kv_options
+    info = read_gguf_info(smol.path)
+    tokens = list(range(100, 164))
+    size = {}
+    for kv in ("q8_0", "q8_0/f16", "f16/q8_0", "f16"):
+        with Context(smol, n_ctx=256, n_threads=2, **kv_options(kv)) as ctx:
+            ctx.eval(tokens)
+            size[kv] = len(ctx.seq_state(0))
+    per_token = {kv: info.kv_bytes_per_token(kv) for kv in size}
+    assert per_token["q8_0"] < per_token["q8_0/f16"] == per_token["f16/q8_0"] < per_token["f16"]
+    for kv in ("q8_0/f16", "f16/q8_0", "f16"):
+        assert size[kv] - size["q8_0"] == len(tokens) * (per_token[kv] - per_token["q8_0"])
+
+
 def test_cli_defaults_on_a_cpu_are_exact_past_the_split_threshold(smol):
     """What `prove-local run` gives SmolLM2 on a CPU (a q8_0 K and an F16 V, flash attention on) with its
     shipped MARS adapter: lossless (fixed and planned widths) equals `ar` token for token on a prompt of
