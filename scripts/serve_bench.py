@@ -14,7 +14,7 @@ the mode), after one warm-up request. Per server, mode and C: completion tokens 
 p50 and p95 latency per request, the requests that failed; with --rounds K each configuration runs K
 times, the servers interleaved per round (their order rotated from round to round), and the figures
 are the medians, with the paired ratio (the median over rounds of a run's tokens/s over llama-server's
-in the same round), and per request the generation time per token each server reports (its
+in the same round, with a distribution-free 95 % interval for it), and per request the generation time per token each server reports (its
 `timings`) and, for prove-local, the part of it inside llama_decode: where the two servers' times per
 token agree and their throughputs do not, the difference is outside generation (per request); where
 prove-local's llama_decode matches llama-server's time per token, the rest of its own is host time per
@@ -22,13 +22,15 @@ token. Writes OUT/results.json
 (every request), OUT/summary.md (the table, and prove-local's throughput as a multiple of
 llama-server's) and OUT/serve_bench.png (tokens/s and p50 latency against C; needs matplotlib).
 Everything is bounded: --deadline seconds for the whole run, a timeout per request; the servers are
-stopped at the end. Client side: the standard library only (http.client).
+stopped at the end. Client side: the standard library only (http.client). `--from DIR` runs
+nothing: it summarizes an earlier run's DIR/results.json again.
 """
 from __future__ import annotations
 
 import argparse
 import http.client
 import json
+import math
 import os
 import socket
 import statistics
@@ -122,9 +124,28 @@ def load(port: int, clients: int, requests: int, max_tokens: int, mode: str | No
             "p50_s": percentile(lat, 0.5), "p95_s": percentile(lat, 0.95), "requests": results}
 
 
+def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """A distribution-free confidence interval for the median of `xs` (order statistics: the median
+    lies between the k-th smallest and the k-th largest of n values with probability
+    1 - 2 P(Binomial(n, 1/2) < k), whatever the distribution): (low, high, coverage) for the largest k
+    whose coverage is at least `level`; with too few values for `level` (n <= 5 at 95 %), the minimum
+    and the maximum and their coverage."""
+    v, n = sorted(xs), len(xs)
+    if n == 0:
+        raise ValueError("median_ci: no values")
+
+    def coverage(k: int) -> float:
+        return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(k)) / 2.0 ** n
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
+        k += 1
+    return v[k - 1], v[n - k], coverage(k)
+
+
 def summarize(runs: list[dict]) -> list[dict]:
     """Median over rounds per (server, mode, clients), and `paired`: the median over rounds of its tokens/s
-    over llama-server's in the same round and concurrency (None without llama-server)."""
+    over llama-server's in the same round and concurrency (None without llama-server), with
+    `paired_ci`, a 95 % interval for that median (median_ci: low, high, coverage) from 2 rounds on."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         groups.setdefault((r["server"], r["mode"], r["clients"]), []).append(r)
@@ -132,8 +153,10 @@ def summarize(runs: list[dict]) -> list[dict]:
     rows = []
     for (server, mode, c), rs in groups.items():
         pairs = [x["tokens_per_s"] / ref[(x["round"], c)] for x in rs if ref.get((x["round"], c))]
+        ours = pairs and server != "llama-server"
         rows.append({"server": server, "mode": mode, "clients": c, "rounds": len(rs),
-                     "paired": statistics.median(pairs) if pairs and server != "llama-server" else None,
+                     "paired": statistics.median(pairs) if ours else None,
+                     "paired_ci": median_ci(pairs) if ours and len(pairs) >= 2 else None,
                      "tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs),
                      "p50_s": statistics.median(x["p50_s"] for x in rs),
                      "p95_s": statistics.median(x["p95_s"] for x in rs),
@@ -159,23 +182,43 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['requests']} requests per client, {meta['max_tokens']} max tokens, greedy; medians of "
              f"{meta['rounds']} round(s), the runs' order rotated from round to round; × llama-server: the "
              f"medians' ratio, paired: the median of the ratios within a round; {meta['when']}.", "",
+             "paired CI: a distribution-free 95 % interval for that median (order statistics over the rounds; "
+             "its coverage in brackets where the rounds are too few for 95 %): ≥ 1.0× llama-server holds "
+             "where its low end is ≥ 1.00, and is not ruled out where it covers 1.00.", "",
              "ms/token: the median request's generation time per token as the server reports it "
              "(`timings.predicted_per_token_ms`, host time included); llama_decode: of which prove-local's "
              "passes took (its `prove.decode_seconds` per token).", "",
-             "| server | mode | clients | tokens/s | × llama-server | paired | p50 s | p95 s | ok / sent "
+             "| server | mode | clients | tokens/s | × llama-server | paired | paired CI | p50 s | p95 s | ok / sent "
              "| tokens/cycle | ms/token | llama_decode |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (r["clients"], r["server"] != "llama-server", r["mode"] or "")):
         base = ref.get(r["clients"])
         x = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base and base["tokens_per_s"] > 0 \
             and r["server"] != "llama-server" else "—"
         tpc = f"{r['tokens_per_cycle']:.2f}" if r["tokens_per_cycle"] is not None else "—"
         paired = f"{r['paired']:.2f}" if r.get("paired") is not None else "—"
+        ci = r.get("paired_ci")
+        ci = "—" if ci is None else f"{ci[0]:.2f}–{ci[1]:.2f}" + ("" if ci[2] >= 0.95 else f" ({ci[2]:.0%})")
         ms, dec = (f"{r[k]:.2f}" if r.get(k) is not None else "—" for k in ("ms_per_token", "decode_ms_per_token"))
         lines.append(f"| {r['server']} | {r['mode'] or '—'} | {r['clients']} | {r['tokens_per_s']:.1f} | {x} | "
-                     f"{paired} | "
+                     f"{paired} | {ci} | "
                      f"{r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['ok']} / {r['sent']} | {tpc} | {ms} | {dec} |")
     return "\n".join(lines) + "\n"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it over `path`."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def report(rows: list[dict], meta: dict, out: Path) -> None:
+    """OUT/summary.md and OUT/serve_bench.png from the summarized rows; the table printed."""
+    text = markdown(rows, meta)
+    write_atomic(out / "summary.md", text)
+    plot(rows, out / "serve_bench.png")
+    print(text)
 
 
 def plot(rows: list[dict], path: Path) -> bool:
@@ -234,8 +277,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="rounds, servers interleaved; medians (default 1)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per request (default 300)")
     p.add_argument("--deadline", type=float, default=1500, help="seconds for the whole run (default 1500)")
-    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--out", type=Path, help="output folder")
+    p.add_argument("--from", dest="from_dir", type=Path, metavar="DIR",
+                   help="run nothing: summarize an earlier run's DIR/results.json again (summary.md and the plot, "
+                        "in --out or DIR), e.g. with statistics added since")
     args = p.parse_args(argv)
+    if args.from_dir is not None:
+        src = args.from_dir / "results.json"
+        try:
+            data = json.loads(src.read_text())
+            runs, meta = data["runs"], data["meta"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"--from {args.from_dir}: cannot read {src}: {e}")
+        out = args.out or args.from_dir
+        out.mkdir(parents=True, exist_ok=True)
+        if out.resolve() != args.from_dir.resolve():
+            write_atomic(out / "results.json", src.read_text())
+        report(summarize(runs), meta, out)
+        return 0
+    if args.out is None:
+        p.error("--out is required (or --from DIR)")
     if min(args.clients) < 1 or args.requests < 1 or args.max_tokens < 1 or args.parallel < 1 or args.rounds < 1:
         p.error("--clients, --requests, --max-tokens, --parallel and --rounds must be >= 1")
     if args.llama_variant and args.llama_server is None:
@@ -297,7 +358,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for _, proc, _, _ in servers:
             stop_server(proc)
-    rows = summarize(runs)
     meta = {"model": str(model), "model_name": model.name, "parallel": args.parallel, "threads": args.threads,
             "ctx": args.ctx, "requests": args.requests, "max_tokens": args.max_tokens, "rounds": args.rounds,
             "modes": args.modes, "serve_args": serve_args, "llama_server": str(args.llama_server or ""),
@@ -305,10 +365,9 @@ def main(argv: list[str] | None = None) -> int:
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python scripts/serve_bench.py " + " ".join(sys.argv[1:]),
             "load": os.getloadavg()}
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "summary": rows, "runs": runs}, indent=1))
-    (args.out / "summary.md").write_text(markdown(rows, meta))
-    plot(rows, args.out / "serve_bench.png")
-    print((args.out / "summary.md").read_text())
+    rows = summarize(runs)
+    write_atomic(args.out / "results.json", json.dumps({"meta": meta, "summary": rows, "runs": runs}, indent=1))
+    report(rows, meta, args.out)
     failed = sum(r["sent"] - r["ok"] for r in rows)
     return 0 if failed == 0 else 1
 

@@ -58,14 +58,7 @@ def test_serve_bench_pairs_each_run_with_llama_server_in_the_same_round():
     """serve_bench's paired ratio: the median over rounds of a run's tokens/s over llama-server's at the
     same round and concurrency (a machine that speeds up from round to round moves both alike), next to
     the ratio of the medians."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("serve_bench", SCRIPTS / "serve_bench.py")
-    sb = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        spec.loader.exec_module(sb)
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    sb = _serve_bench()
 
     def run(server, rnd, tps, clients=1):
         ours = server != "llama-server"            # per request: the server's ms per token, ours its llama_decode part
@@ -94,3 +87,69 @@ def test_serve_bench_pairs_each_run_with_llama_server_in_the_same_round():
     skewed = run("prove-local", 0, 90.0)
     skewed["requests"] = [{"ms_per_token": x, "decode_ms_per_token": None} for x in (10.0, 11.0, 40.0)]
     assert sb._median_of([skewed], "ms_per_token") == pytest.approx(11.0)
+
+
+def _serve_bench():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("serve_bench", SCRIPTS / "serve_bench.py")
+    sb = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec.loader.exec_module(sb)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return sb
+
+
+def test_serve_bench_paired_interval_is_the_order_statistics_one():
+    """The paired ratio's 95 % interval: the k-th smallest and k-th largest of n rounds' ratios, k the
+    largest with 1 - 2 P(Binomial(n, 1/2) < k) >= 0.95 (n = 12: k = 3, 96.1 %; n = 6: k = 1, 96.9 %;
+    n = 5: too few, min and max at 93.75 %); summarize and the table carry it, and --from DIR
+    summarizes a saved run again without starting a server."""
+    sb = _serve_bench()
+    xs = [0.90 + 0.01 * i for i in (7, 2, 11, 0, 5, 9, 1, 4, 10, 3, 8, 6)]     # 0.90 .. 1.01, shuffled
+    lo, hi, cov = sb.median_ci(xs)
+    assert (lo, hi) == (pytest.approx(0.92), pytest.approx(0.99)) and cov == pytest.approx(1 - 2 * 79 / 4096)
+    assert sb.median_ci([3.0, 1.0, 2.0, 5.0, 4.0, 6.0])[:2] == (1.0, 6.0)
+    assert sb.median_ci([3.0, 1.0, 2.0, 5.0, 4.0])[2] == pytest.approx(0.9375)
+    assert sb.median_ci(list(range(100)))[:2] == (39, 60)   # k = 40 (the normal approximation's 50 -/+ 9.8)
+    with pytest.raises(ValueError):
+        sb.median_ci([])
+
+    def run(server, rnd, tps):
+        return {"server": server, "mode": None if server == "llama-server" else "ar", "clients": 2, "round": rnd,
+                "tokens_per_s": tps, "p50_s": 1.0, "p95_s": 1.0, "ok": 1, "sent": 1,
+                "requests": [{"ms_per_token": 10.0}]}
+    runs = [r for i in range(6) for r in (run("llama-server", i, 100.0), run("prove-local", i, 95.0 + 2 * i))]
+    rows = {r["server"]: r for r in sb.summarize(runs)}
+    assert rows["prove-local"]["paired_ci"][:2] == (pytest.approx(0.95), pytest.approx(1.05))
+    assert rows["llama-server"]["paired_ci"] is None
+    one = {r["server"]: r for r in sb.summarize(runs[:2])}            # one round: no interval
+    assert one["prove-local"]["paired_ci"] is None
+    meta = {"model_name": "m", "parallel": 4, "threads": 2, "command": "c", "requests": 3, "max_tokens": 64,
+            "rounds": 6, "when": "now"}
+    assert "| 1.00 | 0.95–1.05 |" in sb.markdown(list(rows.values()), meta)
+    five = {r["server"]: r for r in sb.summarize(runs[:10])}
+    assert "| 0.95–1.03 (94%) |" in sb.markdown(list(five.values()), meta)
+
+
+def test_serve_bench_from_summarizes_a_saved_run_again(tmp_path):
+    import json
+    sb = _serve_bench()
+    runs = [{"server": s, "mode": m, "clients": 1, "round": i, "tokens_per_s": t, "p50_s": 1.0, "p95_s": 1.0,
+             "ok": 1, "sent": 1, "requests": [{"ms_per_token": 10.0}]}
+            for i in range(3) for s, m, t in (("llama-server", None, 100.0), ("prove-local", "ar", 90.0 + 10 * i))]
+    src = tmp_path / "old"
+    src.mkdir()
+    meta = {"model_name": "m", "parallel": 4, "threads": 2, "command": "c", "requests": 3, "max_tokens": 64,
+            "rounds": 3, "when": "then"}
+    (src / "results.json").write_text(json.dumps({"meta": meta, "summary": [], "runs": runs}))
+    assert sb.main(["--from", str(src), "--out", str(tmp_path / "new")]) == 0
+    text = (tmp_path / "new" / "summary.md").read_text()
+    assert "| 1.00 | 0.90–1.10 (75%) |" in text                       # 3 rounds: min and max, 75 % coverage
+    assert json.loads((tmp_path / "new" / "results.json").read_text())["runs"] == runs
+    assert not (src / "summary.md").exists()                         # the source folder is left alone
+    with pytest.raises(SystemExit):
+        sb.main(["--from", str(tmp_path / "nowhere")])
+    with pytest.raises(SystemExit):
+        sb.main(["--rounds", "2"])                                    # neither --out nor --from
