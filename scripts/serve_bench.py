@@ -8,22 +8,21 @@ Starts `prove-local serve --parallel N` (its default model, SmolLM2-135M-Instruc
 adapter, unless --model names another GGUF; extra serve arguments after `--`), and, with
 --llama-server, `llama-server -np N` on the same base GGUF with the same threads and context per slot.
 (`--unbatched`: also `serve --no-batching`, an engine with contexts of its own per request.) Against
-each it runs, per concurrency level C, C clients that each send R chat requests one after
-another (the prompts of scripts/load_test.py, max_tokens, temperature 0; prove-local's requests name
-the mode), after one warm-up request. Per server, mode and C: completion tokens / wall time (tokens/s),
-p50 and p95 latency per request, the requests that failed; with --rounds K each configuration runs K
-times, the servers interleaved per round (their order rotated from round to round), and the figures
-are the medians, with the paired ratio (the median over rounds of a run's tokens/s over llama-server's
-in the same round, with a distribution-free 95 % interval for it), and per request the generation time per token each server reports (its
-`timings`) and, for prove-local, the part of it inside llama_decode: where the two servers' times per
-token agree and their throughputs do not, the difference is outside generation (per request); where
-prove-local's llama_decode matches llama-server's time per token, the rest of its own is host time per
-token. Writes OUT/results.json
-(every request), OUT/summary.md (the table, and prove-local's throughput as a multiple of
-llama-server's) and OUT/serve_bench.png (tokens/s and p50 latency against C; needs matplotlib).
-Everything is bounded: --deadline seconds for the whole run, a timeout per request; the servers are
-stopped at the end. Client side: the standard library only (http.client). `--from DIR` runs
-nothing: it summarizes an earlier run's DIR/results.json again.
+each it runs, per concurrency level C, C clients that each send R chat requests one after another (the
+prompts of scripts/load_test.py, max_tokens, temperature 0; prove-local's requests name the mode), after
+one warm-up request. Per server, mode and C: completion tokens / wall time (tokens/s), p50 and p95
+latency per request, the requests that failed; with --rounds K each configuration runs K times, the
+servers interleaved per round (their order rotated from round to round), and the figures are the
+medians, with the paired ratio (the median over rounds of a run's tokens/s over llama-server's in the
+same round, with a distribution-free 95 % interval for it), and per request the generation time per
+token each server reports (its `timings`) and, for prove-local, the part of it inside llama_decode:
+where the two servers' times per token agree and their throughputs do not, the difference is outside
+generation (per request); where prove-local's llama_decode matches llama-server's time per token, the
+rest of its own is host time per token. Writes OUT/results.json (every request), OUT/summary.md (the
+table, and prove-local's throughput as a multiple of llama-server's) and OUT/serve_bench.png (tokens/s
+and p50 latency against C; needs matplotlib). Everything is bounded: --deadline seconds for the whole
+run, a timeout per request; the servers are stopped at the end. Client side: the standard library only
+(http.client). `--from DIR` runs nothing: it summarizes an earlier run's DIR/results.json again.
 """
 from __future__ import annotations
 
@@ -291,9 +290,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--from {args.from_dir}: cannot read {src}: {e}")
         out = args.out or args.from_dir
         out.mkdir(parents=True, exist_ok=True)
-        if out.resolve() != args.from_dir.resolve():
-            write_atomic(out / "results.json", src.read_text())
-        report(summarize(runs), meta, out)
+        rows = summarize(runs)                  # (the runs and meta as they were, the summary made again)
+        write_atomic(out / "results.json", json.dumps({**data, "summary": rows}, indent=1))
+        report(rows, meta, out)
         return 0
     if args.out is None:
         p.error("--out is required (or --from DIR)")

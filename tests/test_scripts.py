@@ -147,7 +147,9 @@ def test_serve_bench_from_summarizes_a_saved_run_again(tmp_path):
     assert sb.main(["--from", str(src), "--out", str(tmp_path / "new")]) == 0
     text = (tmp_path / "new" / "summary.md").read_text()
     assert "| 1.00 | 0.90–1.10 (75%) |" in text                       # 3 rounds: min and max, 75 % coverage
-    assert json.loads((tmp_path / "new" / "results.json").read_text())["runs"] == runs
+    again = json.loads((tmp_path / "new" / "results.json").read_text())
+    assert again["runs"] == runs and again["meta"] == meta
+    assert [r["paired_ci"] for r in again["summary"] if r["server"] == "prove-local"] == [[0.9, 1.1, 0.75]]
     assert not (src / "summary.md").exists()                         # the source folder is left alone
     with pytest.raises(SystemExit):
         sb.main(["--from", str(tmp_path / "nowhere")])
