@@ -20,7 +20,6 @@ import contextvars
 import http.client
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -117,24 +116,15 @@ STAGES = [
 
 
 def serve(args, out: str) -> tuple[subprocess.Popen, int]:
-    log = Path(tempfile.mkstemp(prefix="request-timeline-", suffix=".log")[1])
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'dev')!r}); "
+    """`serve` with install_probes(out) run in its process first; (process, port) once ready."""
+    from load_test import start_server
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'dev')!r}); "
             "import request_timeline as t; t.install_probes(t.os.environ[t.OUT_ENV]); "
-            + "from prove_local.cli import main; sys.exit(main())")
-    cmd = [sys.executable, "-c", code, "serve", "--host", "127.0.0.1", "--port", "0",
-           "--parallel", str(args.parallel), "--threads", str(args.threads)]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, OUT_ENV: out})
-    deadline = time.monotonic() + 300
-    while True:
-        text = log.read_text()
-        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", text)
-        if "ready (" in text and m:
-            return proc, int(m.group(1))
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            sys.exit(f"request_timeline: the server did not start:\n{text}")
-        time.sleep(0.1)
+            "from prove_local.cli import main; sys.exit(main())")
+    os.environ[OUT_ENV] = out                   # (the server's environment is a copy of this one)
+    proc, base, _ = start_server(["--parallel", str(args.parallel), "--threads", str(args.threads)],
+                                 time.monotonic() + 300, launcher=("-c", code))
+    return proc, int(base.rsplit(":", 1)[1])
 
 
 def main() -> int:
@@ -148,7 +138,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", help="write every request's timestamps here too")
     a = ap.parse_args()
-    from load_test import PROMPTS
+    from load_test import PROMPTS, stop_server
 
     out = tempfile.mkstemp(prefix="request-timeline-", suffix=".jsonl")[1]
     proc, port = serve(a, out)
@@ -184,8 +174,7 @@ def main() -> int:
             wall = time.monotonic() - t0
             print(f"round {rnd + 1}: {sum(s['tokens'] for s in sent[n0:]) / wall:.1f} tokens/s", flush=True)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop_server(proc)
     records = [json.loads(line) for line in Path(out).read_text().splitlines()][1:]     # (the warm-up's first)
     pairs = []
     for s in sent:                          # each client request with the server record that began nearest

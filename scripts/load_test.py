@@ -52,11 +52,14 @@ def rss_mib(pid: int) -> float | None:
     return int(m.group(1)) / 1024 if m else None
 
 
-def start_server(args: list[str], deadline: float) -> tuple[subprocess.Popen, str, Path]:
+def start_server(args: list[str], deadline: float,
+                 launcher: tuple[str, ...] = ("-m", "prove_local.cli")) -> tuple[subprocess.Popen, str, Path]:
+    """`prove-local serve ARGS` on a free loopback port, once it says it is ready: (process, base URL, log).
+    `launcher`: the Python arguments that run the CLI (another: a dev tool that patches the server first)."""
     log = Path(tempfile.mkstemp(prefix="prove-serve-", suffix=".log")[1])
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "prove_local.cli", "serve", "--host", "127.0.0.1",
+        proc = subprocess.Popen([sys.executable, *launcher, "serve", "--host", "127.0.0.1",
                                  "--port", "0", *args], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     while True:
         text = log.read_text()

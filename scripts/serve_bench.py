@@ -43,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_test import PROMPTS, one_request, percentile, start_server, stop_server  # noqa: E402  (scripts/load_test.py)
+from prove_local.files import write_atomic  # noqa: E402  (a temporary file, then a rename)
 
 
 def parse_list(text: str, cast=str) -> list:
@@ -203,13 +204,6 @@ def markdown(rows: list[dict], meta: dict) -> str:
                      f"{paired} | {ci} | "
                      f"{r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['ok']} / {r['sent']} | {tpc} | {ms} | {dec} |")
     return "\n".join(lines) + "\n"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, then rename it over `path`."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def report(rows: list[dict], meta: dict, out: Path) -> None:
