@@ -98,26 +98,34 @@ _compute: _ComputeThread | None = None
 _compute_lock = threading.Lock()
 
 
-def _decode_now(ctx, batch) -> int:
-    """llama_decode, then llama_synchronize: llama.cpp returns from llama_decode once a GPU backend has
-    the work queued (its computation and the copy of the logits finish later, at the first read of an
-    output: "wait for the computation to finish (automatically done when obtaining the model output)",
-    llama-context.cpp), so a pass timed around llama_decode alone would be the launch, not the pass,
-    and the planner's curve (calibrate.py times passes by `decode_seconds`) would be a GPU's launch
-    costs. On a CPU the computation is done when llama_decode returns and the synchronize costs
-    nothing measurable."""
+def _decode_now(ctx, batch) -> tuple[int, float]:
+    """llama_decode, then llama_synchronize, timed where they run: (code, seconds). llama.cpp returns
+    from llama_decode once a GPU backend has the work queued (its computation and the copy of the
+    logits finish later, at the first read of an output: "wait for the computation to finish
+    (automatically done when obtaining the model output)", llama-context.cpp), so a pass timed around
+    llama_decode alone would be the launch, not the pass, and the planner's curve (calibrate.py times
+    passes by `decode_seconds`) would be a GPU's launch costs. On a CPU the computation is done when
+    llama_decode returns and the synchronize costs nothing measurable."""
+    t0 = time.perf_counter()
     rc = ll.llama_decode(ctx, batch)
     if rc == 0:
         ll.llama_synchronize(ctx)
-    return rc
+    return rc, time.perf_counter() - t0
 
 
-def decode(ctx, batch) -> int:
+def decode_timed(ctx, batch) -> tuple[int, float]:
     """llama_decode(ctx, batch) on the process's compute thread (_ComputeThread), finished on the device
-    before it returns (`_decode_now`); returns its code.
+    before it returns (`_decode_now`): its code and the seconds of the pass itself, timed on the compute
+    thread, without the wait for other threads' passes queued ahead of it there (a calibration timed
+    around that wait, in a process whose pool was decoding, cached SmolLM2's t(1..3) as 55 ms, ~10x).
     The caller's wait cannot be cut short: an interrupt (Ctrl-C) is raised once the decode is over, so
     nothing touches the context while llama.cpp still works on it."""
     return on_compute_thread(_decode_now, ctx, batch)
+
+
+def decode(ctx, batch) -> int:
+    """`decode_timed`'s code alone."""
+    return decode_timed(ctx, batch)[0]
 
 
 def on_compute_thread(fn, *args):
@@ -671,9 +679,8 @@ class Context:
             if n_rows is None:
                 self._out[:n] = wanted[start:start + n]
                 n_rows = int(wanted[start:start + n].sum())
-            t0 = time.perf_counter()
-            rc = decode(self._ctx, self._batch)
-            self.decode_seconds += time.perf_counter() - t0
+            rc, seconds = decode_timed(self._ctx, self._batch)
+            self.decode_seconds += seconds
             self.n_decode += 1
             if rc != 0:
                 # a failed decode leaves the cache as it was before this chunk
@@ -750,9 +757,8 @@ class Context:
         self._batch.n_tokens = n
         if adapter or self._adapter_on:
             self._use_adapter(adapter)
-        t0 = time.perf_counter()
-        rc = decode(self._ctx, self._batch)
-        self.decode_seconds += time.perf_counter() - t0
+        rc, seconds = decode_timed(self._ctx, self._batch)
+        self.decode_seconds += seconds
         self.n_decode += 1
         if rc != 0:
             why = "no KV slot" if rc == 1 else _last_log()

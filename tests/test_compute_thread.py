@@ -131,3 +131,40 @@ def test_on_compute_thread_runs_there_and_raises_here(model, recorded):
     with pytest.raises(ValueError, match="from the compute thread"):
         llama.on_compute_thread(fails)
     assert llama.on_compute_thread(lambda: 7) == 7           # the thread still serves after a failure
+
+
+def test_a_pass_is_timed_without_the_wait_for_another_threads_pass(model):
+    """`decode_seconds` (what calibration and the planner time passes by) counts the pass on the compute
+    thread, not the time it waited there behind another thread's work: a calibration timed around that
+    wait, while a pool decoded in the same process, was cached ~10x too slow. The compute thread is held
+    until this thread's pass is queued behind it, then for HOLD seconds more."""
+    hold, started, gate = 1.0, threading.Event(), threading.Event()
+    held = {}
+
+    def busy():                                  # another thread's work on the compute thread
+        started.set()
+        gate.wait(30)
+
+    def release():
+        while llama._compute.jobs.empty():       # until the pass below is queued behind `busy`
+            time.sleep(0.001)
+        t0 = time.perf_counter()
+        time.sleep(hold)
+        held["s"] = time.perf_counter() - t0
+        gate.set()
+
+    with Context(model, n_ctx=64, n_threads=1) as ctx:
+        ctx.eval([1, 5, 9], rows=[])             # (the compute thread exists, the context is warm)
+        before = ctx.decode_seconds
+        other = threading.Thread(target=lambda: llama.on_compute_thread(busy))
+        other.start()
+        assert started.wait(30)
+        releaser = threading.Thread(target=release)
+        releaser.start()
+        t0 = time.perf_counter()
+        ctx.eval([2], rows=[0])
+        waited = time.perf_counter() - t0
+        releaser.join(30)
+        other.join(30)
+        assert waited >= held["s"] >= hold       # the pass did wait behind `busy` ...
+        assert ctx.decode_seconds - before < held["s"]   # ... and that wait is not in its time
