@@ -76,10 +76,13 @@ def model_key(model) -> str:
 
 def config_key(model, options: dict, threads: int) -> str:
     type_k, type_v = options.get("type_k", "f16"), options.get("type_v", "f16")
-    return json.dumps({"threads": threads, "n_gpu_layers": getattr(model, "n_gpu_layers", 0),
-                       "flash_attn": flash_attn_setting(options.get("flash_attn", "auto"), type_k, type_v,
-                                                        gpu=getattr(model, "n_gpu_layers", 0) != 0),
-                       "type_k": type_k, "type_v": type_v}, sort_keys=True)
+    key = {"threads": threads, "n_gpu_layers": getattr(model, "n_gpu_layers", 0),
+           "flash_attn": flash_attn_setting(options.get("flash_attn", "auto"), type_k, type_v,
+                                            gpu=getattr(model, "n_gpu_layers", 0) != 0),
+           "type_k": type_k, "type_v": type_v}
+    if getattr(model, "hugepages", {}).get("on"):
+        key["hugepages"] = True          # weights on 2 MiB pages decode 5-10 % faster (hugepages.py)
+    return json.dumps(key, sort_keys=True)
 
 
 def _load_cache(path: Path) -> dict:

@@ -22,7 +22,7 @@ from .files import read_limited
 from .grammar import MAX_GRAMMAR_FILE, Grammar, GrammarError
 from .llama import Model, gpu_offload_supported, kv_options
 from .loading import (EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, GPU_LAYERS, KV_METAVAR, KV_TYPE, MAX_NEW, TAU, THETA, THREADS,
-                      add_flash_attn_arg, add_model_args, add_width_args, finite_float, load_engine)
+                      add_flash_attn_arg, add_hugepages_arg, add_model_args, add_width_args, finite_float, load_engine)
 from .pull import add_parser as add_pull
 from .rpc import add_parser as add_rpc_server
 from .server import add_parser as add_serve      # FastAPI is imported only when `serve` runs
@@ -257,6 +257,7 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--n-gpu-layers", type=GPU_LAYERS,
                    help="layers to offload (default: all when llama.cpp has a GPU backend)")
     add_flash_attn_arg(p)
+    add_hugepages_arg(p)
     p.add_argument("--kv-type", type=KV_TYPE, metavar=KV_METAVAR,
                    help="KV cache type, or K/V apart (default: as run: f32 for F32 models, f16 on a GPU, q8_0/f16 on a CPU)")
     p.add_argument("--json", action="store_true", help="print the curves as JSON")
@@ -271,7 +272,7 @@ def cmd_calibrate(args) -> int:
     ngl = args.n_gpu_layers if args.n_gpu_layers is not None else (-1 if gpu_offload_supported() else 0)
     out = {}
     for path in paths:
-        model = Model(path, n_gpu_layers=ngl)
+        model = Model(path, n_gpu_layers=ngl, hugepages=args.hugepages)
         opts = dict(n_threads=args.threads, flash_attn=args.flash_attn, **kv_options(args.kv_type or model.default_kv_type))
         cal = calibrate(model, opts, refresh=args.refresh, budget_s=args.budget, verbose=not args.json)
         out[str(path)] = {"threads": cal["threads"], "measured_now": cal["measured"],

@@ -6,6 +6,7 @@ This is the only module that calls llama.cpp. The decoding rules see a `Context`
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import os
 import queue
@@ -20,6 +21,7 @@ import numpy as np
 
 import llama_cpp as ll
 
+from . import hugepages as hugepages_mod
 from . import rpc
 from .shapes import kv_pair
 from .errors import ContextFull, LlamaError  # noqa: F401  (raised here, caught by the front ends)
@@ -290,10 +292,12 @@ class Model:
     """Weights, vocabulary and metadata of one GGUF file. Serves any number of contexts."""
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, *, devices: list | None = None,
-                 tensor_split: list[float] | None = None):
+                 tensor_split: list[float] | None = None, hugepages: str = "auto"):
         """devices: ggml backend devices to offload to, in order (RPC servers' devices from
         prove_local.rpc, local GPUs); None: every local GPU (llama.cpp's default). tensor_split:
-        the share of the offloaded layers per device (default: proportional to their free memory)."""
+        the share of the offloaded layers per device (default: proportional to their free memory).
+        hugepages: "auto", "on" or "off": the weights on 2 MiB pages instead of the file's mapping
+        (hugepages.choose; `self.hugepages` says what was done and why)."""
         self.path = Path(path)
         self.n_gpu_layers = n_gpu_layers
         if not self.path.is_file():
@@ -320,7 +324,18 @@ class Model:
             params.tensor_split = self._split
         _log_tail.clear()
         _buffers.clear()
-        self._model = ll.llama_model_load_from_file(str(self.path).encode(), params)
+        huge, why = hugepages_mod.choose(hugepages, self.path.stat().st_size, n_gpu_layers == 0 and not devices)
+        load = hugepages_mod.Load(self.path.stat().st_size) if huge else contextlib.nullcontext()
+        if huge:    # read into llama.cpp's own buffer (its --no-mmap), advised before the first tensor is read
+            params.load_mode = ll.LLAMA_LOAD_MODE_NONE
+            params.progress_callback = ll.llama_progress_callback(load.progress)
+        with load:
+            self._model = ll.llama_model_load_from_file(str(self.path).encode(), params)
+        if huge:
+            why += f": {load.mib:.0f} MiB of the load's memory on huge pages{hugepages_mod.explain(load.error)}"
+        # whether the weights were read onto advised anonymous memory, how much of what the load
+        # allocated is on huge pages now (the weights and llama.cpp's other buffers), and why (one line)
+        self.hugepages = {"on": bool(huge and self._model), "mib": load.mib if huge else 0.0, "why": why}
         if not self._model:
             raise LlamaError(f"{self.path}: llama.cpp could not load this model ({_last_log() or 'no reason given'})")
         # {buffer name: MiB of weights}, e.g. {"CPU_Mapped": 0.1, "RPC0[10.0.0.2:50052]": 9300.0}

@@ -26,7 +26,7 @@ from ..engine import Engine
 from ..errors import MissingExtra, UsageError
 from ..llama import Adapter, Model, gpu_offload_supported, kv_options
 from ..loading import (CTX, EMBEDDED_PROPOSER, EMBEDDED_VERIFIER, GPU_LAYERS, KV_METAVAR, KV_TYPE, MAX_NEW, PARALLEL, TAU, THETA,
-                       THREADS, TOKEN_ID, Loaded, add_flash_attn_arg, add_rpc_args, draft_width_arg, int_in, lookup_arg, placement_note,
+                       THREADS, TOKEN_ID, Loaded, add_flash_attn_arg, add_hugepages_arg, add_rpc_args, draft_width_arg, int_in, lookup_arg, placement_note,
                        rpc_devices, width_arg)
 from ..modes import MODES
 from ..pool import EnginePool
@@ -78,7 +78,7 @@ def canonical_command(args) -> str:
     parts = ["prove-local", "bench"]
     for opt in ("proposer", "adapter", "verifier", "draft", "modes", "limit", "max_new", "theta", "tau", "block", "draft_k", "lookup",
                 "temp", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed", "sampler", "samples",
-                "mask_token", "threads", "parallel", "ctx", "n_gpu_layers", "kv_type", "flash_attn", "warmup", "pass_cost_reps", "pass_cost_max",
+                "mask_token", "threads", "parallel", "ctx", "n_gpu_layers", "kv_type", "flash_attn", "hugepages", "warmup", "pass_cost_reps", "pass_cost_max",
                 "llama_spec",
                 "bins", "system", "out"):
         v = getattr(args, opt, None)
@@ -155,6 +155,7 @@ def add_parser(sub) -> None:
                         "throughput over its groups (default 1: one request at a time)")
     p.add_argument("--n-gpu-layers", type=GPU_LAYERS, help="layers to offload (default: all when llama.cpp has a GPU backend)")
     add_flash_attn_arg(p)
+    add_hugepages_arg(p)
     add_rpc_args(p)     # --rpc, --tensor-split: the proposer on `prove-local rpc-server`s
     p.add_argument("--kv-type", type=KV_TYPE, metavar=KV_METAVAR,
                    help="KV cache type, or K/V apart (default: as run: f32 for an F32 proposer, so the exact modes can match ar exactly; on a GPU f16; on a CPU q8_0/f16, with flash attention on)")
@@ -244,7 +245,7 @@ def cmd_bench(args) -> int:
             "machine": runner.machine_info(threads),
             "models": {role: {"path": str(m.path), "n_params": m.n_params, "n_vocab": m.n_vocab,
                               "mask_token": (engine.mask_token if role == "target" else m.mask_token),
-                              "block_size": m.block_size,
+                              "block_size": m.block_size, "hugepages": m.hugepages,
                               **({"adapter": str(args.adapter)} if role == "target" and args.adapter else {})}
                        for role, m in models.items()},
             "settings": {"modes": modes, "max_new": args.max_new, "block": ",".join(map(str, blocks)), "theta": thetas,
@@ -338,7 +339,7 @@ def _load_models(args, modes: list[str], proposer_path: Path, verifier_path: Pat
     def model(path: Path, **where) -> Model:
         key = Path(path).resolve() if Path(path).exists() else Path(path)
         if key not in loaded:
-            loaded[key] = Model(path, **(where or {"n_gpu_layers": ngl}))
+            loaded[key] = Model(path, hugepages=args.hugepages, **(where or {"n_gpu_layers": ngl}))
         return loaded[key]
 
     models = {"target": model(proposer_path, **(remote if devices else {}))}

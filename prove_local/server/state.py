@@ -74,8 +74,11 @@ class State:
     def describe(self) -> str:
         models = ", ".join(f"{r} {i}" for r, i in self.model_ids.items())
         batched = ", batched" if getattr(self.pool, "shared", None) is not None else ""
+        target = getattr(getattr(self.pool, "loaded", None), "target", None)
+        huge = getattr(target, "hugepages", None) or {}
+        pages = "; weights on huge pages" if huge.get("on") else ""
         return (f"{models}; mode {self.defaults.mode}, {self.pool.parallel} parallel{batched}, "
-                f"queue {self.pool.max_queue}")
+                f"queue {self.pool.max_queue}{pages}")
 
     @property
     def model_id(self) -> str:
