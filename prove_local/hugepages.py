@@ -5,8 +5,8 @@ all of the weights, so a 92 MiB model crosses ~23,500 pages a token, and on the 
 the page walks behind those TLB misses cost 3-10 % of a token's time, most when the host is busy
 (docs/run.md and docs/server.md, "Weights on huge pages"). Loaded into anonymous memory instead
 (llama.cpp's `LLAMA_LOAD_MODE_NONE`, its `--no-mmap`) and advised `MADV_HUGEPAGE` before the file is
-read into it, the same bytes sit on 2 MiB pages: ~50 TLB entries. The arithmetic is unchanged (the same kernels on
-the same bytes), so every output is the same token for token.
+read into it, the same bytes sit on 2 MiB pages: ~50 TLB entries. The arithmetic is unchanged (the
+same kernels on the same bytes), so every output is the same token for token.
 
 `Model` asks `choose` and, when it says so, loads through `Load`: llama.cpp's progress callback, whose
 first call (the buffers allocated, no tensor read yet) advises the anonymous mappings that appeared
