@@ -155,8 +155,9 @@ def add_hugepages_arg(p: argparse.ArgumentParser) -> None:
     """--hugepages auto|on|off: CPU weights on 2 MiB pages (prove_local.hugepages)."""
     p.add_argument("--hugepages", choices=hugepages.CHOICES, default="auto",
                    help="load the weights onto 2 MiB pages instead of mapping the file (Linux transparent huge "
-                        "pages; same outputs, 5-10%% faster decoding on a CPU here): auto (default: when the "
-                        "weights stay on the CPU and take at most half the available memory), on, off (llama.cpp's mmap)")
+                        "pages; same outputs, 3-7%% faster decoding on a CPU here): auto (default: when the "
+                        "weights stay on the CPU, are 32 MiB or more and take at most half the available memory), "
+                        "on, off (llama.cpp's mmap)")
 
 
 def add_rpc_args(p: argparse.ArgumentParser) -> None:
