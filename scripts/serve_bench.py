@@ -22,7 +22,8 @@ rest of its own is host time per token. Writes OUT/results.json (every request),
 table, and prove-local's throughput as a multiple of llama-server's) and OUT/serve_bench.png (tokens/s
 and p50 latency against C; needs matplotlib). Everything is bounded: --deadline seconds for the whole
 run, a timeout per request; the servers are stopped at the end. Client side: the standard library only
-(http.client). `--from DIR` runs nothing: it summarizes an earlier run's DIR/results.json again.
+(http.client). `--from DIR` runs nothing: it summarizes an earlier run's DIR/results.json again; given
+several times, it pools those runs' rounds (each still paired within itself) into one summary.
 """
 from __future__ import annotations
 
@@ -140,6 +141,30 @@ def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float, float
     while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
         k += 1
     return v[k - 1], v[n - k], coverage(k)
+
+
+POOLED_SAME = ("model_name", "parallel", "threads", "ctx", "requests", "max_tokens", "modes")
+
+
+def pool_runs(saved: list[tuple]) -> tuple[dict, list[dict], dict]:
+    """Several saved runs ((dir, data, runs, meta) each) as one: the rounds numbered on from run to run
+    (a round stays the pair it was measured as), the meta of the first with the rounds added up and
+    each source's folder, command and time under "pooled". Runs whose configuration differs in one of
+    POOLED_SAME are refused (ValueError naming the key and the folders)."""
+    first_dir, _, _, first = saved[0]
+    for d, _, _, meta in saved[1:]:
+        for key in POOLED_SAME:
+            if meta.get(key) != first.get(key):
+                raise ValueError(f"--from {d}: {key} is {meta.get(key)!r}, {first_dir} has {first.get(key)!r}: "
+                                 f"not the same configuration")
+    runs, offset = [], 0
+    for _, _, rs, _ in saved:
+        runs += [{**r, "round": r["round"] + offset} for r in rs]
+        offset += 1 + max((r["round"] for r in rs), default=-1)
+    meta = {**first, "rounds": offset, "when": ", ".join(m["when"] for _, _, _, m in saved),
+            "pooled": [{"from": str(d), "command": m["command"], "when": m["when"], "rounds": m.get("rounds")}
+                       for d, _, _, m in saved]}
+    return {"meta": meta, "runs": runs}, runs, meta
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -271,18 +296,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300, help="seconds per request (default 300)")
     p.add_argument("--deadline", type=float, default=1500, help="seconds for the whole run (default 1500)")
     p.add_argument("--out", type=Path, help="output folder")
-    p.add_argument("--from", dest="from_dir", type=Path, metavar="DIR",
+    p.add_argument("--from", dest="from_dir", type=Path, metavar="DIR", action="append",
                    help="run nothing: summarize an earlier run's DIR/results.json again (summary.md and the plot, "
-                        "in --out or DIR), e.g. with statistics added since")
+                        "in --out or DIR), e.g. with statistics added since; repeated: pool the rounds of several "
+                        "runs of the same configuration into one summary in --out (each round stays paired)")
     args = p.parse_args(argv)
-    if args.from_dir is not None:
-        src = args.from_dir / "results.json"
+    if args.from_dir:
+        saved = []
+        for d in args.from_dir:
+            src = d / "results.json"
+            try:
+                data = json.loads(src.read_text())
+                saved.append((d, data, data["runs"], data["meta"]))
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                p.error(f"--from {d}: cannot read {src}: {e}")
+        if len(saved) > 1 and args.out is None:
+            p.error("--out is required to pool several --from runs")
         try:
-            data = json.loads(src.read_text())
-            runs, meta = data["runs"], data["meta"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            p.error(f"--from {args.from_dir}: cannot read {src}: {e}")
-        out = args.out or args.from_dir
+            data, runs, meta = pool_runs(saved) if len(saved) > 1 else saved[0][1:]
+        except ValueError as e:
+            p.error(str(e))
+        if len(saved) > 1:              # (the sources' own commands stay in meta["pooled"])
+            meta["command"] = " ".join(["python scripts/serve_bench.py", *argv])
+        out = args.out or args.from_dir[0]
         out.mkdir(parents=True, exist_ok=True)
         rows = summarize(runs)                  # (the runs and meta as they were, the summary made again)
         write_atomic(out / "results.json", json.dumps({**data, "summary": rows}, indent=1))

@@ -155,3 +155,37 @@ def test_serve_bench_from_summarizes_a_saved_run_again(tmp_path):
         sb.main(["--from", str(tmp_path / "nowhere")])
     with pytest.raises(SystemExit):
         sb.main(["--rounds", "2"])                                    # neither --out nor --from
+
+
+def test_serve_bench_from_pools_the_rounds_of_several_runs(tmp_path, capsys):
+    """--from A --from B: the rounds of both, numbered on (each round still paired within itself), one
+    interval over all of them; a run of another configuration is refused, naming the key."""
+    import json
+    sb = _serve_bench()
+    meta = {"model_name": "m", "parallel": 4, "threads": 2, "ctx": 2048, "command": "c", "requests": 3,
+            "max_tokens": 64, "modes": ["ar"], "rounds": 3, "when": "then"}
+
+    def saved(name, ours, **change):
+        runs = [{"server": s, "mode": m, "clients": 1, "round": i, "tokens_per_s": t, "p50_s": 1.0, "p95_s": 1.0,
+                 "ok": 1, "sent": 1, "requests": [{"ms_per_token": 10.0}]}
+                for i in range(3) for s, m, t in (("llama-server", None, 100.0), ("prove-local", "ar", ours[i]))]
+        d = tmp_path / name
+        d.mkdir()
+        (d / "results.json").write_text(json.dumps({"meta": {**meta, "when": name, **change}, "summary": [],
+                                                    "runs": runs}))
+        return d
+    a = saved("a", [90.0, 95.0, 100.0])
+    b = saved("b", [105.0, 110.0, 115.0])
+    assert sb.main(["--from", str(a), "--from", str(b), "--out", str(tmp_path / "both")]) == 0
+    res = json.loads((tmp_path / "both" / "results.json").read_text())
+    assert sorted({r["round"] for r in res["runs"]}) == [0, 1, 2, 3, 4, 5]
+    assert res["meta"]["rounds"] == 6 and [p["from"] for p in res["meta"]["pooled"]] == [str(a), str(b)]
+    row = next(r for r in res["summary"] if r["server"] == "prove-local")
+    assert row["paired"] == pytest.approx(1.025)                      # median of 0.90 .. 1.15
+    assert row["paired_ci"] == [pytest.approx(0.90), pytest.approx(1.15), pytest.approx(1 - 2 / 64)]
+    with pytest.raises(SystemExit):                                   # several sources need --out
+        sb.main(["--from", str(a), "--from", str(b)])
+    other = saved("other", [100.0] * 3, threads=4)
+    with pytest.raises(SystemExit):
+        sb.main(["--from", str(a), "--from", str(other), "--out", str(tmp_path / "no")])
+    assert "threads is 4" in capsys.readouterr().err
