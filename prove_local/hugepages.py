@@ -164,15 +164,23 @@ class Load:
         self.regions: list[tuple[int, int]] = []
         self.error: int | None = None
         self.mib = 0.0
+        self.interrupted = False
 
     def progress(self, _progress, _user) -> bool:
+        """llama.cpp's progress callback: True goes on loading. Ctrl-C while it runs (Python's signal
+        handler raises in whatever Python code runs next, which is this) cancels the load instead, and
+        `interrupted` tells Model to raise KeyboardInterrupt once llama.cpp has returned: a callback's
+        exception would otherwise be printed and dropped, and the load end as "could not load"."""
         try:
             if not self.regions:
                 self.regions.extend(self.maps.new())
                 advise(self.regions)
+            return True
+        except KeyboardInterrupt:
+            self.interrupted = True
+            return False
         except Exception:       # noqa: BLE001 - advice only: the load goes on without it
-            pass
-        return True
+            return True
 
     def __enter__(self) -> "Load":
         self.heap.__enter__()

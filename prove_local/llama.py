@@ -331,6 +331,11 @@ class Model:
             params.progress_callback = ll.llama_progress_callback(load.progress)
         with load:
             self._model = ll.llama_model_load_from_file(str(self.path).encode(), params)
+        if huge and load.interrupted:       # Ctrl-C during the load (Load.progress cancelled it)
+            if self._model:
+                ll.llama_model_free(self._model)
+                self._model = None
+            raise KeyboardInterrupt
         if huge:
             why += f": {load.mib:.0f} MiB of the load's memory on huge pages{hugepages_mod.explain(load.error)}"
         # whether the weights were read onto advised anonymous memory, how much of what the load

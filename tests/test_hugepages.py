@@ -166,3 +166,25 @@ def test_a_free_block_in_the_heap_as_large_as_the_weights_does_not_hide_them():
             model.close()
     finally:
         libc.free(guard)
+
+
+def test_ctrl_c_during_a_load_onto_huge_pages_is_a_keyboard_interrupt(monkeypatch):
+    """Ctrl-C lands in the progress callback (the Python code running during the load): the load is
+    cancelled and Model raises KeyboardInterrupt, not "could not load this model"; the next load works."""
+    _thp_or_skip()
+
+    new = hugepages.Mappings.new
+
+    def interrupted(self, at_least=2 << 20):
+        if at_least == 2 << 20:                  # Load.progress's call, not HeapHeld's (before the load)
+            raise KeyboardInterrupt
+        return new(self, at_least)
+    monkeypatch.setattr(hugepages.Mappings, "new", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Model(smollm2_path(), hugepages="on")
+    monkeypatch.undo()
+    model = Model(smollm2_path(), hugepages="on")
+    try:
+        assert model.hugepages["on"] and model.hugepages["mib"] > 0
+    finally:
+        model.close()
