@@ -198,7 +198,7 @@ def advise(regions: list[tuple[int, int]]) -> None:
         _madvise(lo, hi, MADV_HUGEPAGE)
 
 
-def collapse(regions: list[tuple[int, int]]) -> int | None:
+def collapse(regions: list[tuple[int, int]]) -> int:
     """MADV_COLLAPSE: put what is already touched in these regions on huge pages now, 2 MiB at a time
     (over a whole region the kernel gives up at the first part it cannot collapse, such as a part
     nothing has touched yet, which the advice then covers). 0, or the errno of the parts that failed
@@ -232,5 +232,6 @@ def huge_bytes(regions: list[tuple[int, int]]) -> int:
 
 
 def explain(err: int | None) -> str:
+    """The errno's name in brackets for the load's one line, or nothing."""
     return "" if not err else f" ({errno.errorcode.get(err, err)})"
 

@@ -324,23 +324,24 @@ class Model:
             params.tensor_split = self._split
         _log_tail.clear()
         _buffers.clear()
-        huge, why = hugepages_mod.choose(hugepages, self.path.stat().st_size, n_gpu_layers == 0 and not devices)
-        load = hugepages_mod.Load(self.path.stat().st_size) if huge else contextlib.nullcontext()
-        if huge:    # read into llama.cpp's own buffer (its --no-mmap), advised before the first tensor is read
+        size = self.path.stat().st_size
+        huge, why = hugepages_mod.choose(hugepages, size, n_gpu_layers == 0 and not devices)
+        load = hugepages_mod.Load(size) if huge else None
+        if load:    # read into llama.cpp's own buffer (its --no-mmap), advised before the first tensor is read
             params.load_mode = ll.LLAMA_LOAD_MODE_NONE
             params.progress_callback = ll.llama_progress_callback(load.progress)
-        with load:
+        with load or contextlib.nullcontext():
             self._model = ll.llama_model_load_from_file(str(self.path).encode(), params)
-        if huge and load.interrupted:       # Ctrl-C during the load (Load.progress cancelled it)
+        if load and load.interrupted:       # Ctrl-C during the load (Load.progress cancelled it)
             if self._model:
                 ll.llama_model_free(self._model)
                 self._model = None
             raise KeyboardInterrupt
-        if huge:
+        if load:
             why += f": {load.mib:.0f} MiB of the load's memory on huge pages{hugepages_mod.explain(load.error)}"
         # whether the weights were read onto advised anonymous memory, how much of what the load
         # allocated is on huge pages now (the weights and llama.cpp's other buffers), and why (one line)
-        self.hugepages = {"on": bool(huge and self._model), "mib": load.mib if huge else 0.0, "why": why}
+        self.hugepages = {"on": huge, "mib": load.mib if load else 0.0, "why": why}
         if not self._model:
             raise LlamaError(f"{self.path}: llama.cpp could not load this model ({_last_log() or 'no reason given'})")
         # {buffer name: MiB of weights}, e.g. {"CPU_Mapped": 0.1, "RPC0[10.0.0.2:50052]": 9300.0}
