@@ -25,6 +25,8 @@ from .planner import Costs, Planner
 MAX_LOGPROBS = 20                 # alternatives per token (OpenAI's top_logprobs limit)
 MAX_RECALIBRATIONS = 2            # per role and engine: curves measured again because the passes disputed them
 LOAD_PASSES = 8                   # recent stock passes whose step loads the planner prices against (Engine._load)
+LOAD_EVERY = 4                    # target passes between two readings of those medians
+ALONE = ({}, 0)                   # Engine._load while no other engine of the pool generates
 
 
 @dataclass
@@ -127,6 +129,8 @@ class Engine:
         # batching.Member when the contexts are sequences of shared ones (pool.py): the engine tells the
         # step barrier when its generation runs, hands a cycle to its consumer, and ends (_run)
         self.member = None
+        self._load_read: tuple | None = None       # (the target's n_decode, the load) of the last reading
+        self._load_priced: tuple | None = None     # (the load, the planner's costs) it was last given
 
     def close(self) -> None:
         """Free the contexts (their KV caches), each before its model; the models stay (they belong
@@ -304,7 +308,11 @@ class Engine:
                 offer = self._offer
         if req.auto:
             if self.member is not None:        # a batched pool: price the widths in the steps they join
-                self.planner.set_load(*self._load())
+                load = self._load()            # (given again only when read again, or to new costs)
+                if self._load_priced is None or load is not self._load_priced[0] \
+                        or self.planner.costs is not self._load_priced[1]:
+                    self.planner.set_load(*load)
+                    self._load_priced = (load, self.planner.costs)
             # an ar cycle of a quiet run (nothing due, nothing to copy): no planning at all
             if self.planner.quiet_cycle(req.key or req.settings.mode, max(1, len(self.tokens) - self.contexts["target"].n_past),
                                         offer):
@@ -321,16 +329,24 @@ class Engine:
     def _load(self) -> tuple[dict[str, int], int]:
         """Other requests' tokens per role in the steps this engine's next passes will join, and the
         number of those requests (Planner.set_load): none while no other engine of the pool is
-        generating, else medians over this engine's last LOAD_PASSES stock passes (SeqView.others)."""
+        generating, else medians over this engine's last LOAD_PASSES stock passes (SeqView.others),
+        read again after every LOAD_EVERY target passes (the same object in between: the medians move
+        slowly, and reading them every cycle was ~10 us of each engine's host time in every step)."""
         if not self.member.batcher.others_generating(self.member):
-            return {}, 0
+            self._load_read = None
+            return ALONE
+        passes = self.contexts["target"].n_decode
+        if self._load_read is not None and 0 <= passes - self._load_read[0] < LOAD_EVERY:
+            return self._load_read[1]
         out, seqs = {}, 0
         for role, ctx in self.contexts.items():
             recent = list(getattr(ctx, "others", ()))[-LOAD_PASSES:]
             if recent:
                 out[role] = sorted(n for _, n in recent)[len(recent) // 2]
                 seqs = max(seqs, sorted(k for k, _ in recent)[len(recent) // 2])
-        return out, seqs
+        load = out, seqs
+        self._load_read = (passes, load)
+        return load
 
     def _offer(self):
         """The lookup index's offer to the planner (NgramIndex.offer at the planner's lookup_need),

@@ -445,6 +445,7 @@ class _LookupTable:
     cand_r: list | None = None
     ceilings: list | None = None     # per k - 1: a k-token draft's rate with every token accepted
     ar_rate: float = 0.0             # ar's rate in the same prices
+    priced: int = 0                  # the planner's load generation it was priced at (Planner.set_load)
 
     def __post_init__(self):
         self.min_match = next((m for m, r in enumerate(self.rows) if m and r is not None), MAX_MATCH + 1)
@@ -523,6 +524,7 @@ class Planner:
         self._vcosts: dict = {}                       # cycle costs per verify width, between replans
         self.slow_streak = 0                          # consecutive cycles far slower than predicted
         self._ltables: dict[str, _LookupTable] = {}   # lookup plans per match length, per key
+        self._priced = 0                              # the load generation: moves with each batched load change
         # the lookup's track record in the current request (the text at hand: a list turned into JSON
         # copies badly where a repeated listing copies well), next to the engine-wide one
         self._lookup_local = SlotStats(decay=1.0)
@@ -701,8 +703,16 @@ class Planner:
         cycle replan."""
         if self.costs is not None and self.costs.set_load(load, sequences):
             self._vcosts.clear()
-            self._ltables.clear()
-            self._fresh.clear()
+            if self.costs.load:
+                # another batched load: the lookup tables are priced at the old one, and are made again
+                # when a match may use them (`_table_stale`, `_candidate`), as after a replan. Dropped,
+                # every engine of a pool made its table again at the next cycle whatever the index offered,
+                # and loads move as requests join and leave (4 requests x 64 tokens on SmolLM2: ~16
+                # tables at ~0.5-0.9 ms of CPU each, half the planner's host time in the pool)
+                self._priced += 1
+            else:                                  # alone again: priced afresh, as a single stream is
+                self._ltables.clear()
+                self._fresh.clear()
             for key in self.age:
                 self.age[key] = 1 << 30                # replan at the next cycle
             self._quiet.clear()
@@ -956,12 +966,12 @@ class Planner:
     def _table_stale(self, tab: _LookupTable | None, key: str, pend: int) -> str | None:
         """Whether the lookup table of `key` must be made again before it is read: "remake" (none yet,
         LOOKUP_REFRESH lookup cycles since, other pending counts, a new request, a replan that changed
-        the choice), "acceptance" (the request's first lookup cycles moved its own record: the rates
+        the choice, another batched load), "acceptance" (the request's first lookup cycles moved its own record: the rates
         again at the same costs), or None. A replan that kept `ar` is caught up with here at once
         (`_rebased`: no numpy work)."""
         local = self._lookup_local.n_cycles
         if (tab is None or self.stats_for(LOOKUP).n_cycles - tab.made_at >= LOOKUP_REFRESH
-                or tab.pend != pend or tab.local > local):
+                or tab.pend != pend or tab.local > local or tab.priced != self._priced):
             return "remake"
         cur = self.current.get(key)
         if tab.cur is not cur:
@@ -1162,7 +1172,8 @@ class Planner:
         rows = [r if m and r_m > bar else None for m, (r, r_m) in enumerate(zip(cand, cand_r))]
         tab = _LookupTable(rows, bests, base, st.n_cycles, cur, pend["target"], any(r is not None for r in rows),
                             self._lookup_local.n_cycles, rate, costs, switch=switch, t_ar=t_ar,
-                            cand=cand, cand_r=cand_r, ceilings=ceilings, ar_rate=(g0 + 1.0) / (t0 + t_ar))
+                            cand=cand, cand_r=cand_r, ceilings=ceilings, ar_rate=(g0 + 1.0) / (t0 + t_ar),
+                            priced=self._priced)
         if tab.local == 0:                       # (what the next request starts from: start_request)
             self._fresh[key] = tab
         return tab

@@ -283,10 +283,43 @@ def test_a_batched_planner_prices_widths_against_the_step_it_joins(models, solo,
         assert all(0 <= c.waited <= c.seconds - sum(c.decode_seconds.values()) + 1e-9 for c in cycles[0])
         loads.clear()
         alone(engines[0], prompt(models, 15, 10), Settings(mode="lossless", max_new=8, block="auto"))
-        assert loads and all(ld == {} and k == 0 for _, ld, k in loads)   # nobody else generating
+        # nobody else generating (given once, when the other request ended: Engine.plan passes a load on
+        # only when it was read again)
+        assert all(ld == {} and k == 0 for _, ld, k in loads)
         assert engines[0].planner.costs.load == {} and engines[0].planner.costs.step_rest() == (0.0, 0.0)
     finally:
         shared.close()
+
+
+def test_the_load_is_read_again_every_load_every_passes():
+    """Engine._load reads the medians of the last LOAD_PASSES stock passes' loads (SeqView.others) once per
+    LOAD_EVERY target passes and hands back the same object in between, so that Engine.plan gives the
+    planner a load only when it was read again (or to new costs); alone it is ALONE at once."""
+    import collections
+    from types import SimpleNamespace
+
+    from prove_local.engine import ALONE, LOAD_EVERY, LOAD_PASSES
+    view = SimpleNamespace(others=collections.deque(maxlen=16), n_decode=0)
+    busy = [True]
+    e = Engine({"target": view}, is_eog=lambda t: False, mask_token=None, n_ctx=64)
+    e.member = SimpleNamespace(batcher=SimpleNamespace(others_generating=lambda m: busy[0]))
+
+    def step(others, tokens):
+        view.others.append((others, tokens))
+        view.n_decode += 1
+    for _ in range(LOAD_PASSES):
+        step(3, 3)
+    first = e._load()
+    assert first == ({"target": 3}, 3)
+    for i in range(1, LOAD_EVERY):                        # a prefill beside: not read until LOAD_EVERY passes
+        step(3, 40)
+        assert e._load() is first, i
+    step(3, 40)                                            # 4 of the last 8 passes at 40 tokens: the upper median
+    assert e._load() == ({"target": 40}, 3)
+    busy[0] = False
+    assert e._load() is ALONE
+    busy[0] = True
+    assert e._load() == ({"target": 40}, 3)               # (read at once after being alone)
 
 
 @pytest.mark.parametrize("sampler", ["coupled", "rejection"])

@@ -390,6 +390,47 @@ def test_a_request_starts_from_the_last_table_made_from_an_empty_record():
     assert pl._ltables["lossless"].local == 0 and pl._ltables["lossless"].cand is not None
 
 
+def test_a_batched_load_change_keeps_the_lookup_table_until_a_match_may_use_it():
+    """A pool's loads move as requests join and leave (Planner.set_load): the lookup table priced at the
+    old load is kept and made again only once the index offers a match it may use (`_candidate`), not at
+    the next cycle whatever the index offers (every engine of a pool did, ~0.5-0.9 ms each). Alone again,
+    the tables are priced afresh at once, as a single stream's are."""
+    from prove_local.lookup import Match
+    pl = planner(accept=0.3)
+    made = []
+    make = pl._lookup_table
+    pl._lookup_table = lambda *a, **k: made.append(1) or make(*a, **k)      # noqa: E731
+    offer = [None]
+    look = lambda: offer[0]                                                  # noqa: E731
+    pl.set_load({ROLE: 3}, 3)
+    next_plan(pl, look)                                   # (a table, then the first choice: ar)
+    offer[0] = Match(pos=0, length=16)
+    pl._lookup_wait.clear()
+    assert next_plan(pl, look) == AR_PLAN                 # a match: the table made again for that choice
+    offer[0] = None
+    tab = pl._ltables["lossless"]
+    assert made == [1, 1] and not tab.any                 # at 30 %, beside 3 others: no draft pays
+    assert pl._table_stale(tab, "lossless", 1) is None    # (current: priced at this load, for this choice)
+    del made[:]
+    pl.set_load({ROLE: 8}, 8)                             # another batched load
+    assert pl._ltables["lossless"] is tab and pl._table_stale(tab, "lossless", 1) == "remake"
+    for _ in range(20):                                   # nothing offered: no table made
+        pl._lookup_wait.clear()
+        assert next_plan(pl, look) == AR_PLAN
+    assert made == [] and pl._ltables["lossless"] is tab
+    offer[0] = Match(pos=0, length=16)                    # a match the old table's bar lets through
+    pl._lookup_wait.clear()
+    next_plan(pl, look)
+    assert made == [1] and pl._ltables["lossless"] is not tab
+    assert pl._table_stale(pl._ltables["lossless"], "lossless", 1) is None
+    pl.set_load({}, 0)                                    # alone: made at the next cycle, whatever is offered
+    assert "lossless" not in pl._ltables
+    offer[0] = None
+    pl._lookup_wait.clear()
+    next_plan(pl, look)
+    assert made == [1, 1]
+
+
 def test_beside_other_requests_a_filled_proposal_spans_the_steps_of_its_passes():
     """A MARS block filled by k lookup tokens is two passes when its lookup tokens are accepted (a
     proposal and a verify), one when not: beside G other requests those are as many steps of their G
