@@ -465,6 +465,9 @@ class Choice:
     seconds: float = 0.0         # expected seconds per cycle (passes + Python overhead)
     verify: int | None = None    # the best verify width of a block (lossless)
     ceiling: float = math.inf    # its rate were every proposed token accepted (what exploring it can find; ar: inf)
+    # seconds of the steps its cycle spans: P T + c beside other requests (rates(): P passes, each a step
+    # of their T seconds), its own `seconds` alone (0: not known, taken as `seconds`)
+    span: float = 0.0
 
 
 class Planner:
@@ -749,7 +752,7 @@ class Planner:
             pend[GATED] = 1
         g0, t0 = self.costs.step_rest()                     # (0, 0) alone: the request's own rate
         t_ar = max(1e-12, cycle_cost(t, pend, AR_PLAN) + self._oh("ar"))
-        out = [Choice("ar", 1, (g0 + 1.0) / (t0 + t_ar), 1.0, t_ar)]
+        out = [Choice("ar", 1, (g0 + 1.0) / (t0 + t_ar), 1.0, t_ar, span=t0 + t_ar)]
         n_max = self.k_max if m.width == "draft_k" else block_max
         lay = self._layout(mode, pend, n_max)
         cost = np.zeros(len(lay.tested))
@@ -770,7 +773,8 @@ class Planner:
         for w, (a, b) in enumerate(zip(lay.starts.tolist(), ends)):
             i = a + int(np.argmax(rate[a:b]))               # a block's best verify width
             out.append(Choice(mode, w + 1, float(rate[i]), float(gain[i]), float(secs[i]),
-                              int(lay.tested[i]) if m.verify_choice else None, float(ceiling[a:b].max())))
+                              int(lay.tested[i]) if m.verify_choice else None, float(ceiling[a:b].max()),
+                              span=float(lay.steps[i] * t0 + secs[i])))
         return out
 
     def _layout(self, mode: str, pend: dict, n_max: int) -> "_Layout":
@@ -838,31 +842,21 @@ class Planner:
         kcap = max(0, min(self.k_max, room - 1))
         cur = self.current.get(key)
         draw = self._draw.pop(key, False) or self.rng.random() < self.explore
+        age = self.age.get(key, 0)
+        if draw and cur is not None and age >= self._replan_after(cur):
+            # a replan is due (a changed load sets it): the exploration is judged at the new prices,
+            # not at those of the options from before (priced beside other requests' prefills, a B=3
+            # exploration looked nearly as good as ar beside their one-token passes)
+            cur = self._replan(mode, pending, block_max, key, cur)
+            age = 0
         if draw and self._budget_left():
             ex = self._explore(mode, cap, kcap, key)
             if self._worth_exploring(ex, mode, key):
                 self._displaced = cur.rate if cur is not None else None
                 self._after = 0                    # (its own window starts when it is observed)
                 return ex, None
-        age = self.age.get(key, 0)
         if cur is None or age >= self._replan_after(cur):
-            self._bin_rates = None                 # refreshed by the next verify_width
-            self._vcosts.clear()
-            options = self.rates(mode, pending, block_max, key)
-            self._options[key] = options
-            ar = options[0]
-            # a width must beat plain ar clearly; a one-slot block is ar with more work (lossless: two
-            # one-token passes for two tokens; prove: an extra verifier pass): explored, never chosen
-            free = MODES[mode].free_first
-            eligible = [ar] + [o for o in options[1:] if (o.width > 1 or not free)
-                               and o.rate >= ar.rate * (1.0 + self.ar_margin)]
-            best = max(eligible, key=lambda ch: ch.rate)
-            if cur is not None:
-                now = next((o for o in eligible if (o.kind, o.width) == (cur.kind, cur.width)), None)
-                if now is not None and now.rate >= best.rate * (1.0 - self.hysteresis):
-                    best = now                         # hysteresis: keep the current choice
-            self.current[key] = cur = best
-            self.age[key] = 0
+            cur = self._replan(mode, pending, block_max, key, cur)
         age = self.age[key] = self.age.get(key, 0) + 1
         if cur.kind == "ar":
             self._quiet_run(key, age)
@@ -872,6 +866,28 @@ class Planner:
         if m.verify_choice and plan.block > 1:
             return plan, self._chooser(mode, pending, plan.block, cur.rate, key)
         return plan, None
+
+    def _replan(self, mode: str, pending: dict, block_max: int, key: str, cur: Choice | None) -> Choice:
+        """The options again (`rates`), and the current choice among them: the best that beats plain ar
+        by ar_margin, or the current one where it is within `hysteresis` of the best."""
+        self._bin_rates = None                     # refreshed by the next verify_width
+        self._vcosts.clear()
+        options = self.rates(mode, pending, block_max, key)
+        self._options[key] = options
+        ar = options[0]
+        # a width must beat plain ar clearly; a one-slot block is ar with more work (lossless: two
+        # one-token passes for two tokens; prove: an extra verifier pass): explored, never chosen
+        free = MODES[mode].free_first
+        eligible = [ar] + [o for o in options[1:] if (o.width > 1 or not free)
+                           and o.rate >= ar.rate * (1.0 + self.ar_margin)]
+        best = max(eligible, key=lambda ch: ch.rate)
+        if cur is not None:
+            now = next((o for o in eligible if (o.kind, o.width) == (cur.kind, cur.width)), None)
+            if now is not None and now.rate >= best.rate * (1.0 - self.hysteresis):
+                best = now                             # hysteresis: keep the current choice
+        self.current[key] = best
+        self.age[key] = 0
+        return best
 
     def _chooser(self, mode: str, pending: dict, block: int, rate: float, key: str) -> Callable:
         """The verify width chooser of a `block`-slot proposal run at `rate` (tokens/s of the choice
@@ -1287,8 +1303,8 @@ class Planner:
         explorations took ~0.7 % of the time). Against `ar`'s rate, which rests on pass costs alone, not
         against the best choice's: that is an acceptance estimate, and an optimistic one would bar the
         narrower explorations that correct it. And only if
-        what it is expected to lose (its predicted seconds beyond its tokens at the best rate) fits the
-        regret budget now: the budget is judged before the exploration as well as after it, or the
+        what it is expected to lose (the seconds of the steps it spans beyond what they would commit at
+        the best rate; alone, its seconds beyond its tokens at that rate) fits the regret budget now: the budget is judged before the exploration as well as after it, or the
         first cycles of a fresh engine, with nothing spent and little time seen, would explore as
         freely as a long-running one (SmolLM2 on 2 threads: a B=2 exploration in a 64-token answer took
         41 ms where ar takes 18 for its two tokens, 4 % of the answer)."""
@@ -1303,7 +1319,12 @@ class Planner:
             return False                           # it could not beat ar with every slot accepted
         rate = o.rate if o is not None else best
         if o is not None and best > 0:
-            loss = max(0.0, o.seconds - o.tokens / best)
+            # the steps it spans, less what they would commit at the best rate: alone its seconds less
+            # its tokens at that rate; beside other requests the steps' seconds and all their tokens
+            # (its own at a step's rate, which counts every request's tokens, made any loss look nil:
+            # beside 3 others a B=3 exploration of ~39 ms passed as free where it holds up two steps)
+            span = o.span or o.seconds
+            loss = max(0.0, span * (1.0 - o.rate / best))
             if self.regret + loss > self._allowance():
                 return False
         return self.rng.random() * best < rate

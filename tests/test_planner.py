@@ -357,6 +357,57 @@ def test_a_changed_load_replans_at_the_next_cycle():
     assert pl.plan("lossless", pend, 16, 400).block == 16
 
 
+def test_beside_other_requests_an_exploration_is_priced_by_the_steps_it_spans():
+    """`_worth_exploring`'s expected loss is the seconds of the steps an option spans (P T + c) less what
+    they would commit at the best rate (Choice.span). Alone that is its seconds less its tokens at that
+    rate, as before. Beside another request a B=8 proposal on a flat curve spans two of its steps and a
+    pass of its own: 3 s for 4 tokens where `ar` commits 2 a second, a loss of 1 s; priced as its own
+    tokens at the step's rate (which counts every request's tokens), it came out nil: free."""
+    gpu = {1: 1.0, 32: 1.0, 64: 2.0, 160: 5.0}
+    pl = planner_with(gpu, [1.0, 0.6, 0.5, 0.4] + [0.3] * 12, explore_by_rate=True)
+    pl.rng.random = lambda: 0.0                           # (every rate draw passes: the budget decides)
+    pend, ex = {"target": 1}, Plan("lossless", 8)
+    alone = pl._options["lossless"] = pl.rates("lossless", pend, 16)
+    o, top = alone[8], max(c.rate for c in alone)
+    assert o.width == 8 and o.span == pytest.approx(o.seconds)        # alone: its own seconds
+    loss = o.seconds - o.tokens / top
+    pl.elapsed = loss / pl.explore_budget * 1.01
+    assert loss > 0 and pl._worth_exploring(ex, "lossless", "lossless")
+    pl.elapsed = loss / pl.explore_budget * 0.99
+    assert not pl._worth_exploring(ex, "lossless", "lossless")
+    pl.set_load({"target": 1}, 1)
+    loaded = pl._options["lossless"] = pl.rates("lossless", pend, 16)
+    o, top = loaded[8], max(c.rate for c in loaded)
+    G, T = pl.costs.step_rest()
+    assert (G, T) == (1.0, 1.0) and o.span == pytest.approx(2 * T + o.seconds) and o.ceiling >= loaded[0].rate
+    assert o.span * (1 - o.rate / top) == pytest.approx(1.0) and o.tokens / top > o.seconds   # (the old loss: nil)
+    pl.elapsed = 1.01 * 2 / pl.explore_budget               # 1.01 s of budget beside one other request
+    assert pl._worth_exploring(ex, "lossless", "lossless")
+    pl.elapsed = 0.99 * 2 / pl.explore_budget
+    assert not pl._worth_exploring(ex, "lossless", "lossless")
+
+
+def test_an_exploration_drawn_when_a_replan_is_due_is_judged_at_the_new_prices():
+    """A changed load makes the next planned cycle replan; an exploration drawn in that cycle is judged
+    against the options at the new load, not those of the last replan (priced beside other requests'
+    prefills, the step's rate was so low that a B=3 exploration beside their one-token passes looked
+    nearly free)."""
+    cpu = {1: 6e-3, 2: 11.6e-3, 3: 14.1e-3, 4: 16.4e-3, 8: 32.3e-3, 16: 50.3e-3, 64: 200e-3}
+    pl = planner_with(cpu, [1.0, 0.5, 0.4, 0.3] + [0.2] * 12, explore_by_rate=True)
+    pend = {"target": 1}
+    pl.set_load({"target": 49}, 3)                          # the others' prefills in the recent steps
+    assert pl.plan("lossless", pend, 16, 400).kind == "ar"
+    stale = pl._options["lossless"]
+    pl.set_load({"target": 3}, 3)                           # their one-token passes
+    pl.elapsed, pl.rng.random = 1.0, lambda: 0.0            # a draw, and 2.5 ms of budget
+    pl._explore = lambda *a, **k: Plan("lossless", 3)
+    pl._draw["lossless"] = True
+    assert pl.plan("lossless", pend, 16, 400).kind == "ar"  # no exploration at these prices
+    assert pl._options["lossless"] is not stale
+    pl._options["lossless"] = stale                         # (at the old prices it fitted the budget)
+    assert pl._worth_exploring(Plan("lossless", 3), "lossless", "lossless")
+
+
 def test_a_load_within_the_tolerance_keeps_the_prices():
     from prove_local.planner import LOAD_TOLERANCE
     c = Costs({"target": {1: 1.0, 32: 1.0, 64: 2.0}})
