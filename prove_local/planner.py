@@ -982,8 +982,8 @@ class Planner:
     def _table_stale(self, tab: _LookupTable | None, key: str, pend: int) -> str | None:
         """Whether the lookup table of `key` must be made again before it is read: "remake" (none yet,
         LOOKUP_REFRESH lookup cycles since, other pending counts, a new request, a replan that changed
-        the choice, another batched load), "acceptance" (the request's first lookup cycles moved its own record: the rates
-        again at the same costs), or None. A replan that kept `ar` is caught up with here at once
+        the choice, another batched load), "acceptance" (the request's first lookup cycles moved its
+        own record: the rates again at the same costs), or None. A replan that kept `ar` is caught up with here at once
         (`_rebased`: no numpy work)."""
         local = self._lookup_local.n_cycles
         if (tab is None or self.stats_for(LOOKUP).n_cycles - tab.made_at >= LOOKUP_REFRESH
@@ -1304,8 +1304,9 @@ class Planner:
         against the best choice's: that is an acceptance estimate, and an optimistic one would bar the
         narrower explorations that correct it. And only if
         what it is expected to lose (the seconds of the steps it spans beyond what they would commit at
-        the best rate; alone, its seconds beyond its tokens at that rate) fits the regret budget now: the budget is judged before the exploration as well as after it, or the
-        first cycles of a fresh engine, with nothing spent and little time seen, would explore as
+        the best rate; alone, its seconds beyond its tokens at that rate) fits the regret budget now:
+        the budget is judged before the exploration as well as after it, or the first cycles of a fresh
+        engine, with nothing spent and little time seen, would explore as
         freely as a long-running one (SmolLM2 on 2 threads: a B=2 exploration in a 64-token answer took
         41 ms where ar takes 18 for its two tokens, 4 % of the answer)."""
         options = self._options.get(key)
