@@ -293,8 +293,8 @@ def test_a_batched_planner_prices_widths_against_the_step_it_joins(models, solo,
 
 def test_the_load_is_read_again_every_load_every_passes():
     """Engine._load reads the medians of the last LOAD_PASSES stock passes' loads (SeqView.others) once per
-    LOAD_EVERY target passes and hands back the same object in between, so that Engine.plan gives the
-    planner a load only when it was read again (or to new costs); alone it is ALONE at once."""
+    LOAD_EVERY target passes and hands back the same object in between (Engine.plan passes a load on to
+    the planner only when it is another object, or to new costs); alone it is ALONE at once."""
     import collections
     from types import SimpleNamespace
 
