@@ -62,6 +62,8 @@ _TABLE_SLOTS = np.arange(0, MAX_MATCH + 1)[:, None] + np.arange(1, LOOKUP_K_MAX 
 AR_SAMPLE = 8                                   # ar cycles per one whose cost the planner records
 SWITCH_AFTER = 4                                # ar cycles after a wider pass whose excess time is the switch's
 SWITCH_STEADY = 8                               # steady ar cycles (recorded densely until then) before the switch is priced
+SETTLED_SLACK = 0.1                             # a replan keeps ar "clearly" when no width comes within this share of the bar
+SETTLED_MAX = 3                                 # ... and the replans then come up to 2**SETTLED_MAX times less often
 SWITCH_REPRICE = 0.1                            # a lookup table whose switch price is off by this share of an ar cycle is made again
 AFTER_EXPLORATION = 8                           # cycles after an exploration whose excess time is charged to it
 CATCH_UP = 2                                    # a partner's pending tokens counted in its planned pass
@@ -498,6 +500,8 @@ class Planner:
         self._quiet: dict[str, int] = {}              # ar cycles left before the next draw or replan, per key
         self._draw: dict[str, bool] = {}              # the next cycle attempts an exploration, per key
         self._lookup_draw: dict[str, bool] = {}       # the lookup exploration draw quiet_cycle made, per key
+        self._clear: dict[str, int] = {}              # a quiet run whose lookup table has no plan: its pending count, per key
+        self._settled: dict[str, tuple[int, int]] = {}  # replans in a row that kept a clear ar, and the statistics' count then
         self._lookup_wait: dict[str, int] = {}        # cycles left before the index is asked again, per key
         self._fresh: dict[str, _LookupTable] = {}     # the last lookup table made from an empty request record, per key
         self._lookup_back: dict[str, int] = {}        # the back-off's current gap, per key
@@ -550,6 +554,7 @@ class Planner:
         self._lookup_missed = False
         self._lookup_wait.clear()                 # (a prompt may copy from its first cycle)
         self._lookup_back.clear()
+        self._clear.clear()
         self._since_wide = 1                      # the prompt's prefill was a wide pass
         self._since_start = 0
 
@@ -575,6 +580,7 @@ class Planner:
         self._since_start = i + 1
         if kind != "ar":
             self._since_wide = 1                  # (a wider pass: the switch_cost of the ar cycles after it)
+            self._clear.clear()                   # (its statistics may make a lookup table stale)
         if kind == "ar":
             # an ar cycle has no acceptance to learn; its cost and overhead are sampled (1 in
             # AR_SAMPLE), which keeps the planner's own time per ar cycle near nothing (a 0.35 ms
@@ -692,6 +698,8 @@ class Planner:
         self._vcosts.clear()
         self._ltables.clear()                     # (priced on the old curve)
         self._fresh.clear()
+        self._clear.clear()
+        self._settled.clear()
 
     def set_load(self, load: dict[str, int], sequences: int = 0) -> None:
         """The other requests' tokens per role in the steps the next passes join, and their number
@@ -719,6 +727,8 @@ class Planner:
             for key in self.age:
                 self.age[key] = 1 << 30                # replan at the next cycle
             self._quiet.clear()
+            self._clear.clear()
+            self._settled.clear()
 
     def _account(self, cycle) -> None:
         """The regret budget's books for an exploration, or one of the cycles after it: what it lost."""
@@ -827,6 +837,7 @@ class Planner:
         judged first, every cycle, from a table per match length (`_lookup_plan`); a MARS proposal it
         fills chooses its verify width at the table's rate."""
         key = key or mode
+        self._clear.pop(key, None)
         if lookup is not None:
             lp = self._lookup_plan(mode, key, pending, block_max, room, lookup)
             if lp is not None:
@@ -843,7 +854,7 @@ class Planner:
         cur = self.current.get(key)
         draw = self._draw.pop(key, False) or self.rng.random() < self.explore
         age = self.age.get(key, 0)
-        if draw and cur is not None and age >= self._replan_after(cur):
+        if draw and cur is not None and age >= self._replan_after(cur, key):
             # a replan is due (a changed load sets it): the exploration is judged at the new prices,
             # not at those of the options from before (priced beside other requests' prefills, a B=3
             # exploration looked nearly as good as ar beside their one-token passes)
@@ -855,7 +866,7 @@ class Planner:
                 self._displaced = cur.rate if cur is not None else None
                 self._after = 0                    # (its own window starts when it is observed)
                 return ex, None
-        if cur is None or age >= self._replan_after(cur):
+        if cur is None or age >= self._replan_after(cur, key):
             cur = self._replan(mode, pending, block_max, key, cur)
         age = self.age[key] = self.age.get(key, 0) + 1
         if cur.kind == "ar":
@@ -887,6 +898,16 @@ class Planner:
                 best = now                             # hysteresis: keep the current choice
         self.current[key] = best
         self.age[key] = 0
+        # the replans of a settled ar back off (`_replan_after`): while each one keeps ar with no width
+        # within SETTLED_SLACK of beating it, and no cycle taught the statistics anything in between,
+        # the next comes twice as late (up to 2**SETTLED_MAX). Only the cost scale and the host times
+        # move meanwhile, by a few per cent; a replan was ~0.2 ms of host time every 64 cycles between
+        # the embedded pair's ~0.4 ms cycles (~1 %), and came out ar nearly every time there
+        n = self.stats_for(key).n_cycles
+        runs, seen = self._settled.get(key, (0, -1))
+        bar = ar.rate * (1.0 + self.ar_margin) * (1.0 - SETTLED_SLACK)
+        clear = best is ar and all(o.rate < bar for o in options[1:] if o.width > 1 or not free)
+        self._settled[key] = (min(SETTLED_MAX, runs + 1) if clear and seen == n else 0, n)
         return best
 
     def _chooser(self, mode: str, pending: dict, block: int, rate: float, key: str) -> Callable:
@@ -1024,7 +1045,14 @@ class Planner:
         if lookup is not None:
             if self.explore > 0.0 and self.rng.random() < self.explore:
                 self._lookup_draw[key] = True    # (plan_cycle's exploration draw, drawn here)
+                self._clear.pop(key, None)
                 return False
+            if self._clear.get(key) == pend:
+                # a clear run: the lookup table was current and had no plan at the run's start, and
+                # nothing that could change that has happened since (start_request, set_load, a cycle
+                # other than ar and plan_cycle end it): `_table_stale` would say the same (~3 us a cycle)
+                self._quiet[key] = q - 1
+                return True
             # a cycle of the index's back-off is quiet whatever the table: plan_cycle would not read it
             # (nor make it again) before the index may be asked
             if not self._lookup_waits(key):
@@ -1036,6 +1064,8 @@ class Planner:
                     return False
                 if stale or tab.any:
                     self._lookup_found(key, False)
+                else:
+                    self._clear[key] = pend
         self._quiet[key] = q - 1
         return True
 
@@ -1238,16 +1268,19 @@ class Planner:
                                          for v in range(1, block + 1)]
         return costs
 
-    def _replan_after(self, cur: Choice) -> int:
+    def _replan_after(self, cur: Choice, key: str) -> int:
         """Cycles between replans: ar cycles teach the statistics nothing (only the cost scale moves, 1
-        in AR_SAMPLE), so while ar is the choice the options are recomputed 4x less often."""
-        return self.replan_every * 4 if cur.kind == "ar" else self.replan_every
+        in AR_SAMPLE), so while ar is the choice the options are recomputed 4x less often, and up to
+        2**SETTLED_MAX times less again while replans keep finding it clearly best (`_replan`)."""
+        if cur.kind != "ar":
+            return self.replan_every
+        return (self.replan_every * 4) << self._settled.get(key, (0, 0))[0]
 
     def _quiet_run(self, key: str, age: int) -> None:
         """Set the ar cycles that follow without an exploration draw or a replan: the cycles until the
         next exploration draw would succeed (a geometric gap: the same chance per cycle as drawing every
         cycle; that cycle then explores if the budget allows) or until the replan, whichever is first."""
-        left = self._replan_after(self.current[key]) - age
+        left = self._replan_after(self.current[key], key) - age
         if left <= 0:
             return
         if self.explore <= 0.0:

@@ -276,6 +276,53 @@ def test_a_quiet_cycle_is_what_plan_cycle_would_have_planned(host):
     assert quiet > len(script) // 2                 # and most cycles were quiet
 
 
+def test_a_quiet_run_whose_lookup_table_has_no_plan_checks_the_table_once():
+    """Where the lookup table has no plan for any match (drafts do not pay), a quiet run's cycles need
+    no table check after the first: nothing that could make it stale happens in an ar cycle. The check
+    (`_table_stale`, ~3 us a cycle between the embedded pair's ~0.4 ms passes) comes back after each
+    thing that can: a new request, a cycle other than ar, a new curve, another batched load."""
+    from prove_local.lookup import Match
+    pl = planner(accept=0.05)
+    checks = []
+    pl._table_stale = lambda *a: checks.append(1) or type(pl)._table_stale(pl, *a)
+    asked = []
+
+    def offer():
+        asked.append(1)
+        return Match(pos=0, length=16)               # (long enough for a table to be made for it)
+    for _ in range(3):                                 # the table is made; quiet runs start
+        assert next_plan(pl, offer).kind == "ar"
+        pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
+    assert not pl._ltables["lossless"].any
+    before = len(checks)
+    asked.clear()
+    for _ in range(40):
+        assert next_plan(pl, offer) is AR_PLAN
+        pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
+    assert len(checks) - before <= 1 and not asked    # (at most the quiet run's first cycle)
+
+    def checked_again() -> bool:
+        n = len(checks)
+        assert next_plan(pl, offer).kind == "ar"
+        pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
+        return len(checks) > n
+
+    def settles() -> bool:                            # checked again, then quiet again within 3 cycles
+        return checked_again() and not all(checked_again() for _ in range(3))
+    assert not checked_again()
+    pl.start_request()
+    assert settles()
+    pl.observe(cycle(Plan(LOOKUP, lookup=2), 2e-3, k=2, accepted=0), "lossless")
+    assert settles()
+    pl.set_curve(ROLE, {1: 1e-3, 2: 1.5e-3, 4: 2.5e-3, 16: 9e-3})
+    assert settles()
+    assert not asked                                  # (a table with no plan has no use for a match)
+    n = len(checks)
+    pl.set_load({ROLE: 3}, 3)                         # (beside 3 others a 16-token match may be drafted)
+    next_plan(pl, offer)
+    assert len(checks) > n
+
+
 def test_a_stale_lookup_table_is_made_again_only_once_a_match_may_use_it():
     """The lookup table (~0.4 ms of numpy between the embedded pair's ~0.5 ms passes) is made again
     only when it may be read: a replan that keeps `ar` re-compares the same rows with the new rate
