@@ -363,6 +363,7 @@ class Engine:
         left = req.settings.max_new - (len(self.tokens) - req.n_prompt) - 1
 
         def draft(k: int):
+            self.index.sync(self.tokens)       # (synced by the offer that planned the draft: a length check)
             tokens, scores = propose(min(k, max(0, left)))
             for i, tok in enumerate(tokens):
                 if self.is_eog(tok):
@@ -518,8 +519,8 @@ class Engine:
             n_pre += max(0, len(self.tokens) - 1 - ctx.n_past)
             if ctx.n_past < len(self.tokens) - 1:
                 ctx.eval(self.tokens[ctx.n_past:-1], rows=[])
-        if req.lookup:                       # the prompt's n-grams, indexed with the prefill
-            self.index.sync(self.tokens)
+        # (the lookup index catches up with the prompt and the answer when it is first asked, `_offer`: a
+        # request whose lookup table never has a plan never pays for it, ~3 us a token between passes)
         req.prefill = (n_pre, time.perf_counter() - t0)
         index = 0
         while s.max_new > 0:

@@ -295,6 +295,35 @@ def test_auto_lookup_without_a_mask_token_is_the_default_and_exact(models, refer
         e.generate(plain.tokenize("hi"), Settings(mode="lossless", lookup=-2))
 
 
+def test_the_lookup_index_catches_up_only_when_it_is_asked(models, references):
+    """The engine indexes the committed tokens (the prompt's included) when the planner asks the index
+    for a match (`Engine._offer`), not with the prefill: a request whose planner never asks (its lookup
+    table has no plan: here every cycle quiet) never pays for its index. Exact either way."""
+    prop, plain = models
+    e = Engine.load(plain, **F32)
+    asked = []
+    offer = e._offer
+
+    def counted():
+        out = offer()
+        asked.append((len(e.tokens), len(e.index)))
+        return out
+    e._offer = counted
+    quiet = e.planner.quiet_cycle
+    e.planner.quiet_cycle = lambda *a, **k: True          # every cycle an ar cycle of a quiet run
+    for p in PROMPTS[:2]:
+        _, out = run(e, plain.tokenize(p), mode="lossless", block="auto")
+        assert out == references[(id(plain), p)]
+    assert not asked and len(e.index) == 0
+    e.planner.quiet_cycle = quiet
+    e.planner.explore, e.planner.explore_by_rate, e.planner.explore_budget = 0.5, False, float("inf")
+    for p in PROMPTS[:2]:
+        _, out = run(e, plain.tokenize(p), mode="lossless", block="auto")
+        assert out == references[(id(plain), p)]
+    assert asked and all(n == k for n, k in asked)          # each offer saw every committed token indexed
+    assert e.index.tokens == e.tokens[:len(e.index)]
+
+
 def test_spec_takes_lookup_drafts_under_the_planner(models, references):
     """spec with auto widths: the planner may run lookup cycles (the draft model sits them out and
     catches up); the output is ar's."""
