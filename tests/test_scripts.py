@@ -189,3 +189,30 @@ def test_serve_bench_from_pools_the_rounds_of_several_runs(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sb.main(["--from", str(a), "--from", str(other), "--out", str(tmp_path / "no")])
     assert "threads is 4" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_embedded_pair_pairs_the_modes_round_by_round(tmp_path):
+    """scripts/embedded_pair.py on two questions of its own, two rounds: both modes ran every prompt
+    every round (lossless = ar, or it stops), ar commits one token a cycle, lossless at least one, and
+    the medians lie inside their intervals."""
+    import json
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "#### 4"}) + "\n" for q in (
+        "Tom has 2 apples and buys 2 more. How many apples does he have?",
+        "A box holds 3 pens. How many pens are in 2 boxes?")))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(SCRIPTS / "embedded_pair.py"), "--data", str(data), "--limit", "2",
+                        "--rounds", "2", "--max-new", "24", "--out", str(out)], capture_output=True, text=True,
+                       timeout=280, cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["prompts"] == 2 and len(res["rounds"]) == 2
+    for rd in res["rounds"]:
+        assert rd["modes"]["ar"]["tokens"] == rd["modes"]["lossless"]["tokens"] > 0
+        assert rd["modes"]["ar"]["cycles"] == rd["modes"]["ar"]["tokens"]
+        assert rd["modes"]["lossless"]["cycles"] <= rd["modes"]["lossless"]["tokens"]
+    for k in ("per_prompt", "totals"):
+        assert res[k]["low"] <= res[k]["median"] <= res[k]["high"]
+    assert res["modes"]["ar"]["tokens_per_cycle"] == 1.0
+    assert (out / "summary.md").read_text().startswith("# lossless (defaults) / ar")
