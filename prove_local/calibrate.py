@@ -2,8 +2,9 @@
 
 One method for the planner, the bench and scripts/gpu_check.py. A pass of n tokens asks logits on
 every row (as a proposal or verify pass does), after a context of `n_fill` tokens, in the steady
-state: per width a few untimed passes, then timed ones (right after a pass of another width a pass
-costs up to 2x more and settles over a few passes; decoding repeats the same shapes). The widths are
+state: per width untimed passes until they stop getting faster (SETTLE_TOL), then timed ones (right
+after a pass of another width a pass costs up to 2x more and settles over a few passes; decoding repeats
+the same shapes). The widths are
 shuffled per repetition so that drift spreads over all of them, and the whole measurement stops at a
 time budget (the target: well under a second for the embedded pair).
 
@@ -43,7 +44,8 @@ from statistics import median
 from .files import write_atomic
 from .llama import Context, default_threads, flash_attn_setting
 
-CACHE_VERSION = 3         # 3: curves timed after a warm-up (WARM_MIN); older ones priced one-token passes cold
+CACHE_VERSION = 4         # 4: each width timed once its passes stop getting faster (SETTLE_TOL); 3: after a warm-up
+                          # (WARM_MIN), with 2 settling passes a width (one-token passes 1.3-1.6x steady: see SETTLE_MAX)
 DEFAULT_NS = tuple(range(1, 17)) + (20, 24, 32)
 
 
@@ -131,6 +133,16 @@ MIN_SAMPLES = 3       # timed passes per width before its median is taken (fewer
 # and at most half the time budget.
 WARM_MIN, WARM_MAX, WARM_WINDOW, WARM_TOL = 16, 64, 8, 0.03
 REMEASURE_ROUNDS = 2  # rounds of re-measuring the suspect widths before the curve is repaired
+# After a wide pass the next passes of another width run slow for a while, the narrow ones longest: on the
+# embedded proposer (1 thread, a 0.25 ms one-token pass) the one-token passes after a 32-token one cost
+# 2.0x, 1.4x, 1.2x, 1.1x, 1.04x a steady one, settled from the 6th; calibration timed its 3rd and 4th
+# (2 settling passes), t(1) came out 344-428 us against ~250 steady, every t(n)/t(1) 25-35 % low
+# (t(2)/t(1) 1.14-1.41 cached, 1.9-2.0 measured in a run of passes), and the planner ran MARS blocks
+# and short lookup drafts that lost. So one-token passes (the cheapest) get at least SETTLE_ONE
+# untimed passes, and past those any width keeps settling while each untimed pass is more than
+# SETTLE_TOL faster than the one before it (its times are noisy: that alone stopped early), up to
+# SETTLE_MAX untimed passes.
+SETTLE_ONE, SETTLE_TOL, SETTLE_MAX = 6, 0.05, 10
 # Completing a cached curve (`_complete`) scales the new widths by the anchor's cached t over its t now,
 # which holds only if the machine is as loaded now as then, and stayed so while the widths were timed:
 # another process decoding beside it slows a narrow pass (threads waiting at ggml's barriers) far more
@@ -262,15 +274,21 @@ def measure_context(ctx, fill: list[int], *, ns=DEFAULT_NS, budget_s: float = 0.
     rng = random.Random(seed)
     t_warm = clock() + budget_s / 2
 
+    def one(n: int) -> float:
+        before = ctx.decode_seconds
+        ctx.eval(tokens[:n], rows=list(range(n)))
+        ctx.truncate(base)
+        return ctx.decode_seconds - before
+
     def passes(n: int, count: int, keep_from: int) -> list[float]:
-        out = []
-        for k in range(count):
-            before = ctx.decode_seconds
-            ctx.eval(tokens[:n], rows=list(range(n)))
-            if k >= keep_from:
-                out.append(ctx.decode_seconds - before)
-            ctx.truncate(base)
-        return out
+        """`count - keep_from` timed passes of n tokens after `keep_from` untimed ones (SETTLE_ONE at
+        least for one-token passes, when any), and after more untimed ones while they still get faster
+        (SETTLE_TOL, up to SETTLE_MAX in all)."""
+        timed = count - keep_from
+        seen = [one(n) for _ in range(max(keep_from, SETTLE_ONE) if n == 1 and keep_from else keep_from)]
+        while 2 <= len(seen) < SETTLE_MAX and seen[-1] < (1.0 - SETTLE_TOL) * seen[-2]:
+            seen.append(one(n))
+        return [one(n) for _ in range(timed)]
 
     remeasured: list[int] = []
     try:

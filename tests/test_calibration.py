@@ -121,6 +121,40 @@ def test_the_first_passes_of_a_fresh_context_are_not_timed():
     assert curve[1] == pytest.approx(line(1)) and calibrate.suspects(curve) == []
 
 
+class SettlingContext(TimedContext):
+    """A context whose passes run slow right after a pass of another width, settling over several
+    passes: the k-th one-token pass after it costs ONE_AFTER[k] x line(1), then 1x (the embedded
+    proposer's after a wide pass, measured in calibration: 622, 434, 397, 386 us and 534, 400, 400, 375
+    where a steady one takes ~250: a plateau that two equal timings do not tell from the end), the k-th
+    wider one (1 + 0.5 * 0.7^k) x."""
+    ONE_AFTER = (2.0, 1.4, 1.4, 1.25, 1.15, 1.05)
+
+    def __init__(self):
+        super().__init__()
+        self.last, self.k = None, 0
+
+    def eval(self, tokens, rows=None):
+        n = len(tokens)
+        self.k = self.k + 1 if n == self.last else 0
+        self.last = n
+        one = self.ONE_AFTER[self.k] - 1.0 if self.k < len(self.ONE_AFTER) else 0.0
+        self.stall = lambda n_, k_: line(n) * (one if n == 1 else 0.5 * 0.7 ** self.k)
+        super().eval(tokens, rows)
+
+
+def test_each_width_is_timed_once_its_passes_stop_getting_faster():
+    """Right after a pass of another width a pass runs slow and settles over a few passes, a one-token
+    pass longest. Two settling passes timed the one-token passes at ~1.3x their steady cost (every
+    t(n)/t(1) ~25 % low: wide passes looked cheap); one-token passes now settle over SETTLE_ONE passes,
+    and any width while its passes still get SETTLE_TOL faster."""
+    ctx = SettlingContext()
+    curve, _ = measured(ctx, budget_s=1e9)
+    assert curve[1] == pytest.approx(line(1), rel=0.06)           # (2 settling passes: 1.25-1.4x)
+    for n in (2, 3, 8, 32):
+        assert curve[n] == pytest.approx(line(n), rel=0.09), n    # (2 settling passes: 1.17-1.25x)
+    assert curve[2] / curve[1] == pytest.approx(line(2) / line(1), rel=0.12)
+
+
 def test_a_width_that_keeps_stalling_is_repaired_not_kept():
     ctx = TimedContext(stall=lambda n, k: 10.0 if n == 4 else 0.0)
     curve, report = measured(ctx, budget_s=1e9)
@@ -191,10 +225,11 @@ def contexts_stalled(monkeypatch, passes: int, contexts: int, made: list):
 
 
 # the context's fill, the warm-up pass, the warm one-token passes and the 3 repetitions over every width
-# (settle 2 + timed 2 each; the fake passes take no real time, so all 3 fit the budget): every width is
+# (settle 2 + timed 2 each, SETTLE_ONE + 2 for width 1; the fake passes take no real time, so all 3 fit
+# the budget): every width is
 # timed in the stall, the curve has a plausible shape 3x too high, and its t(1) timed again at the end
 # is line(1)
-STALL = 2 + calibrate.WARM_MIN + 3 * 4 * len(calibrate.DEFAULT_NS)
+STALL = 2 + calibrate.WARM_MIN + 3 * (4 * len(calibrate.DEFAULT_NS) + calibrate.SETTLE_ONE - 2)
 
 
 def test_a_curve_measured_while_a_stall_ended_is_measured_again_and_never_cached(fake_llama, monkeypatch, capsys):
@@ -293,12 +328,13 @@ def test_a_partial_curve_is_not_completed_on_a_busier_machine(fake_llama, monkey
 
 def test_a_partial_curve_is_not_completed_when_the_load_changes_meanwhile(fake_llama, monkeypatch, capsys):
     """The anchor is timed before and after the missing widths: a load that starts in between (every
-    pass twice as dear once the warm-up and the anchor's first four passes are over: its first timings
-    are quiet, the rest are not) drops the completion, though the first anchor timing matches the cache."""
+    pass twice as dear once the warm-up and the anchor's first passes, SETTLE_ONE settling and 2 timed,
+    are over: its first timings are quiet, the rest are not) drops the completion, though the first
+    anchor timing matches the cache."""
     model, _ = fake_llama
     opts = dict(n_threads=2, type_k="f16", type_v="f16")
     partial_cache(model, opts)
-    contexts_costing(monkeypatch, line, slower_after=1 + calibrate.WARM_MIN + 4)
+    contexts_costing(monkeypatch, line, slower_after=1 + calibrate.WARM_MIN + calibrate.SETTLE_ONE + 2)
     cal = calibrate.calibrate(model, opts, verbose=True)
     assert not cal["measured"] and set(cal["curves"][2]) == {1, 2, 4}
     assert "the load changed meanwhile" in capsys.readouterr().err
