@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the issue's setting)")
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=12, help="timed rounds (default 12)")
+    ap.add_argument("--lookup", default="auto", help="lossless's lookup drafts: auto (the default), 0 (off) or K")
     ap.add_argument("--out", required=True)
     return ap
 
@@ -56,21 +57,21 @@ from prove_local.llama import Model, kv_options  # noqa: E402
 from prove_local.loading import EMBEDDED_PROPOSER  # noqa: E402
 
 
-def answer(engine: Engine, tokens: list[int], mode: str, max_new: int) -> dict:
+def answer(engine: Engine, tokens: list[int], mode: str, max_new: int, lookup="auto") -> dict:
     """One greedy answer: its tokens, tokens/s, cycles, host seconds and drafts (answer.summary)."""
-    gen = engine.generate(tokens, Settings(mode=mode, max_new=max_new, temperature=0.0, block="auto"))
+    gen = engine.generate(tokens, Settings(mode=mode, max_new=max_new, temperature=0.0, block="auto", lookup=lookup))
     cycles = list(gen)
     s = summary(cycles, gen.request)
     return {"tokens": [t for c in cycles for t in c.committed], "tps": s["tokens_per_second"],
             "seconds": s["seconds"], "cycles": s["n_cycles"], "host": s["host_seconds"], "drafts": s["drafts"]}
 
 
-def play_round(engine: Engine, prompts: list[list[int]], r: int, max_new: int) -> list[dict]:
+def play_round(engine: Engine, prompts: list[list[int]], r: int, max_new: int, lookup="auto") -> list[dict]:
     """Every prompt in both modes, alternating (the order flips with prompt and round)."""
     out = []
     for i, toks in enumerate(prompts):
         order = MODES if (r + i) % 2 == 0 else MODES[::-1]
-        out.append({m: answer(engine, toks, m, max_new) for m in order})
+        out.append({m: answer(engine, toks, m, max_new, lookup if m == "lossless" else 0) for m in order})
     return out
 
 
@@ -85,16 +86,17 @@ def round_stats(results: list[dict]) -> dict:
 def main(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    lookup = args.lookup if args.lookup == "auto" else int(args.lookup)
     model = Model(args.proposer or str(EMBEDDED_PROPOSER))
     engine = Engine.load(model, n_ctx=args.ctx, n_threads=args.threads, flash_attn="auto",
                          **kv_options(model.default_kv_type))
     prompts = [Conversation(model).prompt_tokens(p.text) for p in load_prompts(args.data, args.limit)]
     engine.prepare(Settings(mode="lossless", block="auto"))          # (the calibration, before any timing)
-    play_round(engine, prompts, 1, args.max_new)                        # untimed: the engine warm, both modes
+    play_round(engine, prompts, 1, args.max_new, lookup)                      # untimed: the engine warm, both modes
     rounds, drafts = [], {"lookup": [0, 0], "mask": [0, 0]}
     t0 = time.perf_counter()
     for r in range(args.rounds):
-        res = play_round(engine, prompts, r, args.max_new)
+        res = play_round(engine, prompts, r, args.max_new, lookup)
         for i, p in enumerate(res):
             if p["lossless"]["tokens"] != p["ar"]["tokens"]:
                 raise SystemExit(f"embedded_pair: prompt {i}: lossless differs from ar (round {r})")
@@ -116,7 +118,7 @@ def main(args) -> int:
         per_mode[m] = {"tokens_per_second": s["tokens"] / s["seconds"], "tokens_per_cycle": s["tokens"] / s["cycles"],
                        "host_us_per_cycle": 1e6 * s["host"] / s["cycles"]}
     result = {"command": " ".join(sys.argv), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "proposer": str(model.path), "prompts": len(prompts), "threads": args.threads, "max_new": args.max_new,
+              "proposer": str(model.path), "prompts": len(prompts), "threads": args.threads, "max_new": args.max_new, "lookup": lookup,
               "rounds": rounds, "per_prompt": {"median": statistics.median(med), "low": lo, "high": hi, "coverage": cov},
               "totals": {"median": statistics.median(tot), "low": tlo, "high": thi, "coverage": tcov},
               "modes": per_mode, "lossless_drafts": {k: {"drafted": a, "accepted": b} for k, (a, b) in drafts.items()}}
