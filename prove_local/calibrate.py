@@ -2,11 +2,11 @@
 
 One method for the planner, the bench and scripts/gpu_check.py. A pass of n tokens asks logits on
 every row (as a proposal or verify pass does), after a context of `n_fill` tokens, in the steady
-state: per width untimed passes until they stop getting faster (SETTLE_TOL), then timed ones (right
-after a pass of another width a pass costs up to 2x more and settles over a few passes; decoding repeats
-the same shapes). The widths are
-shuffled per repetition so that drift spreads over all of them, and the whole measurement stops at a
-time budget (the target: well under a second for the embedded pair).
+state: per width untimed passes until they stop getting faster (SETTLE_ONE, SETTLE_TOL), then timed
+ones (right after a pass of another width a pass costs up to 2x more and settles over a few passes;
+decoding repeats the same shapes). The widths are shuffled per repetition so that drift spreads over
+all of them, and the whole measurement stops at a time budget (the target: well under a second for
+the embedded pair).
 
 Each width's t is the median of its timed passes (the fastest where it has fewer than MIN_SAMPLES),
 and the curve is checked before it is trusted (`suspects`: a pass never gets cheaper with more
@@ -44,8 +44,8 @@ from statistics import median
 from .files import write_atomic
 from .llama import Context, default_threads, flash_attn_setting
 
-CACHE_VERSION = 4         # 4: each width timed once its passes stop getting faster (SETTLE_TOL); 3: after a warm-up
-                          # (WARM_MIN), with 2 settling passes a width (one-token passes 1.3-1.6x steady: see SETTLE_MAX)
+CACHE_VERSION = 4         # 4: each width timed once its passes stop getting faster (SETTLE_ONE); 3: after a warm-up
+                          # (WARM_MIN), with 2 settling passes a width (one-token passes 1.3-1.6x steady)
 DEFAULT_NS = tuple(range(1, 17)) + (20, 24, 32)
 
 

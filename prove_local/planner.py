@@ -1049,8 +1049,8 @@ class Planner:
                 return False
             if self._clear.get(key) == pend:
                 # a clear run: the lookup table was current and had no plan at the run's start, and
-                # nothing that could change that has happened since (start_request, set_load, a cycle
-                # other than ar and plan_cycle end it): `_table_stale` would say the same (~3 us a cycle)
+                # nothing that could change that has happened since (start_request, set_curve, set_load,
+                # a cycle other than ar and plan_cycle end it): `_table_stale` would say the same (~3 us)
                 self._quiet[key] = q - 1
                 return True
             # a cycle of the index's back-off is quiet whatever the table: plan_cycle would not read it

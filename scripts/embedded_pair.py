@@ -23,6 +23,19 @@ DATA = ROOT.parent / "shared" / "datasets" / "gsm8k" / "test_dev.jsonl"
 MODES = ("ar", "lossless")
 
 
+def lookup_arg(text: str):
+    """--lookup: auto, or a draft length >= 0 (0: off)."""
+    if text == "auto":
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        k = -1
+    if k < 0:
+        raise argparse.ArgumentTypeError(f"expected auto or an integer >= 0, not {text!r}")
+    return k
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--proposer", default=None, help="proposer GGUF (default: the embedded mars-gsm8k-proposer.gguf)")
@@ -32,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the issue's setting)")
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=12, help="timed rounds (default 12)")
-    ap.add_argument("--lookup", default="auto", help="lossless's lookup drafts: auto (the default), 0 (off) or K")
+    ap.add_argument("--lookup", type=lookup_arg, default="auto",
+                    help="lossless's lookup drafts: auto (the default), 0 (off) or K")
     ap.add_argument("--out", required=True)
     return ap
 
@@ -86,10 +100,17 @@ def round_stats(results: list[dict]) -> dict:
 def main(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    lookup = args.lookup if args.lookup == "auto" else int(args.lookup)
+    lookup = args.lookup
     model = Model(args.proposer or str(EMBEDDED_PROPOSER))
     engine = Engine.load(model, n_ctx=args.ctx, n_threads=args.threads, flash_attn="auto",
                          **kv_options(model.default_kv_type))
+    try:
+        return measure(args, out, model, engine, lookup)
+    finally:
+        engine.close()
+
+
+def measure(args, out: Path, model: Model, engine: Engine, lookup) -> int:
     prompts = [Conversation(model).prompt_tokens(p.text) for p in load_prompts(args.data, args.limit)]
     engine.prepare(Settings(mode="lossless", block="auto"))          # (the calibration, before any timing)
     play_round(engine, prompts, 1, args.max_new, lookup)                      # untimed: the engine warm, both modes
@@ -117,8 +138,9 @@ def main(args) -> int:
         s = {k: sum(x["modes"][m][k] for x in rounds) for k in ("seconds", "cycles", "host", "tokens")}
         per_mode[m] = {"tokens_per_second": s["tokens"] / s["seconds"], "tokens_per_cycle": s["tokens"] / s["cycles"],
                        "host_us_per_cycle": 1e6 * s["host"] / s["cycles"]}
-    result = {"command": " ".join(sys.argv), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "proposer": str(model.path), "prompts": len(prompts), "threads": args.threads, "max_new": args.max_new, "lookup": lookup,
+    result = {"command": "python " + " ".join(sys.argv), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "proposer": str(model.path), "prompts": len(prompts), "threads": args.threads, "max_new": args.max_new,
+              "lookup": lookup,
               "rounds": rounds, "per_prompt": {"median": statistics.median(med), "low": lo, "high": hi, "coverage": cov},
               "totals": {"median": statistics.median(tot), "low": tlo, "high": thi, "coverage": tcov},
               "modes": per_mode, "lossless_drafts": {k: {"drafted": a, "accepted": b} for k, (a, b) in drafts.items()}}
@@ -151,7 +173,6 @@ def main(args) -> int:
     except ImportError:
         print("embedded_pair: matplotlib is missing (the `bench` extra): no plot", file=sys.stderr)
     print("\n".join(lines))
-    engine.close()
     return 0
 
 
