@@ -226,9 +226,8 @@ def contexts_stalled(monkeypatch, passes: int, contexts: int, made: list):
 
 # the context's fill, the warm-up pass, the warm one-token passes and the 3 repetitions over every width
 # (settle 2 + timed 2 each, SETTLE_ONE + 2 for width 1; the fake passes take no real time, so all 3 fit
-# the budget): every width is
-# timed in the stall, the curve has a plausible shape 3x too high, and its t(1) timed again at the end
-# is line(1)
+# the budget): every width is timed in the stall, the curve has a plausible shape 3x too high, and its
+# t(1) timed again at the end is line(1)
 STALL = 2 + calibrate.WARM_MIN + 3 * (4 * len(calibrate.DEFAULT_NS) + calibrate.SETTLE_ONE - 2)
 
 
