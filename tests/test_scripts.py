@@ -193,9 +193,10 @@ def test_serve_bench_from_pools_the_rounds_of_several_runs(tmp_path, capsys):
 
 @pytest.mark.timeout(300)
 def test_embedded_pair_pairs_the_modes_round_by_round(tmp_path):
-    """scripts/embedded_pair.py on two questions of its own, two rounds: both modes ran every prompt
-    every round (lossless = ar, or it stops), ar commits one token a cycle, lossless at least one, and
-    the medians lie inside their intervals."""
+    """scripts/embedded_pair.py on two questions of its own, two rounds, lossless with 2-token lookup
+    drafts: both modes ran every prompt every round (lossless = ar, or it stops), ar commits one token a
+    cycle, lossless more (the tiny model's answers repeat themselves: its drafts are accepted), and the
+    medians lie inside their intervals."""
     import json
     data = tmp_path / "q.jsonl"
     data.write_text("".join(json.dumps({"question": q, "answer": "#### 4"}) + "\n" for q in (
@@ -203,7 +204,7 @@ def test_embedded_pair_pairs_the_modes_round_by_round(tmp_path):
         "A box holds 3 pens. How many pens are in 2 boxes?")))
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, str(SCRIPTS / "embedded_pair.py"), "--data", str(data), "--limit", "2",
-                        "--rounds", "2", "--max-new", "24", "--out", str(out)], capture_output=True, text=True,
+                        "--rounds", "2", "--max-new", "64", "--lookup", "2", "--out", str(out)], capture_output=True, text=True,
                        timeout=280, cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((out / "results.json").read_text())
@@ -212,7 +213,9 @@ def test_embedded_pair_pairs_the_modes_round_by_round(tmp_path):
         assert rd["modes"]["ar"]["tokens"] == rd["modes"]["lossless"]["tokens"] > 0
         assert rd["modes"]["ar"]["cycles"] == rd["modes"]["ar"]["tokens"]
         assert rd["modes"]["lossless"]["cycles"] <= rd["modes"]["lossless"]["tokens"]
+        assert rd["modes"]["lossless"]["cycles"] < rd["modes"]["lossless"]["tokens"]    # (drafts accepted)
     for k in ("per_prompt", "totals"):
         assert res[k]["low"] <= res[k]["median"] <= res[k]["high"]
     assert res["modes"]["ar"]["tokens_per_cycle"] == 1.0
+    assert res["lookup"] == 2 and res["lossless_drafts"]["lookup"]["accepted"] > 0
     assert (out / "summary.md").read_text().startswith("# lossless (defaults) / ar")
