@@ -60,9 +60,10 @@ _TABLE_SCORES = np.array([u / (u + 1.0) if u > 0 else 0.0 for u in range(MAX_MAT
 _TABLE_SLOTS = np.arange(0, MAX_MATCH + 1)[:, None] + np.arange(1, LOOKUP_K_MAX + 1)[None, :] - 1
 
 AR_SAMPLE = 8                                   # ar cycles per one whose cost the planner records
+AR_SAMPLE_CLEAR = 32                            # ... in a clear run (nothing planned: Planner.quiet_cycle)
 SWITCH_AFTER = 4                                # ar cycles after a wider pass whose excess time is the switch's
 SWITCH_STEADY = 8                               # steady ar cycles (recorded densely until then) before the switch is priced
-SETTLED_SLACK = 0.1                             # a replan keeps ar "clearly" when no width comes within this share of the bar
+SETTLED_SLACK = 0.05                            # a replan keeps ar "clearly" when no width comes within this share of the bar
 SETTLED_MAX = 3                                 # ... and the replans then come up to 2**SETTLED_MAX times less often
 SWITCH_REPRICE = 0.1                            # a lookup table whose switch price is off by this share of an ar cycle is made again
 AFTER_EXPLORATION = 8                           # cycles after an exploration whose excess time is charged to it
@@ -423,6 +424,7 @@ class _Layout:
     starts: np.ndarray
     passes: dict
     steps: np.ndarray            # passes per plan, every role's: the batched steps its cycle spans
+    seg: np.ndarray | None = None    # per plan, its width's index (0-based): the run of `starts` it is in
 
 
 @dataclass
@@ -451,6 +453,42 @@ class _LookupTable:
 
     def __post_init__(self):
         self.min_match = next((m for m, r in enumerate(self.rows) if m and r is not None), MAX_MATCH + 1)
+        self._capped: dict = {}
+
+    def capped(self, cap: int, margin: float) -> "_Capped":
+        """The plans a request whose lookup drafts are capped at `cap` tokens (the slow start: Planner.observe)
+        gets from this table, per match length: a plan of at most `cap` lookup tokens stands; a longer
+        MARS proposal filled by lookup tokens is cut to `cap` of them; a longer lookup draft is cut to
+        `cap` tokens where that draft still beats the current choice's rate by `margin`, else the row
+        has none. Cached per cap (the cap moves after a lookup cycle and at a request's start)."""
+        got = self._capped.get(cap)
+        if got is None:
+            bar = self.rate * (1.0 + margin)
+            at_cap = self.rates[:, cap - 1].tolist() if self.rates is not None and cap <= self.rates.shape[1] else None
+            rows = []
+            for m, plan in enumerate(self.rows):
+                if plan is not None and plan.lookup > cap:
+                    if filled(plan):
+                        plan = Plan(plan.kind, plan.block, verify=plan.verify, lookup=cap)
+                    elif at_cap is not None and at_cap[m] > bar:
+                        plan = Plan(plan.kind, plan.block, verify=plan.verify, lookup=cap)
+                    else:
+                        plan = None
+                rows.append(plan)
+            got = self._capped[cap] = _Capped(rows)
+        return got
+
+
+@dataclass
+class _Capped:
+    """A lookup table's plans under a draft cap (_LookupTable.capped): per match length, the plan or None."""
+    rows: list
+    min_match: int = MAX_MATCH + 1   # the shortest match length that gets a plan (MAX_MATCH + 1: none)
+    any: bool = False
+
+    def __post_init__(self):
+        self.min_match = next((m for m, r in enumerate(self.rows) if m and r is not None), MAX_MATCH + 1)
+        self.any = self.min_match <= MAX_MATCH
 
 
 def _same_ar(a, b) -> bool:
@@ -494,7 +532,13 @@ class Planner:
         # so that where ar wins by far, auto loses at most ~1 % to it
         self.explore_budget = explore_budget
         self.elapsed = 0.0                            # seconds of every observed cycle
-        self.regret = 0.0                             # seconds lost to explorations (>= 0)
+        self.regret = 0.0                             # seconds lost to explorations and their draws (>= 0)
+        # the next observed cycle followed an exploration draw (MARS or lookup) that did not explore: its host time beyond
+        # an ar cycle's (the index caught up and asked, the tables read or made again: ~90-180 us between
+        # the embedded pair's ~0.45 ms passes, where that code runs from cold caches) is regret, so that
+        # the budget bounds what exploring costs, draws included (4 % of the cycles drew there, ~1.5 % of
+        # the time, beside the budget's 1 %)
+        self._drew = False
         self._displaced: float | None = None          # expected rate of the choice the pending exploration displaced
         self._after = 0                               # cycles after an exploration still charged to it
         self._quiet: dict[str, int] = {}              # ar cycles left before the next draw or replan, per key
@@ -511,6 +555,7 @@ class Planner:
         # ~10 % measured on the embedded pair with uniform exploration; off in tests that need every branch
         self.explore_by_rate = explore_by_rate
         self._options: dict = {}
+        self._hopeless: dict[str, bool] = {}         # per key: no option's ceiling reaches ar's rate (last replan)
         self._ar_seen = 0
         # the switch: the one-token passes right after a wider one cost more than in a run of them (the
         # CPU's caches and llama.cpp's threads settle). Per distance d = 1..SWITCH_AFTER from the last
@@ -576,6 +621,11 @@ class Planner:
                 self._account(cycle)
         plan = cycle.plan
         kind = plan.kind
+        if self._drew:
+            self._drew = False
+            if kind == "ar":
+                self.regret += max(0.0, cycle.seconds - sum(cycle.decode_seconds.values())
+                                   - getattr(cycle, "waited", 0.0) - self._oh("ar"))
         i = self._since_start                     # the cycle's index in its request
         self._since_start = i + 1
         if kind != "ar":
@@ -597,12 +647,17 @@ class Planner:
                     self._record_switch(d, sum(cycle.decode_seconds.values()), self._after_start)
                 elif i >= SWITCH_AFTER:
                     self._record_switch(d, sum(cycle.decode_seconds.values()))
-            elif not self._ar_seen % AR_SAMPLE or self._after_wide[0][1] < SWITCH_STEADY:
+            # (in a clear run, where no lookup or MARS plan is in reach, 1 in AR_SAMPLE_CLEAR: a sampled
+            # cycle's bookkeeping took ~55 us between the embedded pair's ~0.45 ms passes, where it runs
+            # from cold caches, against ~3 us in a loop; the scale it feeds is read at the replans, which
+            # come every 64-512 cycles there)
+            every = AR_SAMPLE_CLEAR if self._clear else AR_SAMPLE
+            if d > SWITCH_AFTER and (not self._ar_seen % every or self._after_wide[0][1] < SWITCH_STEADY):
                 # (the steady ones every cycle until there are SWITCH_STEADY: the switch is priced from
                 # the request's first dozen cycles)
                 self._record_switch(0, sum(cycle.decode_seconds.values()))
             self._since_wide = d + 1
-            if self._ar_seen % AR_SAMPLE:
+            if self._ar_seen % every:
                 return False
         elif plan.lookup:
             # lookup drafts have statistics of their own (whatever the request's mode): p holds their
@@ -779,12 +834,18 @@ class Planner:
         rate = (lay.steps * g0 + gain) / (lay.steps * t0 + secs)
         whole = np.array(m.expected_tokens([1.0] * n_max, n_max, gated=bool(pending.get(GATED))))[lay.tested]
         ceiling = (lay.steps * g0 + whole) / (lay.steps * t0 + secs)
-        ends = lay.starts[1:].tolist() + [len(rate)]
-        for w, (a, b) in enumerate(zip(lay.starts.tolist(), ends)):
-            i = a + int(np.argmax(rate[a:b]))               # a block's best verify width
-            out.append(Choice(mode, w + 1, float(rate[i]), float(gain[i]), float(secs[i]),
-                              int(lay.tested[i]) if m.verify_choice else None, float(ceiling[a:b].max()),
-                              span=float(lay.steps[i] * t0 + secs[i])))
+        # per width (a run of options from lay.starts): its best verify width, the first of the highest
+        # rates, and the highest ceiling, in a few array calls (a loop of argmax calls per width was most
+        # of a replan's ~75 us, ~0.37 ms between the embedded pair's passes)
+        top = np.maximum.reduceat(rate, lay.starts)
+        first = np.flatnonzero(rate == top[lay.seg])
+        best = first[np.unique(lay.seg[first], return_index=True)[1]]
+        span = lay.steps[best] * t0 + secs[best]
+        verify = lay.tested[best].tolist() if m.verify_choice else [None] * len(best)
+        for w, (r, g, c, v, ceil, sp) in enumerate(zip(rate[best].tolist(), gain[best].tolist(), secs[best].tolist(),
+                                                       verify, np.maximum.reduceat(ceiling, lay.starts).tolist(),
+                                                       span.tolist())):
+            out.append(Choice(mode, w + 1, r, g, c, v, ceil, span=sp))
         return out
 
     def _layout(self, mode: str, pend: dict, n_max: int) -> "_Layout":
@@ -813,7 +874,8 @@ class Planner:
             for idx, _, _ in passes.values():
                 steps += np.bincount(idx, minlength=len(plans))
             lay = _Layout(np.array([plan_width(p) for p in plans]), np.array([tested(p) for p in plans]),
-                          np.array(starts), passes, steps)
+                          np.array(starts), passes, steps,
+                          np.repeat(np.arange(len(starts)), np.diff(starts + [len(plans)])))
             if len(self._layouts) > 64:
                 self._layouts.clear()
             self._layouts[key] = lay
@@ -853,6 +915,7 @@ class Planner:
         kcap = max(0, min(self.k_max, room - 1))
         cur = self.current.get(key)
         draw = self._draw.pop(key, False) or self.rng.random() < self.explore
+        self._drew |= draw
         age = self.age.get(key, 0)
         if draw and cur is not None and age >= self._replan_after(cur, key):
             # a replan is due (a changed load sets it): the exploration is judged at the new prices,
@@ -863,6 +926,7 @@ class Planner:
         if draw and self._budget_left():
             ex = self._explore(mode, cap, kcap, key)
             if self._worth_exploring(ex, mode, key):
+                self._drew = False
                 self._displaced = cur.rate if cur is not None else None
                 self._after = 0                    # (its own window starts when it is observed)
                 return ex, None
@@ -886,6 +950,10 @@ class Planner:
         options = self.rates(mode, pending, block_max, key)
         self._options[key] = options
         ar = options[0]
+        # no width could beat ar by ar_margin were every slot it proposes accepted (`_worth_exploring` turns
+        # every such exploration down): the quiet runs then draw no exploration before the next replan (on the
+        # embedded pair at 1 thread, where t(2) ~ 2 t(1), each draw was a plan_cycle, ~90-180 us, for nothing)
+        self._hopeless[key] = all(o.ceiling < ar.rate * (1.0 + self.ar_margin) for o in options[1:])
         # a width must beat plain ar clearly; a one-slot block is ar with more work (lossless: two
         # one-token passes for two tokens; prove: an extra verifier pass): explored, never chosen
         free = MODES[mode].free_first
@@ -932,6 +1000,7 @@ class Planner:
         explore = self._lookup_draw.pop(key, None)
         if explore is None:
             explore = self.explore > 0.0 and self.rng.random() < self.explore
+        self._drew |= explore
         if not explore and self._lookup_waits(key):
             return None                          # (backing off: the index is not asked this cycle)
         asked = []
@@ -960,24 +1029,25 @@ class Planner:
             tab = self._ltables[key] = self._lookup_table(mode, key, pending, block_max, costs=tab.costs)
             tab.made_at = made_at
         # the exploration draw comes first: without one, only the match lengths the table has a plan for
-        # can matter, and the index is asked for those alone (`lookup_need`: a text without a repeated
-        # n-gram of that length costs one dict lookup a cycle instead of a search)
-        if not tab.any and not explore:
+        # (within the request's draft cap: the slow start) can matter, and the index is asked for those
+        # alone (`lookup_need`: a text without a repeated n-gram of that length costs one dict lookup a
+        # cycle instead of a search)
+        eff = tab.capped(self._lookup_cap, self.lookup_margin)
+        if not eff.any and not explore:
             return None
-        self.lookup_need = 1 if explore else tab.min_match
+        self.lookup_need = 1 if explore else eff.min_match
         match = lookup()
         if match is None:
             return None
         m = min(max(1, match.length), MAX_MATCH)
-        plan = tab.rows[m] if tab.any else None
+        plan = eff.rows[m]
         if plan is not None and self._switch_moved(tab, cur):
             # the switch's price moved since the table's costs were made (a fresh engine learns it from
             # its first request's first cycles; an eager refresh keeps the costs): made again first
             tab = self._ltables[key] = self._lookup_table(mode, key, pending, block_max)
-            plan = tab.rows[m]
+            plan = tab.capped(self._lookup_cap, self.lookup_margin).rows[m]
             if plan is None:
                 return None
-        exploring = plan is None
         if plan is None:
             if not explore:
                 return None
@@ -987,12 +1057,8 @@ class Planner:
             if self.explore_by_rate and tab.ceilings is not None and tab.ceilings[k - 1] < tab.ar_rate:
                 return None                      # it could not beat ar with every token accepted (_worth_exploring)
             self._displaced, self._after = tab.rate, 0
-            plan = Plan(LOOKUP, lookup=k)
-        if plan.lookup > self._lookup_cap:       # slow start: no longer than the request has earned
-            k = self._lookup_cap
-            if not exploring and not filled(plan) and tab.rates[m, k - 1] <= tab.rate * (1.0 + self.lookup_margin):
-                return None                      # the shorter draft does not pay: the current choice runs
-            plan = Plan(plan.kind, plan.block, verify=plan.verify, lookup=k)
+            self._drew = False
+            plan = Plan(LOOKUP, lookup=min(k, self._lookup_cap))    # (no longer than the slow start allows)
         if plan.lookup + plan.block > room:      # near the end of the context: what still fits
             k = room - plan.block
             if k < 1:
@@ -1044,9 +1110,17 @@ class Planner:
             return False
         if lookup is not None:
             if self.explore > 0.0 and self.rng.random() < self.explore:
-                self._lookup_draw[key] = True    # (plan_cycle's exploration draw, drawn here)
-                self._clear.pop(key, None)
-                return False
+                if self._clear.get(key) != pend or self._budget_left():
+                    self._lookup_draw[key] = True    # (plan_cycle's exploration draw, drawn here)
+                    self._clear.pop(key, None)
+                    return False
+                # a clear run whose regret budget is spent: the draw could only come out ar, after a plan
+                # that the budget would pay for (`_drew`); its lasting effects, the index's back-off and
+                # the charge (~0 here: an ar cycle's host time)
+                self._lookup_found(key, False)
+                self._drew = True
+                self._quiet[key] = q - 1
+                return True
             if self._clear.get(key) == pend:
                 # a clear run: the lookup table was current and had no plan at the run's start, and
                 # nothing that could change that has happened since (start_request, set_curve, set_load,
@@ -1058,11 +1132,14 @@ class Planner:
             if not self._lookup_waits(key):
                 tab = self._ltables.get(key)
                 stale = self._table_stale(tab, key, pend)
-                if stale == "acceptance" or ((stale or tab.any) and (
+                # (a table whose plans are all longer than the request's draft cap, and do not pay cut to
+                # it, has none: plan_cycle would return ar after a full plan, ~90 us a time)
+                some = stale is None and tab.capped(self._lookup_cap, self.lookup_margin).any
+                if stale == "acceptance" or ((stale or some) and (
                         self._candidate(tab, lookup) if stale else self._planned(tab, lookup))):
                     self._lookup_draw[key] = False
                     return False
-                if stale or tab.any:
+                if stale or some:
                     self._lookup_found(key, False)
                 else:
                     self._clear[key] = pend
@@ -1106,10 +1183,11 @@ class Planner:
         return match is not None and match.length >= need
 
     def _planned(self, tab: _LookupTable, lookup) -> bool:
-        """Whether the index offers a match that the (current) table `tab` has a plan for."""
-        self.lookup_need = tab.min_match
+        """Whether the index offers a match that the (current) table `tab` has a plan for (within the draft cap)."""
+        eff = tab.capped(self._lookup_cap, self.lookup_margin)
+        self.lookup_need = eff.min_match
         match = lookup()
-        return match is not None and tab.rows[min(max(1, match.length), MAX_MATCH)] is not None
+        return match is not None and eff.rows[min(max(1, match.length), MAX_MATCH)] is not None
 
     def _candidate(self, tab: _LookupTable | None, lookup) -> bool:
         """Whether a lookup table that must be made again (`_table_stale`: "remake") may have a use
@@ -1279,11 +1357,12 @@ class Planner:
     def _quiet_run(self, key: str, age: int) -> None:
         """Set the ar cycles that follow without an exploration draw or a replan: the cycles until the
         next exploration draw would succeed (a geometric gap: the same chance per cycle as drawing every
-        cycle; that cycle then explores if the budget allows) or until the replan, whichever is first."""
+        cycle; that cycle then explores if the budget allows) or until the replan, whichever is first;
+        no draw where the last replan found no width that could beat ar (`_hopeless`)."""
         left = self._replan_after(self.current[key], key) - age
         if left <= 0:
             return
-        if self.explore <= 0.0:
+        if self.explore <= 0.0 or (self.explore_by_rate and self._hopeless.get(key)):
             gap = left
         elif self.explore >= 1.0:
             gap = 0
@@ -1330,8 +1409,10 @@ class Planner:
 
     def _worth_exploring(self, ex: Plan, mode: str, key: str) -> bool:
         """Carry out an exploration with probability rate(its width) / rate(best choice), and only if
-        it could beat `ar` were every slot it proposes accepted (`Choice.ceiling`): else no acceptance
-        it could find would ever make it the choice, and it can only lose (SmolLM2 + adapter, 2
+        it could beat `ar` by ar_margin (what `_replan` asks of a choice) were every slot it proposes
+        accepted (`Choice.ceiling`): else no acceptance it could find would ever make it the choice, and
+        it can only lose (a one-slot lossless block, two one-token passes for at most two tokens, ties
+        `ar` at best) (SmolLM2 + adapter, 2
         threads: a B=2 gated cycle costs ~80 ms for at most 3 tokens that `ar` makes in ~40, and such
         explorations took ~0.7 % of the time). Against `ar`'s rate, which rests on pass costs alone, not
         against the best choice's: that is an acceptance estimate, and an optimistic one would bar the
@@ -1349,8 +1430,8 @@ class Planner:
         want = (ex.kind, plan_width(ex))           # (an ar plan: width 1)
         o = next((o for o in options if (o.kind, o.width) == want), None)
         ar = options[0].rate                       # (rates(): ar first)
-        if o is not None and o.ceiling < ar:
-            return False                           # it could not beat ar with every slot accepted
+        if o is not None and o.ceiling < ar * (1.0 + self.ar_margin):
+            return False                           # it could not be chosen with every slot accepted
         rate = o.rate if o is not None else best
         if o is not None and best > 0:
             # the steps it spans, less what they would commit at the best rate: alone its seconds less

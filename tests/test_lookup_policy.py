@@ -323,6 +323,101 @@ def test_a_quiet_run_whose_lookup_table_has_no_plan_checks_the_table_once():
     assert len(checks) > n
 
 
+def test_plans_longer_than_the_draft_cap_that_do_not_pay_cut_to_it_leave_a_quiet_run_quiet():
+    """The slow start caps a request's first lookup drafts at LOOKUP_START tokens. Where the table's
+    plans are all longer drafts (t(n) nearly flat past 3 tokens: 15 tokens pay, 2 do not), a match
+    they would take is no plan under the cap: the quiet run stays quiet (no plan_cycle, which came out
+    `ar` after a full plan, ~90 us a time on the embedded pair, at every match). Once an accepted
+    draft lifts the cap, the same match gets its draft."""
+    from prove_local.lookup import Match
+    from prove_local.planner import LOOKUP_START
+    pl = planner(curve={1: 1e-3, 2: 2e-3, 3: 3e-3, 16: 4e-3}, accept=0.9)
+    planned = []
+    pl.plan_cycle = lambda *a, **k: planned.append(1) or type(pl).plan_cycle(pl, *a, **k)
+
+    def offer():
+        return Match(pos=0, length=16)
+    for _ in range(3):                                 # the table is made; quiet runs start
+        assert next_plan(pl, offer).kind == "ar"
+        pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
+    tab = pl._ltables["lossless"]
+    assert tab.any and tab.rows[16].lookup > LOOKUP_START            # long drafts pay,
+    assert not tab.capped(LOOKUP_START, pl.lookup_margin).any         # the capped ones do not
+    planned.clear()
+    for _ in range(40):
+        assert next_plan(pl, offer) is AR_PLAN
+        pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
+    assert not planned
+    pl.observe(cycle(Plan(LOOKUP, lookup=8), 4e-3, k=8, accepted=8), "lossless")   # (an accepted draft: cap 16)
+    plan = next_plan(pl, offer)
+    assert plan.kind == LOOKUP and plan.lookup > LOOKUP_START
+
+
+def test_a_clear_run_samples_its_ar_cycles_four_times_less_often():
+    """An ar cycle's cost is recorded 1 in AR_SAMPLE cycles (its bookkeeping ran at ~55 us between the
+    embedded pair's ~0.45 ms passes, from cold caches); in a clear run, where no lookup or MARS plan is in
+    reach, 1 in AR_SAMPLE_CLEAR."""
+    from prove_local.lookup import Match
+    from prove_local.planner import AR_SAMPLE, AR_SAMPLE_CLEAR
+
+    def recorded(offer) -> int:
+        pl = planner(accept=0.05)                  # (no lookup draft pays: the table has no plan)
+        for _ in range(8):
+            next_plan(pl, offer)
+            pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
+        seen = []
+        pl.costs.observe = lambda *a, **k: seen.append(1) or Costs.observe(pl.costs, *a, **k)
+        for _ in range(320):
+            next_plan(pl, offer)
+            pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
+        return len(seen)
+    assert recorded(lambda: Match(pos=0, length=16)) == 320 // AR_SAMPLE_CLEAR       # a clear run
+    assert recorded(None) == 320 // AR_SAMPLE                                       # no lookup offered: none
+
+
+def test_an_exploration_draw_that_does_not_explore_is_charged_to_the_regret_budget():
+    """A draw hands the cycle to plan_cycle (the index caught up and asked, the table read), ~90-180 us of
+    host time between the embedded pair's ~0.45 ms passes. When it does not explore, the cycle's host
+    time beyond an ar cycle's is regret, so that the budget bounds what exploring costs, draws included;
+    a cycle without a draw is charged nothing. In a clear run (no plan) whose budget is spent, a draw
+    stays quiet: it could only come out ar."""
+    from prove_local.lookup import Match
+    # (t(n) = 1.25 n t(1) past n = 1: no lookup draft could beat ar, whatever its acceptance, so no
+    # exploration is carried out)
+    pl = planner(curve={1: 1e-3, 2: 2.5e-3, 4: 5e-3, 16: 20e-3}, accept=0.05)
+    pl.overhead["ar"] = 0.1e-3                                 # an ar cycle's own host time
+    offer = lambda: Match(pos=0, length=16)                   # noqa: E731
+    for _ in range(4):                                          # the table (no plan) is made: a clear run
+        next_plan(pl, offer)
+        pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
+    assert pl._clear
+    pl.elapsed = 1.0                                            # 10 ms of budget
+    pl.explore = 1.0                                            # (every cycle draws)
+    planned = []
+    pl.plan_cycle = lambda *a, **k: planned.append(1) or type(pl).plan_cycle(pl, *a, **k)
+    assert next_plan(pl, offer) is AR_PLAN and planned          # the draw reached plan_cycle, explored nothing
+    c = cycle(AR_PLAN, 1e-3)
+    c.seconds += 0.4e-3                                         # its host time: 0.3 ms over an ar cycle's
+    before = pl.regret
+    pl.observe(c, "lossless")
+    assert pl.regret - before == pytest.approx(0.3e-3)
+    pl.explore = 0.0
+    assert next_plan(pl, offer) is AR_PLAN
+    before = pl.regret
+    pl.observe(c, "lossless")                                   # no draw: no charge
+    assert pl.regret == before
+    for _ in range(3):                                          # (quiet again: the clear run back)
+        next_plan(pl, offer)
+        pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
+    assert pl._clear
+    pl.explore, pl.regret = 1.0, 1.0                            # the budget spent
+    planned.clear()
+    for _ in range(10):
+        assert next_plan(pl, offer) is AR_PLAN
+        pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
+    assert not planned
+
+
 def test_a_stale_lookup_table_is_made_again_only_once_a_match_may_use_it():
     """The lookup table (~0.4 ms of numpy between the embedded pair's ~0.5 ms passes) is made again
     only when it may be read: a replan that keeps `ar` re-compares the same rows with the new rate
