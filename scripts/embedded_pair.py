@@ -94,7 +94,8 @@ def round_stats(results: list[dict]) -> dict:
     per = [p["lossless"]["tps"] / p["ar"]["tps"] for p in results]
     sums = {m: {k: sum(p[m][k] for p in results) for k in ("seconds", "cycles", "host")} | {
         "tokens": sum(len(p[m]["tokens"]) for p in results)} for m in MODES}
-    return {"median": statistics.median(per), "totals": sums["ar"]["seconds"] / sums["lossless"]["seconds"], "modes": sums}
+    return {"median": statistics.median(per), "totals": sums["ar"]["seconds"] / sums["lossless"]["seconds"], "modes": sums,
+            "ratios": per, "tokens_per_cycle": [len(p["lossless"]["tokens"]) / p["lossless"]["cycles"] for p in results]}
 
 
 def main(args) -> int:
@@ -133,6 +134,10 @@ def measure(args, out: Path, model: Model, engine: Engine, lookup) -> int:
     tot = [x["totals"] for x in rounds]
     lo, hi, cov = median_ci(med)
     tlo, thi, tcov = median_ci(tot)
+    # per prompt over the rounds: which prompts gain (lookup drafts that pay) and which lose (the planner's own time)
+    prompts_out = [{"ratio": statistics.median(x["ratios"][i] for x in rounds),
+                    "tokens_per_cycle": statistics.median(x["tokens_per_cycle"][i] for x in rounds)}
+                   for i in range(len(prompts))]
     per_mode = {}
     for m in MODES:
         s = {k: sum(x["modes"][m][k] for x in rounds) for k in ("seconds", "cycles", "host", "tokens")}
@@ -143,7 +148,8 @@ def measure(args, out: Path, model: Model, engine: Engine, lookup) -> int:
               "lookup": lookup,
               "rounds": rounds, "per_prompt": {"median": statistics.median(med), "low": lo, "high": hi, "coverage": cov},
               "totals": {"median": statistics.median(tot), "low": tlo, "high": thi, "coverage": tcov},
-              "modes": per_mode, "lossless_drafts": {k: {"drafted": a, "accepted": b} for k, (a, b) in drafts.items()}}
+              "modes": per_mode, "lossless_drafts": {k: {"drafted": a, "accepted": b} for k, (a, b) in drafts.items()},
+              "prompts_detail": prompts_out}
     write_atomic(out / "results.json", json.dumps(result, indent=1))
     lines = [f"# lossless (defaults) / ar, embedded pair: {len(prompts)} prompts, {args.rounds} rounds, "
              f"{args.threads} thread(s)", "", f"`{result['command']}`", "",
@@ -155,6 +161,8 @@ def measure(args, out: Path, model: Model, engine: Engine, lookup) -> int:
               for m, v in per_mode.items()]
     lines += ["", "lossless drafts (drafted / accepted, all rounds): " + ", ".join(
         f"{k} {a} / {b}" for k, (a, b) in drafts.items())]
+    lines += ["", "| prompt | lossless / ar (median over rounds) | lossless tokens per cycle |", "|---|---|---|"]
+    lines += [f"| {i + 1} | {d['ratio']:.3f} | {d['tokens_per_cycle']:.3f} |" for i, d in enumerate(prompts_out)]
     write_atomic(out / "summary.md", "\n".join(lines) + "\n")
     try:
         import matplotlib
