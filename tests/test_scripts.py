@@ -218,4 +218,11 @@ def test_embedded_pair_pairs_the_modes_round_by_round(tmp_path):
         assert res[k]["low"] <= res[k]["median"] <= res[k]["high"]
     assert res["modes"]["ar"]["tokens_per_cycle"] == 1.0
     assert res["lookup"] == 2 and res["lossless_drafts"]["lookup"]["accepted"] > 0
+    # per prompt, the medians over the rounds: each round's own ratios and lossless tokens per cycle
+    for i, d in enumerate(res["prompts_detail"]):
+        rs = sorted(rd["ratios"][i] for rd in res["rounds"])
+        assert d["ratio"] == pytest.approx((rs[0] + rs[1]) / 2)
+        tpc = sorted(rd["tokens_per_cycle"][i] for rd in res["rounds"])
+        assert d["tokens_per_cycle"] == pytest.approx((tpc[0] + tpc[1]) / 2) and d["tokens_per_cycle"] >= 1.0
+    assert len(res["prompts_detail"]) == 2
     assert (out / "summary.md").read_text().startswith("# lossless (defaults) / ar")
