@@ -828,7 +828,14 @@ class Planner:
         s = self.stats_for(key or mode).slot_rates(n_max).tolist()
         gain = np.array(m.expected_tokens(s, n_max, gated=bool(pending.get(GATED))))[lay.tested]
         oh = np.array([self._oh(mode, w) for w in range(1, n_max + 1)])[lay.width - 1]
-        secs = np.maximum(1e-12, cost + oh)
+        # while ar is the choice, a cycle of this mode among ar cycles also pays the switch (the one-token
+        # passes right after a wider one run slower: `switch_cost`), as a lookup draft does (_lookup_table).
+        # Without it, on the embedded pair at 1 thread, a B=2 cycle was priced at 1.25 ms for 2.4 tokens
+        # where it took 1.43 ms and its ar cycles after it 0.30 ms more, and B=2 at 0.91-0.96x ar drew
+        # explorations that lost ~half of their time
+        cur = self.current.get(key or mode)
+        switch = self.switch_cost() if cur is None or cur.kind == "ar" else 0.0
+        secs = np.maximum(1e-12, cost + oh + switch)
         # a cycle of P passes spans P steps, in each of which the others commit G tokens for T seconds
         # (alone G = T = 0: g / c); ar is one step
         rate = (lay.steps * g0 + gain) / (lay.steps * t0 + secs)

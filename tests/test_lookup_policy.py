@@ -52,6 +52,33 @@ def test_the_switch_cost_is_learned_from_the_ar_cycles_after_a_wider_pass():
     assert pl.switch_cost() < 0.6e-3 + 3 * 1.5e-3 / 32
 
 
+def test_a_mars_width_among_ar_cycles_is_priced_with_the_switch():
+    """While ar is the choice, a MARS proposal's cycle among ar cycles pays the switch as a lookup draft
+    does (the one-token passes after it run slower): each width's expected seconds include
+    `switch_cost`, and its ceiling falls with them; once a MARS width is the choice its cycles follow
+    one another, and no switch is added."""
+    from prove_local.planner import Choice
+    plain, switched = planner(), planner()
+    for _ in range(40):                                   # switched: 0.5 ms more in the pass after a wider one
+        switched.observe(cycle(Plan(LOOKUP, lookup=1), 1.5e-3, k=1), LOOKUP)
+        for d in range(1, 3 * SWITCH_AFTER):
+            switched.observe(cycle(AR_PLAN, 1.5e-3 if d == 1 else 1e-3), "lossless")
+    sw = switched.switch_cost()
+    assert sw == pytest.approx(0.5e-3, rel=1e-6)
+    switched.costs.set_curve(ROLE, {1: 1e-3, 2: 1.5e-3, 4: 2.5e-3, 16: 9e-3})    # (the scale those passes moved, back)
+    for pl in (plain, switched):
+        pl.overhead = {"ar": 0.0}
+        pl.stats_for("lossless").record([0.9] * 4, 1, 4, 3)
+    a = plain.rates("lossless", {ROLE: 1}, 4)
+    b = switched.rates("lossless", {ROLE: 1}, 4)
+    assert b[0].seconds == pytest.approx(a[0].seconds)                  # ar: no switch
+    for x, y in zip(a[1:], b[1:]):
+        assert y.seconds == pytest.approx(x.seconds + sw) and y.ceiling < x.ceiling
+    switched.current["lossless"] = Choice("lossless", 2, 1.0)            # a MARS width is the choice
+    c = switched.rates("lossless", {ROLE: 1}, 4)
+    assert [o.seconds for o in c] == pytest.approx([o.seconds for o in a])
+
+
 def test_a_lookup_draft_that_only_pays_without_the_switch_is_not_drafted():
     """k = 1 at 60 % acceptance, t(2) = 1.5 t(1): 1.6 tokens for 1.5 passes beats ar (1.07x); with a
     switch of 0.2 ms after it, 1.6 tokens cost 1.7 passes (0.94x): the table has no plan."""
