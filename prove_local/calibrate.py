@@ -514,13 +514,25 @@ def calibrate(model, options: dict, *, refresh: bool = False, budget_s: float = 
 
 
 def recalibrate(model, options: dict, threads: int, why: str, *, budget_s: float = 0.8,
-                ns=DEFAULT_NS) -> dict[int, float]:
+                ns=DEFAULT_NS, in_use: float | None = None) -> dict[int, float] | None:
     """Measure the curve of `model` with `options` and `threads` again and replace its cache entry
     (the engine's call when the passes it runs keep disagreeing with the cached curve: planner.Costs'
-    `disputed`); `why` is kept in the entry. Returns the new curve."""
+    `disputed`); `why` is kept in the entry. Returns the new curve, or None where `in_use` (what a
+    one-token pass costs in the engine's own passes now, seconds) says it was measured in a busy spell:
+    its t(1) over BUSY_TOL x that. A calibration's passes run back to back, warm, and cost at most what
+    the same passes cost between the planner's Python; one that finds them dearer caught a stall that
+    the engine's passes around it did not (the embedded proposer, measured again in a running process:
+    t(1) 605 us where its passes took ~0.3 ms, cached, and the next run's planner priced every wider
+    pass at half its cost). Such a curve is neither cached nor used."""
     path = cache_path()
     cache = _load_cache(path)
     entry = _entry(model, options, ns, budget_s, threads, why)
+    t1 = float(entry["curve"][str(min(int(n) for n in entry["curve"]))])
+    if in_use is not None and in_use > 0 and t1 > BUSY_TOL * in_use:
+        print(f"prove-local: note: {Path(model.path).name} measured again with {threads} thread(s) at "
+              f"{t1 * 1e3:.3g} ms a one-token pass where its passes cost {in_use * 1e3:.3g} ms in use (a busy "
+              "spell): neither cached nor used", file=sys.stderr)
+        return None
     if _keep(cache, entry_key(model, options, threads), entry, model, threads):
         _save_cache(path, cache)
     print(f"prove-local: calibrated {Path(model.path).name} again with {threads} thread(s) in {entry['seconds']} s: {why}",

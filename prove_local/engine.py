@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import secrets
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -24,6 +25,7 @@ from .planner import Costs, Planner
 
 MAX_LOGPROBS = 20                 # alternatives per token (OpenAI's top_logprobs limit)
 MAX_RECALIBRATIONS = 2            # per role and engine: curves measured again because the passes disputed them
+SAME_CURVE = 0.15                 # a curve measured again within this of the cached one (level and shape): the same
 LOAD_PASSES = 8                   # recent stock passes whose step loads the planner prices against (Engine._load)
 LOAD_EVERY = 4                    # target passes between two readings of those medians
 ALONE = ({}, 0)                   # Engine._load while no other engine of the pool generates
@@ -60,6 +62,17 @@ class Settings:
     # vocabulary per row (rules.ar_cycle: host time per SmolLM2 token 0.22 -> 0.12 ms here; a B=16
     # lossless cycle over 151,936 tokens 7.8 -> 5.5 ms: sampling.GREEDY_ARGMAX); they are then NaN
     p_tilde: bool = True
+
+
+def same_curve(a: dict, b: dict, tol: float = SAME_CURVE) -> bool:
+    """Whether two measured curves (width -> seconds) agree within `tol`: t(1) itself, and the median
+    over the other widths both have of how far each t(n) / t(1) is off (a tiny model's calibrations
+    differ by up to ~30 % at a width or two from run to run: t(2) 474, 483, 619 us, t(1) 239-263)."""
+    common = sorted(n for n in set(a) & set(b) if n > 1 and a[n] > 0)
+    if not common or a.get(1, 0) <= 0 or b.get(1, 0) <= 0 or abs(b[1] / a[1] - 1.0) > tol:
+        return False
+    offs = sorted(abs((b[n] / b[1]) / (a[n] / a[1]) - 1.0) for n in common)
+    return offs[len(offs) // 2] <= tol
 
 
 def planned(s: Settings, has_mask: bool = True) -> bool:
@@ -247,7 +260,20 @@ class Engine:
                 costs.dismiss(role)
                 continue
             self._recalibrated[role] = done + 1
-            curve = recalibrate(ctx.model, self.context_options, ctx.n_threads, why)
+            old = self._thread_curves.get(role, {}).get(ctx.n_threads)
+            in_use = costs.solo(role, 1) if role in costs.base else None     # (the calibrated t(1) x the scale)
+            curve = recalibrate(ctx.model, self.context_options, ctx.n_threads, why, in_use=in_use)
+            if curve is None:                    # measured in a busy spell: the cached curve stays
+                costs.dismiss(role)
+                continue
+            if old and same_curve(old, curve):
+                # the cache was right: the passes in use differ from a calibration's run of them (on the
+                # embedded proposer with F32 KV, one-token passes between the planner's Python cost ~1.2x
+                # what they cost back to back, wide ones less so: "t(3) 0.63x"), and measuring again
+                # (~0.9 s of a running engine) would find the same curve once more
+                self._recalibrated[role] = MAX_RECALIBRATIONS
+                print(f"prove-local: {role}'s new curve matches the cached one within {SAME_CURVE:.0%}: the passes "
+                      "disagree with it in use, not the cache; not measured again", file=sys.stderr)
             self._thread_curves.setdefault(role, {})[ctx.n_threads] = curve
             self.planner.set_curve(role, curve)
 

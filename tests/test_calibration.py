@@ -272,6 +272,24 @@ def test_recalibrate_replaces_the_entry_and_keeps_why(fake_llama):
     assert entry["replaced"] == "passes disagreed"
 
 
+def test_a_curve_measured_again_in_a_busy_spell_is_neither_cached_nor_used(fake_llama, capsys):
+    """recalibrate measures t(1) at line(1); the engine's own one-token passes cost 0.6 x that in use:
+    the new curve caught a stall the engine's passes did not (over BUSY_TOL x theirs), so it is not
+    cached and None says to keep the curve there is. Where the passes in use cost as much or more, it
+    replaces the entry."""
+    model, made = fake_llama
+    opts = dict(n_threads=2, type_k="f16", type_v="f16")
+    calibrate.calibrate(model, opts)
+    key = calibrate.entry_key(model, opts, 2)
+    assert calibrate.BUSY_TOL * 0.6 < 1.0
+    assert calibrate.recalibrate(model, opts, 2, "passes disagreed", in_use=0.6 * line(1)) is None
+    assert "a busy spell" in capsys.readouterr().err
+    assert "replaced" not in json.loads(calibrate.cache_path().read_text())["entries"][key]
+    curve = calibrate.recalibrate(model, opts, 2, "passes disagreed", in_use=1.2 * line(1))
+    assert curve == pytest.approx({n: line(n) for n in calibrate.DEFAULT_NS})
+    assert json.loads(calibrate.cache_path().read_text())["entries"][key]["replaced"] == "passes disagreed"
+
+
 def contexts_costing(monkeypatch, cost, slower_after: int | None = None, made: list | None = None):
     """calibrate's contexts from now on: a pass of n tokens costs cost(n), and twice that from the
     `slower_after`-th pass of a context on (another process starts decoding beside it); `made` gets
@@ -465,7 +483,7 @@ def test_engine_measures_a_disputed_curve_again_at_most_twice(monkeypatch):
     eng.calibrate()                                        # fakes: t(n) proportional to n
     calls = []
 
-    def fake_recalibrate(model, options, threads, why):
+    def fake_recalibrate(model, options, threads, why, in_use=None):
         calls.append(why)
         return {1: 2e-3, 64: 64e-3}
 
@@ -478,6 +496,60 @@ def test_engine_measures_a_disputed_curve_again_at_most_twice(monkeypatch):
         run(eng, [1, 2, 3], mode="lossless", block="auto", max_new=4)
     assert calls == ["dispute 0", "dispute 1"]             # then dismissed: MAX_RECALIBRATIONS
     assert eng.planner.costs.base[role][1] == pytest.approx(2e-3) and not eng.planner.costs.flagged
+
+
+def test_a_curve_measured_again_the_same_is_not_measured_a_third_time(monkeypatch, capsys):
+    """A recalibration that finds the cached curve again (level and every t(n) / t(1) within
+    SAME_CURVE) says the passes differ in use, not the cache: the engine does not measure it again
+    (~0.9 s each on the embedded proposer), whatever the passes go on saying."""
+    from prove_local.engine import SAME_CURVE, same_curve
+    assert same_curve({1: 1.0, 4: 3.0}, {1: 1.1, 4: 3.2}) and not same_curve({1: 1.0, 4: 3.0}, {1: 1.0, 4: 2.0})
+    assert not same_curve({1: 1.0, 4: 3.0}, {1: 1.0 + 2 * SAME_CURVE, 4: 3.0 + 6 * SAME_CURVE})   # (the level)
+    cached = {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}
+    assert same_curve(cached, {1: 1.0, 2: 2.6, 3: 3.0, 4: 4.1})          # one width off by 30 %: noise
+    assert not same_curve(cached, {1: 1.0, 2: 1.4, 3: 2.1, 4: 2.8})      # every width off: another shape
+    eng = make_engine(n_ctx=256)
+    eng.calibrate()
+    calls = []
+
+    def fake_recalibrate(model, options, threads, why, in_use=None):
+        calls.append(why)
+        return {1: 1.05e-3, 64: 66e-3}                     # the fakes' curve (1 ms, 64 ms) again, within 5 %
+
+    monkeypatch.setattr(engine_module, "recalibrate", fake_recalibrate)
+    eng.context_options = {}
+    role, ctx = next(iter(eng.contexts.items()))
+    ctx.model, ctx.n_threads = object(), 1
+    eng._thread_curves[role] = {1: {1: 1e-3, 64: 64e-3}}
+    for k in range(4):
+        eng.planner.costs.flagged[role] = f"dispute {k}"
+        run(eng, [1, 2, 3], mode="lossless", block="auto", max_new=4)
+    assert calls == ["dispute 0"] and not eng.planner.costs.flagged
+    assert "matches the cached one" in capsys.readouterr().err
+
+
+def test_a_curve_measured_again_in_a_busy_spell_leaves_the_engine_its_curve(monkeypatch):
+    """The engine hands recalibrate what its one-token passes cost in use (the calibrated t(1) x the
+    scale); where recalibrate says the new curve caught a busy spell (None), the engine keeps the curve
+    it has and drops the flag; the attempt counts towards MAX_RECALIBRATIONS."""
+    eng = make_engine(n_ctx=256)
+    eng.calibrate()
+    seen = []
+
+    def fake_recalibrate(model, options, threads, why, in_use=None):
+        seen.append(in_use)
+        return None
+
+    monkeypatch.setattr(engine_module, "recalibrate", fake_recalibrate)
+    eng.context_options = {}
+    role, ctx = next(iter(eng.contexts.items()))
+    ctx.model, ctx.n_threads = object(), 1
+    eng.planner.costs.scale[role] = 1.5
+    base = eng.planner.costs.base[role].copy()
+    eng.planner.costs.flagged[role] = "dispute"
+    eng._recalibrate()
+    assert seen == [pytest.approx(1.5e-3)] and not eng.planner.costs.flagged
+    assert (eng.planner.costs.base[role] == base).all() and eng._recalibrated[role] == 1
 
 
 class SwitchingContext(TimedContext):
