@@ -555,7 +555,7 @@ class Planner:
         # ~10 % measured on the embedded pair with uniform exploration; off in tests that need every branch
         self.explore_by_rate = explore_by_rate
         self._options: dict = {}
-        self._hopeless: dict[str, bool] = {}         # per key: no option's ceiling reaches ar's rate (last replan)
+        self._hopeless: dict[str, bool] = {}         # per key: no option's ceiling reaches ar's rate x (1 + ar_margin) (last replan)
         self._ar_seen = 0
         # the switch: the one-token passes right after a wider one cost more than in a run of them (the
         # CPU's caches and llama.cpp's threads settle). Per distance d = 1..SWITCH_AFTER from the last
