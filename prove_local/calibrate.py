@@ -158,6 +158,8 @@ NOISE_S = 0.5e-3
 # two differ by DRIFT_TOL the load changed while it was measured; it is measured again up to
 # UNSETTLED_RETRIES times, and a curve still unsettled is used but not cached (`_keep`).
 UNSETTLED_RETRIES = 1
+# a curve measured again within this of the cached one (t(1), and the median width's t(n) / t(1)): the same
+SAME_CURVE = 0.15
 
 
 def _chain_levels(ns: list[int], ts: list[float]) -> tuple[list[int], list[int]]:
@@ -511,6 +513,17 @@ def calibrate(model, options: dict, *, refresh: bool = False, budget_s: float = 
         _save_cache(path, cache)
     best = min(curves, key=lambda th: _score(medians[th]))
     return {"threads": best, "curves": curves, "measured": measured}
+
+
+def same_curve(a: dict, b: dict, tol: float = SAME_CURVE) -> bool:
+    """Whether two measured curves (width -> seconds) agree within `tol`: t(1) itself, and the median
+    over the other widths both have of how far each t(n) / t(1) is off (a tiny model's calibrations
+    differ by up to ~30 % at a width or two from run to run: t(2) 474, 483, 619 us, t(1) 239-263)."""
+    common = sorted(n for n in set(a) & set(b) if n > 1 and a[n] > 0)
+    if not common or a.get(1, 0) <= 0 or b.get(1, 0) <= 0 or abs(b[1] / a[1] - 1.0) > tol:
+        return False
+    offs = sorted(abs((b[n] / b[1]) / (a[n] / a[1]) - 1.0) for n in common)
+    return offs[len(offs) // 2] <= tol
 
 
 def recalibrate(model, options: dict, threads: int, why: str, *, budget_s: float = 0.8,

@@ -15,7 +15,7 @@ from typing import Iterator
 
 
 from . import constrain, modes, rules, sampling
-from .calibrate import calibrate, recalibrate, recheck_threads, switch_cost
+from .calibrate import SAME_CURVE, calibrate, recalibrate, recheck_threads, same_curve, switch_cost
 from .errors import ContextFull, EngineBusy, ModeError
 from .llama import Adapter, Context, Model
 from .lookup import NgramIndex
@@ -25,7 +25,6 @@ from .planner import Costs, Planner
 
 MAX_LOGPROBS = 20                 # alternatives per token (OpenAI's top_logprobs limit)
 MAX_RECALIBRATIONS = 2            # per role and engine: curves measured again because the passes disputed them
-SAME_CURVE = 0.15                 # a curve measured again within this of the cached one (level and shape): the same
 LOAD_PASSES = 8                   # recent stock passes whose step loads the planner prices against (Engine._load)
 LOAD_EVERY = 4                    # target passes between two readings of those medians
 ALONE = ({}, 0)                   # Engine._load while no other engine of the pool generates
@@ -63,16 +62,6 @@ class Settings:
     # lossless cycle over 151,936 tokens 7.8 -> 5.5 ms: sampling.GREEDY_ARGMAX); they are then NaN
     p_tilde: bool = True
 
-
-def same_curve(a: dict, b: dict, tol: float = SAME_CURVE) -> bool:
-    """Whether two measured curves (width -> seconds) agree within `tol`: t(1) itself, and the median
-    over the other widths both have of how far each t(n) / t(1) is off (a tiny model's calibrations
-    differ by up to ~30 % at a width or two from run to run: t(2) 474, 483, 619 us, t(1) 239-263)."""
-    common = sorted(n for n in set(a) & set(b) if n > 1 and a[n] > 0)
-    if not common or a.get(1, 0) <= 0 or b.get(1, 0) <= 0 or abs(b[1] / a[1] - 1.0) > tol:
-        return False
-    offs = sorted(abs((b[n] / b[1]) / (a[n] / a[1]) - 1.0) for n in common)
-    return offs[len(offs) // 2] <= tol
 
 
 def planned(s: Settings, has_mask: bool = True) -> bool:

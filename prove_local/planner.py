@@ -468,12 +468,8 @@ class _LookupTable:
             rows = []
             for m, plan in enumerate(self.rows):
                 if plan is not None and plan.lookup > cap:
-                    if filled(plan):
-                        plan = Plan(plan.kind, plan.block, verify=plan.verify, lookup=cap)
-                    elif at_cap is not None and at_cap[m] > bar:
-                        plan = Plan(plan.kind, plan.block, verify=plan.verify, lookup=cap)
-                    else:
-                        plan = None
+                    pays = filled(plan) or (at_cap is not None and at_cap[m] > bar)
+                    plan = Plan(plan.kind, plan.block, verify=plan.verify, lookup=cap) if pays else None
                 rows.append(plan)
             got = self._capped[cap] = _Capped(rows)
         return got

@@ -502,7 +502,7 @@ def test_a_curve_measured_again_the_same_is_not_measured_a_third_time(monkeypatc
     """A recalibration that finds the cached curve again (level and every t(n) / t(1) within
     SAME_CURVE) says the passes differ in use, not the cache: the engine does not measure it again
     (~0.9 s each on the embedded proposer), whatever the passes go on saying."""
-    from prove_local.engine import SAME_CURVE, same_curve
+    from prove_local.calibrate import SAME_CURVE, same_curve
     assert same_curve({1: 1.0, 4: 3.0}, {1: 1.1, 4: 3.2}) and not same_curve({1: 1.0, 4: 3.0}, {1: 1.0, 4: 2.0})
     assert not same_curve({1: 1.0, 4: 3.0}, {1: 1.0 + 2 * SAME_CURVE, 4: 3.0 + 6 * SAME_CURVE})   # (the level)
     cached = {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}
