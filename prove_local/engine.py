@@ -440,8 +440,8 @@ class Engine:
         keep = 0
         while keep < min(len(prompt), len(self.tokens)) and prompt[keep] == self.tokens[keep]:
             keep += 1
-        if len(self.index) > keep:          # the index must stay a prefix of the committed tokens
-            self.index.clear()
+        # the index must stay a prefix of the committed tokens: a conversation's next turn keeps its history's
+        self.index.truncate(keep)
         keep = self._cached_prefix(prompt, keep)
         self.tokens = self.tokens[:keep]
         self._sync()

@@ -30,6 +30,7 @@ model itself would commit greedily, whatever the widths (tests/test_planner.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 from collections import Counter
@@ -60,7 +61,7 @@ _TABLE_SCORES = np.array([u / (u + 1.0) if u > 0 else 0.0 for u in range(MAX_MAT
 _TABLE_SLOTS = np.arange(0, MAX_MATCH + 1)[:, None] + np.arange(1, LOOKUP_K_MAX + 1)[None, :] - 1
 
 AR_SAMPLE = 8                                   # ar cycles per one whose cost the planner records
-AR_SAMPLE_CLEAR = 32                            # ... in a clear run (nothing planned: Planner.quiet_cycle)
+AR_SAMPLE_CLEAR = 128                           # ... in a clear run (nothing planned: Planner.quiet_cycle)
 SWITCH_AFTER = 4                                # ar cycles after a wider pass whose excess time is the switch's
 SWITCH_STEADY = 8                               # steady ar cycles (recorded densely until then) before the switch is priced
 SETTLED_SLACK = 0.05                            # a replan keeps ar "clearly" when no width comes within this share of the bar
@@ -359,6 +360,14 @@ class Costs:
         return {w: round(float(sh[w]), 3) for w, (_, c) in sorted(self.dev[role].items()) if c >= self.SHAPE_MIN}
 
 
+@functools.lru_cache(maxsize=8)
+def _centers(bins: int) -> np.ndarray:
+    """The p̃ bins' centers (read-only: shared by every SlotStats of that many bins)."""
+    c = (np.arange(bins) + 0.5) / bins
+    c.flags.writeable = False
+    return c
+
+
 class SlotStats:
     """Acceptance of proposal slots for one mode: per slot (accepted given every earlier slot was)
     and per p̃ bin, with forgetting factor `decay` per recorded cycle. Priors: `prior` acceptance
@@ -373,7 +382,7 @@ class SlotStats:
         self.bin_tested = [0.0] * bins
         self.bin_accepted = [0.0] * bins
         self.prior, self.weight, self.decay = prior, weight, decay
-        self.centers = (np.arange(bins) + 0.5) / bins
+        self.centers = _centers(bins)           # (shared: a request's own record is made at its start)
         self.n_cycles = 0
 
     def record(self, p, lo: int, hi: int, run: int) -> None:
@@ -644,9 +653,10 @@ class Planner:
                 elif i >= SWITCH_AFTER:
                     self._record_switch(d, sum(cycle.decode_seconds.values()))
             # (in a clear run, where no lookup or MARS plan is in reach, 1 in AR_SAMPLE_CLEAR: a sampled
-            # cycle's bookkeeping took ~55 us between the embedded pair's ~0.45 ms passes, where it runs
-            # from cold caches, against ~3 us in a loop; the scale it feeds is read at the replans, which
-            # come every 64-512 cycles there)
+            # cycle's bookkeeping took ~40-55 us between the embedded pair's ~0.4 ms passes, where it runs
+            # from cold caches, against ~3 us in a loop, and the next pass ran ~20 us slower; the scale it
+            # feeds is read at the replans, which come every 64-512 cycles there. At 1 in 32 that was
+            # ~4 samples in a 100-token answer, ~0.4 % of its time)
             every = AR_SAMPLE_CLEAR if self._clear else AR_SAMPLE
             if d > SWITCH_AFTER and (not self._ar_seen % every or self._after_wide[0][1] < SWITCH_STEADY):
                 # (the steady ones every cycle until there are SWITCH_STEADY: the switch is priced from

@@ -153,6 +153,49 @@ def test_a_match_being_copied_continues_and_stays_valid():
     assert ix.match() is None
 
 
+def test_a_catch_up_of_many_tokens_indexes_what_one_at_a_time_does():
+    """The array path (`sync` of BULK tokens or more: a request's prompt, an answer the planner did not
+    ask about for a while) builds the same chains, the same latest positions and the same match,
+    carried or searched, as one token at a time, from empty and from an indexed prefix."""
+    rng = random.Random(5)
+    for trial in range(150):
+        vocab = rng.choice([2, 3, 7, 50])
+        seq = [rng.randrange(vocab) for _ in range(rng.randrange(1, 120))]
+        if trial % 3 == 0:
+            seq += seq[-rng.randrange(1, 30):] * rng.randrange(1, 4)       # a repeat the match carries on
+        one, chunks = NgramIndex(), NgramIndex()
+        i = 0
+        while i < len(seq):
+            j = min(len(seq), i + rng.choice([1, 2, NgramIndex.BULK, NgramIndex.BULK + 7, 60]))
+            if rng.random() < 0.5:                                       # a match to carry, or none
+                assert chunks.match() == one.match()
+            for k in range(i + 1, j + 1):
+                one.sync(seq[:k])
+            chunks.sync(seq[:j])
+            assert chunks._prev == one._prev and chunks._last == one._last, (seq, i, j)
+            assert chunks.match() == one.match(), (seq, i, j)
+            i = j
+        tail = seq[-lookup.N_MAX:]
+        assert chunks.follower(tail) == one.follower(tail) and chunks.size() == one.size()
+
+
+def test_a_truncated_index_is_the_index_of_the_prefix():
+    """A new request that shares the indexed tokens' first n (a conversation's next turn) keeps them
+    indexed: the chains and latest positions of the prefix's own index, short cuts and long ones."""
+    rng = random.Random(9)
+    for trial in range(200):
+        vocab = rng.choice([2, 3, 7, 50])
+        seq = [rng.randrange(vocab) for _ in range(rng.randrange(1, 90))]
+        n = rng.randrange(0, len(seq) + 2)
+        ix = index_of(seq)
+        ix.truncate(n)
+        want = index_of(seq[:n])
+        assert ix.tokens == want.tokens and ix._prev == want._prev and ix._last == want._last, (seq, n)
+        more = [rng.randrange(vocab) for _ in range(rng.randrange(0, 20))]
+        ix.sync(seq[:n] + more)
+        assert ix.match() == index_of(seq[:n] + more).match()
+
+
 def test_a_record_s_varying_field_is_not_supported():
     # records 10 11 X 12 with X = 1, 2, 3: the copy of the latest record drafts 3, but (12, 10, 11) was
     # followed by 2 and by 3 (a tie backs nothing) and (10, 11) / 11 by 1, 2, 3 (a third each)
@@ -322,6 +365,26 @@ def test_the_lookup_index_catches_up_only_when_it_is_asked(models, references):
         assert out == references[(id(plain), p)]
     assert asked and all(n == k for n, k in asked)          # each offer saw every committed token indexed
     assert e.index.tokens == e.tokens[:len(e.index)]
+
+
+def test_a_conversation_s_next_turn_keeps_its_history_indexed(models):
+    """The next request's prompt shares the last one's tokens but their end (a chat's next turn: history,
+    the answer closed by the template, a new message): the index keeps what they share (NgramIndex.truncate) instead of indexing it all
+    again, and ends as a fresh index of the committed tokens; the answer is ar's."""
+    prop, _ = models
+    e = Engine.load(prop, **F32)
+    first = prop.tokenize(PROMPTS[2])
+    run(e, first, mode="lossless", block="auto", lookup=4)
+    history = list(e.tokens)
+    assert len(e.index) > len(first)                       # (forced drafts: the index caught up)
+    # (the template closes the answer its own way: the new prompt leaves the last tokens 3 from the end)
+    turn = history[:-3] + prop.tokenize(" The dog")
+    gen = e.generate(turn, Settings(max_new=24, mode="lossless", block="auto", lookup=4))
+    assert e.index.tokens == history[:len(history) - 3]
+    out = [t for c in gen for t in c.committed]
+    assert out == greedy_ar(prop, turn, 24)
+    fresh = index_of(e.tokens[:len(e.index)])
+    assert e.index._last == fresh._last and e.index._prev == fresh._prev
 
 
 def test_spec_takes_lookup_drafts_under_the_planner(models, references):
