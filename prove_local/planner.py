@@ -52,6 +52,7 @@ LOOKUP_LOCAL_EAGER = 16                         # the request's first lookup cyc
 LOOKUP_EAGER_EVERY = 4                          # after each miss, and after every 4th lookup cycle
 LOOKUP_BACKOFF = 4                              # most cycles the index is not asked after offers of no use
 BACKOFF_SHARE = 0.05                            # ... where an ar cycle's host time is this share of its pass
+CLIMB = True                                    # a request whose drafts are accepted whole probes longer ones (observe)
 LOOKUP_START = 2                                # a request's first lookup drafts are at most this long (slow start)
 
 
@@ -464,23 +465,27 @@ class _LookupTable:
         self.min_match = next((m for m, r in enumerate(self.rows) if m and r is not None), MAX_MATCH + 1)
         self._capped: dict = {}
 
-    def capped(self, cap: int, margin: float) -> "_Capped":
+    def capped(self, cap: int, margin: float, climb: bool = False) -> "_Capped":
         """The plans a request whose lookup drafts are capped at `cap` tokens (the slow start: Planner.observe)
         gets from this table, per match length: a plan of at most `cap` lookup tokens stands; a longer
         MARS proposal filled by lookup tokens is cut to `cap` of them; a longer lookup draft is cut to
         `cap` tokens where that draft still beats the current choice's rate by `margin`, else the row
-        has none. Cached per cap (the cap moves after a lookup cycle and at a request's start)."""
-        got = self._capped.get(cap)
+        has none, or, while the request climbs (`climb`: its last draft was accepted whole), the
+        `cap`-token draft as a probe (`_Capped.probes`: run as an exploration). Cached per cap (the cap
+        moves after a lookup cycle and at a request's start)."""
+        got = self._capped.get((cap, climb))
         if got is None:
             bar = self.rate * (1.0 + margin)
             at_cap = self.rates[:, cap - 1].tolist() if self.rates is not None and cap <= self.rates.shape[1] else None
-            rows = []
+            rows, probes = [], set()
             for m, plan in enumerate(self.rows):
                 if plan is not None and plan.lookup > cap:
                     pays = filled(plan) or (at_cap is not None and at_cap[m] > bar)
-                    plan = Plan(plan.kind, plan.block, verify=plan.verify, lookup=cap) if pays else None
+                    if not pays and climb:
+                        probes.add(m)
+                    plan = Plan(plan.kind, plan.block, verify=plan.verify, lookup=cap) if pays or climb else None
                 rows.append(plan)
-            got = self._capped[cap] = _Capped(rows)
+            got = self._capped[(cap, climb)] = _Capped(rows, probes=probes)
         return got
 
 
@@ -490,6 +495,7 @@ class _Capped:
     rows: list
     min_match: int = MAX_MATCH + 1   # the shortest match length that gets a plan (MAX_MATCH + 1: none)
     any: bool = False
+    probes: set = dataclasses.field(default_factory=set)   # match lengths whose plan is a climb's probe
 
     def __post_init__(self):
         self.min_match = next((m for m, r in enumerate(self.rows) if m and r is not None), MAX_MATCH + 1)
@@ -590,6 +596,7 @@ class Planner:
         # outside a request; start_request sets LOOKUP_START
         self._lookup_cap = LOOKUP_K_MAX
         self._lookup_missed = False                   # a lookup draft missed since the table was made
+        self._climb = False                           # the request's last lookup draft was accepted whole
         self.lookup_need = 1                          # the shortest lookup match the next offer may use
 
     # ---------------------------------------------------------------------- statistics
@@ -600,6 +607,7 @@ class Planner:
         `_table_stale` to judge as any other (a request used to start by making one, ~0.4 ms)."""
         self._lookup_local = SlotStats(decay=1.0)
         self._lookup_cap = LOOKUP_START
+        self._climb = False
         self._ltables = dict(self._fresh)
         self._lookup_missed = False
         self._lookup_wait.clear()                 # (a prompt may copy from its first cycle)
@@ -683,6 +691,12 @@ class Planner:
             self._lookup_cap = min(LOOKUP_K_MAX, max(self._lookup_cap, 2 * n_l)) if ok == n_l \
                 else max(LOOKUP_START, ok + 1)
             self._lookup_missed |= ok < n_l
+            # the climb: while its drafts are accepted whole, a request whose cap is below the drafts the
+            # table plans gets the capped draft as a probe at each such match (`_Capped.probes`), not at
+            # the next exploration draw (~50 cycles apart at `explore` = 0.02): on a host where only long
+            # drafts pay (the embedded pair: t(16) ~ 13 t(1)), a text that copies took 2 -> 4 -> 8 one
+            # draw at a time, 100+ tokens, before its first paying draft
+            self._climb = CLIMB and ok == n_l
             if filled(plan) and plan.verify:
                 self.stats_for(key or kind).record(cycle.p[n_l:], 1, plan.verify, cycle.n_accepted - n_l)
         else:
@@ -1045,7 +1059,7 @@ class Planner:
         # (within the request's draft cap: the slow start) can matter, and the index is asked for those
         # alone (`lookup_need`: a text without a repeated n-gram of that length costs one dict lookup a
         # cycle instead of a search)
-        eff = tab.capped(self._lookup_cap, self.lookup_margin)
+        eff = self._capped(tab)
         if not eff.any and not explore:
             return None
         self.lookup_need = 1 if explore else eff.min_match
@@ -1058,9 +1072,16 @@ class Planner:
             # the switch's price moved since the table's costs were made (a fresh engine learns it from
             # its first request's first cycles; an eager refresh keeps the costs): made again first
             tab = self._ltables[key] = self._lookup_table(mode, key, pending, block_max)
-            plan = tab.capped(self._lookup_cap, self.lookup_margin).rows[m]
+            eff = self._capped(tab)
+            plan = eff.rows[m]
             if plan is None:
                 return None
+        if plan is not None and m in eff.probes:
+            # a climb's probe is an exploration: within the regret budget, its regret against the choice it displaces
+            if not self._budget_left():
+                return None
+            self._displaced, self._after = tab.rate, 0
+            self._drew = False
         if plan is None:
             if not explore:
                 return None
@@ -1147,7 +1168,7 @@ class Planner:
                 stale = self._table_stale(tab, key, pend)
                 # (a table whose plans are all longer than the request's draft cap, and do not pay cut to
                 # it, has none: plan_cycle would return ar after a full plan, ~90 us a time)
-                some = stale is None and tab.capped(self._lookup_cap, self.lookup_margin).any
+                some = stale is None and self._capped(tab).any
                 if stale == "acceptance" or ((stale or some) and (
                         self._candidate(tab, lookup) if stale else self._planned(tab, lookup))):
                     self._lookup_draw[key] = False
@@ -1195,9 +1216,13 @@ class Planner:
         match = lookup()
         return match is not None and match.length >= need
 
+    def _capped(self, tab: _LookupTable) -> "_Capped":
+        """`tab` as the request's slow start reads it: under its draft cap, with probes while it climbs."""
+        return tab.capped(self._lookup_cap, self.lookup_margin, self._climb)
+
     def _planned(self, tab: _LookupTable, lookup) -> bool:
         """Whether the index offers a match that the (current) table `tab` has a plan for (within the draft cap)."""
-        eff = tab.capped(self._lookup_cap, self.lookup_margin)
+        eff = self._capped(tab)
         self.lookup_need = eff.min_match
         match = lookup()
         return match is not None and eff.rows[min(max(1, match.length), MAX_MATCH)] is not None

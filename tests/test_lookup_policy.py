@@ -380,6 +380,36 @@ def test_plans_longer_than_the_draft_cap_that_do_not_pay_cut_to_it_leave_a_quiet
     assert plan.kind == LOOKUP and plan.lookup > LOOKUP_START
 
 
+def test_a_request_whose_drafts_are_accepted_whole_climbs_to_the_drafts_that_pay():
+    """Where only long drafts pay (a pass of n tokens costs n one-token passes up to 9, then little more),
+    the slow start's capped drafts pay at no cap below 16. A draft accepted whole starts a climb: at each
+    match the table has a (longer) plan for, the capped draft runs as a probe, an exploration charged to
+    the regret budget, and doubles the cap when it is accepted whole, until the table's own draft fits.
+    A miss ends the climb; a spent budget stops the probes."""
+    from prove_local.lookup import Match
+    from prove_local.planner import LOOKUP_START
+    pl = planner(curve={1: 1e-3, 9: 9.5e-3, 16: 10e-3}, accept=0.99)
+
+    def offer():
+        return Match(pos=0, length=16)
+    for _ in range(3):
+        assert next_plan(pl, offer).kind == "ar"
+        pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
+    tab = pl._ltables["lossless"]
+    assert tab.rows[16].lookup > 8 and not any(tab.capped(c, pl.lookup_margin).any for c in (2, 4, 8))
+    pl.observe(cycle(Plan(LOOKUP, lookup=LOOKUP_START), 3e-3, k=2, accepted=2), "lossless")   # (an exploration's)
+    for cap in (4, 8):
+        plan = next_plan(pl, offer)
+        assert plan == Plan(LOOKUP, lookup=cap) and pl._displaced is not None    # a probe, charged as an exploration
+        pl.observe(cycle(plan, cap * 1e-3, k=cap, accepted=cap), "lossless")
+    assert next_plan(pl, offer) == tab.rows[16]                                   # the table's own draft
+    pl.observe(cycle(Plan(LOOKUP, lookup=8), 8e-3, k=8, accepted=3), "lossless")  # a miss: the cap falls to 4
+    assert next_plan(pl, offer) is AR_PLAN
+    pl.observe(cycle(Plan(LOOKUP, lookup=4), 4e-3, k=4, accepted=4), "lossless")  # accepted whole: climbing again,
+    pl.regret = 1.0                                                               # but the budget is spent
+    assert next_plan(pl, offer) is AR_PLAN
+
+
 def test_a_clear_run_samples_its_ar_cycles_less_often():
     """An ar cycle's cost is recorded 1 in AR_SAMPLE cycles (its bookkeeping ran at ~55 us between the
     embedded pair's ~0.45 ms passes, from cold caches); in a clear run, where no lookup or MARS plan is in
