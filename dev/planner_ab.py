@@ -1,0 +1,124 @@
+"""Planner variants against `ar` and each other in ONE process: on the embedded pair (8 GSM8K dev
+questions, 1 thread, greedy, 256 tokens), every prompt is answered by `ar` and by `lossless` (block and
+lookup `auto`) under each variant, the order rotating and flipping from prompt to prompt and round to
+round, after an untimed `ar` request that leaves every timed one the same cache state (the first
+request after a new prompt pays its prefill's slow first passes: run first always, a variant looked
+~2 % slower). Per variant: the median over rounds of the per-prompt median of (variant / `ar` on the
+same prompt, seconds apart), each prompt's median and mean over rounds (a copying answer's is bimodal:
+its drafts start early or late), its median cycles, and the regret share. Separate processes (scripts/embedded_pair.py run twice) resolve ~1-2 %; this, ~0.5 %.
+
+    python dev/planner_ab.py --variants default,no-climb,no-explore --rounds 30
+
+Variants (VARIANTS below): `default` (the code as it is), `no-climb` (planner.CLIMB off: the slow start
+waits for exploration draws), `no-explore` (explore = 0: no exploration draws or probes),
+`sample-32` (ar cycles of a clear run sampled 1 in 32 instead of AR_SAMPLE_CLEAR).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import prove_local.planner as P  # noqa: E402
+from prove_local.bench.data import load_prompts  # noqa: E402
+from prove_local.chat import Conversation  # noqa: E402
+from prove_local.engine import Engine, Settings  # noqa: E402
+from prove_local.llama import Model, kv_options  # noqa: E402
+from prove_local.loading import EMBEDDED_PROPOSER  # noqa: E402
+
+DATA = ROOT.parent / "shared" / "datasets" / "gsm8k" / "test_dev.jsonl"
+# name -> (module constants of planner.py, Planner attributes), set before each of its requests
+VARIANTS = {
+    "default": ({}, {}),
+    "no-climb": ({"CLIMB": False}, {}),
+    "no-explore": ({}, {"explore": 0.0}),
+    "sample-32": ({"AR_SAMPLE_CLEAR": 32}, {}),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default="default,no-climb")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--out", type=Path, default=None, help="also write the per-round ratios as JSON here")
+    a = ap.parse_args()
+    names = a.variants.split(",")
+    bad = [n for n in names if n not in VARIANTS]
+    if bad:
+        raise SystemExit(f"unknown variant(s) {bad}; known: {', '.join(VARIANTS)}")
+    model = Model(str(EMBEDDED_PROPOSER))
+    engine = Engine.load(model, n_ctx=4096, n_threads=1, flash_attn="auto", **kv_options(model.default_kv_type))
+    engine.prepare(Settings(mode="lossless", block="auto"))
+    pl = engine.planner
+    saved = ({k: getattr(P, k) for v in VARIANTS.values() for k in v[0]},
+             {k: getattr(pl, k) for v in VARIANTS.values() for k in v[1]})
+    prompts = [Conversation(model).prompt_tokens(p.text) for p in load_prompts(str(DATA), 8)]
+    arms = ["ar"] + names
+    ratios = {n: [[] for _ in prompts] for n in names}
+    cycles = {n: [[] for _ in prompts] for n in names}
+    regret = collections.Counter()
+
+    def answer(arm: str, toks: list[int]):
+        for k, v in saved[0].items():
+            setattr(P, k, v)
+        for k, v in saved[1].items():
+            setattr(pl, k, v)
+        if arm != "ar":
+            for k, v in VARIANTS[arm][0].items():
+                setattr(P, k, v)
+            for k, v in VARIANTS[arm][1].items():
+                setattr(pl, k, v)
+        r0, e0 = pl.regret, pl.elapsed
+        gen = engine.generate(toks, Settings(mode="ar" if arm == "ar" else "lossless", max_new=a.max_new,
+                                             temperature=0.0, block="auto", lookup=0 if arm == "ar" else "auto"))
+        out = list(gen)
+        regret[arm, "r"] += pl.regret - r0
+        regret[arm, "e"] += pl.elapsed - e0
+        return gen.request.n_tokens / gen.request.decode_seconds, len(out), [t for c in out for t in c.committed]
+
+    try:
+        for r in range(a.rounds + 1):
+            for i, toks in enumerate(prompts):
+                k = (r + i) % len(arms)
+                order = arms[k:] + arms[:k]
+                if (r + i) % 2:
+                    order = order[::-1]
+                list(engine.generate(toks, Settings(mode="ar", max_new=8, temperature=0.0)))   # (the prefill, untimed)
+                res = {arm: answer(arm, toks) for arm in order}
+                if any(res[n][2] != res["ar"][2] for n in names):
+                    raise SystemExit(f"prompt {i}: a variant's tokens differ from ar's")
+                if r == 0:
+                    continue                      # (untimed: the engine warm)
+                for n in names:
+                    ratios[n][i].append(res[n][0] / res["ar"][0])
+                    cycles[n][i].append(res[n][1])
+            print(f"round {r}/{a.rounds}", file=sys.stderr, flush=True)
+    finally:
+        engine.close()
+    out = {}
+    for n in names:
+        per_round = [statistics.median(ratios[n][i][r] for i in range(len(prompts))) for r in range(a.rounds)]
+        out[n] = {"per_prompt": statistics.median(per_round),
+                  "prompts": [statistics.median(x) for x in ratios[n]],
+                  "prompts_mean": [statistics.mean(x) for x in ratios[n]],
+                  "cycles": [statistics.median(x) for x in cycles[n]],
+                  "regret_share": regret[n, "r"] / max(1e-12, regret[n, "e"]), "rounds": per_round}
+        print(f"{n:11s} per prompt {out[n]['per_prompt']:.3f}   prompts "
+              + " ".join(f"{x:.3f}" for x in out[n]["prompts"])
+              + "   means " + " ".join(f"{x:.3f}" for x in out[n]["prompts_mean"])
+              + "   cycles " + " ".join(f"{x:.0f}" for x in out[n]["cycles"])
+              + f"   regret {100 * out[n]['regret_share']:.2f} %")
+    if a.out:
+        a.out.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
