@@ -11,7 +11,8 @@ its drafts start early or late), its median cycles, and the regret share. Separa
 
 Variants (VARIANTS below): `default` (the code as it is), `no-climb` (planner.CLIMB off: the slow start
 waits for exploration draws), `no-explore` (explore = 0: no exploration draws or probes),
-`sample-32` (ar cycles of a clear run sampled 1 in 32 instead of AR_SAMPLE_CLEAR).
+`sample-32` (ar cycles of a clear run sampled 1 in 32 instead of AR_SAMPLE_CLEAR), `no-floor` (lookup
+explorations at any expected rate, EXPLORE_FLOOR = 0).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ VARIANTS = {
     "no-climb": ({"CLIMB": False}, {}),
     "no-explore": ({}, {"explore": 0.0}),
     "sample-32": ({"AR_SAMPLE_CLEAR": 32}, {}),
+    "no-floor": ({"EXPLORE_FLOOR": 0.0}, {}),
 }
 
 

@@ -44,6 +44,7 @@ probability: the planner calibrates it into an acceptance rate from what the ver
 """
 from __future__ import annotations
 
+from array import array
 from typing import NamedTuple
 
 N_MIN = 1                 # shortest n-gram that counts as a match (llama.cpp's LLAMA_NGRAM_MIN)
@@ -99,65 +100,82 @@ class NgramIndex:
 
     def clear(self) -> None:
         self.tokens: list[int] = []
+        self._raw = bytearray()                   # the tokens as 4-byte integers (`_occurs`: a search in C)
+        self._n = 0                               # the tokens the maps hold (`_catch`)
         self._last: list[dict] = [{} for _ in range(self.n_max + 1)]   # [n] -> {key: latest position after it}
         self._prev: list[list[int]] = [[] for _ in range(self.n_max + 1)]   # [n][i] -> the one before (-1: none)
         self._match_at = -1                       # the sequence length `_match` was computed for
         self._match: Match | None = None
 
     def sync(self, tokens) -> None:
-        """Index `tokens`: the new ones after the indexed prefix. The caller promises that the indexed
+        """Take in `tokens`: the new ones after the known prefix. The caller promises that the known
         tokens are a prefix of `tokens` when len(tokens) >= len(self); a shorter sequence, or one the
-        caller says differs (`reset`), is indexed from scratch."""
+        caller says differs (`reset`), starts from scratch. The maps catch up when next read (`_catch`):
+        an offer that a search of the tokens turns down (`offer`) never builds them."""
         n = len(self.tokens)
         if len(tokens) < n:
             self.reset(tokens)
-        elif len(tokens) - n >= self.BULK:
-            self._extend([int(t) for t in tokens[n:]])
-        else:
-            for t in tokens[n:]:
-                self._add(int(t))
+            return
+        new = [int(t) for t in tokens[n:]]
+        if new:
+            self.tokens.extend(new)
+            self._raw += array("i", new).tobytes()
 
     def truncate(self, n: int) -> None:
-        """Keep the first n tokens indexed (a new request that shares them: a conversation's next turn
-        keeps the history before it). Each key whose latest position goes takes the latest before n
-        on its chain; costs what indexing the dropped tokens did, so a cut of more than half is a
-        rebuild from scratch (`reset`)."""
-        seq, L = self.tokens, len(self.tokens)
+        """Keep the first n tokens (a new request that shares them: a conversation's next turn keeps the
+        history before it indexed). Each key whose latest position goes takes the latest before n on its
+        chain; that costs what indexing the dropped positions did, so a cut of more than half of what
+        the maps hold drops them (they are built again when next read)."""
         n = max(0, n)
-        if n >= L:
+        if n >= len(self.tokens):
             return
-        if L - n > n:
-            self.reset(seq[:n])
-            return
-        for m in range(self.n_min, self.n_max + 1):
-            last, prev = self._last[m], self._prev[m]
-            for i in range(L - 1, max(n, m) - 1, -1):          # latest first: a key's chain is walked down
-                key = seq[i - 1] if m == 1 else tuple(seq[i - m:i])
-                if last.get(key) == i:
-                    if prev[i] >= 0:
-                        last[key] = prev[i]
-                    else:
-                        del last[key]
-            del prev[n:]
+        seq, held = self.tokens, self._n
+        if held - n > n:
+            self._last = [{} for _ in range(self.n_max + 1)]
+            self._prev = [[] for _ in range(self.n_max + 1)]
+            self._n = 0
+        elif held > n:
+            for m in range(self.n_min, self.n_max + 1):
+                last, prev = self._last[m], self._prev[m]
+                for i in range(held - 1, max(n, m) - 1, -1):      # latest first: a key's chain is walked down
+                    key = seq[i - 1] if m == 1 else tuple(seq[i - m:i])
+                    if last.get(key) == i:
+                        if prev[i] >= 0:
+                            last[key] = prev[i]
+                        else:
+                            del last[key]
+                del prev[n:]
+            self._n = n
         del seq[n:]
+        del self._raw[4 * n:]
         self._match_at, self._match = -1, None
 
     def reset(self, tokens) -> None:
-        """Index `tokens` from scratch (a new request whose prompt does not extend the indexed tokens)."""
+        """Start from scratch with `tokens` (a new request whose prompt does not extend the known tokens)."""
         self.clear()
         self.sync(tokens)
 
-    def _add(self, token: int) -> None:
-        """Append one token: the n-grams that end just before it now have it as their latest follower.
-        A match being copied that this token continues stays the match, one token longer (the common
+    def _catch(self) -> None:
+        """Index the positions the maps do not hold yet (one at a time, or n by n from BULK on)."""
+        n0, L = self._n, len(self.tokens)
+        if n0 == L:
+            return
+        if L - n0 >= self.BULK:
+            self._extend(n0)
+        else:
+            for i in range(n0, L):
+                self._add(i)
+        self._n = L
+
+    def _add(self, i: int) -> None:
+        """Index position i: the n-grams that end just before it now have it as their latest follower.
+        A match being copied that its token continues stays the match, one token longer (the common
         case inside a repeat: no search next time)."""
         seq = self.tokens
-        i = len(seq)
         if self._match_at == i and self._match is not None:
             p, m = self._match
-            self._match = Match(p + 1, m + 1 if m < self.max_match else m) if seq[p] == token else None
+            self._match = Match(p + 1, m + 1 if m < self.max_match else m) if seq[p] == seq[i] else None
             self._match_at = i + 1 if self._match is not None else -1
-        seq.append(token)
         for n in range(self.n_min, self.n_max + 1):
             if i < n:
                 self._prev[n].append(-1)
@@ -167,21 +185,19 @@ class NgramIndex:
             self._prev[n].append(last.get(key, -1))
             last[key] = i
 
-    def _extend(self, new: list[int]) -> None:
-        """Append many tokens: what `_add` does one at a time, with the same result."""
+    def _extend(self, i0: int) -> None:
+        """Index positions i0.. : what `_add` does one at a time, with the same result."""
         seq = self.tokens
-        i0 = len(seq)
+        L = len(seq)
         if self._match_at == i0 and self._match is not None:      # (`_add`'s match, carried along)
             p, m = self._match
-            for t in new:
-                if (seq[p] if p < len(seq) else new[p - i0]) != t:
+            for i in range(i0, L):
+                if seq[p] != seq[i]:
                     self._match, self._match_at = None, -1
                     break
                 p, m = p + 1, (m + 1 if m < self.max_match else m)
             else:
-                self._match, self._match_at = Match(p, m), i0 + len(new)
-        seq.extend(new)
-        L = len(seq)
+                self._match, self._match_at = Match(p, m), L
         for n in range(self.n_min, self.n_max + 1):
             prev, last = self._prev[n], self._last[n]
             start = min(max(i0, n), L)
@@ -192,6 +208,16 @@ class NgramIndex:
             for i, key in enumerate(keys, start):
                 link(get(key, -1))
                 last[key] = i
+
+    def _occurs(self, n: int) -> bool:
+        """Whether the last n tokens occurred before with a token after them (what `key in _last[n]`
+        says once the maps hold every token), by a search of the raw tokens: no catch-up."""
+        raw, L = self._raw, len(self.tokens)
+        needle, end = raw[4 * (L - n):], 4 * (L - 1)
+        i = raw.find(needle, 0, end)
+        while i > 0 and i % 4:                   # (a match across token boundaries: search on)
+            i = raw.find(needle, i + 1, end)
+        return i >= 0
 
     def _positions(self, n: int, key) -> list[int] | None:
         """The latest `candidates` positions that followed the n-gram `key`, oldest first (None: none)."""
@@ -212,6 +238,7 @@ class NgramIndex:
         n_min) that occurred before; among its latest positions, the longest measured match (walking
         back up to max_match tokens), then the follower most of them share, then the latest. Cached
         until the sequence grows."""
+        self._catch()
         seq = self.tokens
         L = len(seq)
         if self._match_at == L:
@@ -269,6 +296,7 @@ class NgramIndex:
         longest n-gram ending `tail` that has at least MIN_SAMPLES[n-1] of them and in which that
         follower holds more than MIN_PERCENT[n-1] % (`ties`: at least, as llama.cpp's try_draft);
         None if no n-gram passes."""
+        self._catch()
         seq = self.tokens
         for n in range(min(self.n_max, len(tail)), self.n_min - 1, -1):
             pos = self._positions(n, tail[-1] if n == 1 else tuple(tail[-n:]))
@@ -298,10 +326,17 @@ class NgramIndex:
     def offer(self, min_length: int = 1) -> Match | None:
         """The match, if the statistics back at least its first slot (what the planner is offered).
         `min_length` > 1: the planner can use no shorter match, so none is searched for unless the
-        sequence's last min(min_length, n_max) tokens occurred before (one dict lookup)."""
+        sequence's last min(min_length, n_max) tokens occurred before: one dict lookup, or where the
+        maps are behind the tokens, a search of the tokens in C instead of their catch-up (a request
+        whose offers are turned down this way never builds its maps)."""
         if min_length > 1:
             n, seq = min(min_length, self.n_max), self.tokens
-            if len(seq) <= n or (seq[-1] if n == 1 else tuple(seq[-n:])) not in self._last[n]:
+            if len(seq) <= n:
+                return None
+            if self._n == len(seq):
+                if (seq[-1] if n == 1 else tuple(seq[-n:])) not in self._last[n]:
+                    return None
+            elif not self._occurs(n):
                 return None
         m = self.match()
         return m if m is not None and self.supported(m, 1) else None
@@ -316,4 +351,5 @@ class NgramIndex:
 
     def size(self) -> int:
         """Positions stored over all keys (the memory bound's count)."""
+        self._catch()
         return sum(len(self._positions(n, key)) for n in range(self.n_min, self.n_max + 1) for key in self._last[n])

@@ -52,6 +52,7 @@ LOOKUP_LOCAL_EAGER = 16                         # the request's first lookup cyc
 LOOKUP_EAGER_EVERY = 4                          # after each miss, and after every 4th lookup cycle
 LOOKUP_BACKOFF = 4                              # most cycles the index is not asked after offers of no use
 BACKOFF_SHARE = 0.05                            # ... where an ar cycle's host time is this share of its pass
+EXPLORE_FLOOR = 0.8                             # a lookup exploration's expected rate, at least this x the current choice's
 CLIMB = True                                    # a request whose drafts are accepted whole probes longer ones (observe)
 LOOKUP_START = 2                                # a request's first lookup drafts are at most this long (slow start)
 
@@ -464,6 +465,18 @@ class _LookupTable:
     def __post_init__(self):
         self.min_match = next((m for m, r in enumerate(self.rows) if m and r is not None), MAX_MATCH + 1)
         self._capped: dict = {}
+
+    def explore_min(self, floor: float) -> int:
+        """The shortest match length whose best lookup draft is worth exploring: its expected rate at
+        least `floor` x the current choice's, and its rate with every token accepted above ar's
+        (MAX_MATCH + 1: none). Cached per floor."""
+        got = self._capped.get(("explore", floor))
+        if got is None:
+            bar = floor * self.rate
+            got = next((m for m, (k, r) in enumerate(self.best) if m and r >= bar and (
+                self.ceilings is None or self.ceilings[k - 1] >= self.ar_rate)), MAX_MATCH + 1)
+            self._capped[("explore", floor)] = got
+        return got
 
     def capped(self, cap: int, margin: float, climb: bool = False) -> "_Capped":
         """The plans a request whose lookup drafts are capped at `cap` tokens (the slow start: Planner.observe)
@@ -1059,10 +1072,15 @@ class Planner:
         # (within the request's draft cap: the slow start) can matter, and the index is asked for those
         # alone (`lookup_need`: a text without a repeated n-gram of that length costs one dict lookup a
         # cycle instead of a search)
+        # an exploration draw asks only for the matches worth exploring (`explore_min`): one whose best draft
+        # is expected at under EXPLORE_FLOOR x the current choice's rate could hardly change the table (on the
+        # embedded pair, 1-3 token drafts at 1-7 token matches, ~0.6x `ar`, explored at ~60 % of the draws that
+        # found one), and a draw that needs 2+ tokens of match costs a search of the tokens where there is none
+        ex_min = tab.explore_min(EXPLORE_FLOOR) if explore and self.explore_by_rate else (1 if explore else MAX_MATCH + 1)
         eff = self._capped(tab)
-        if not eff.any and not explore:
+        if not eff.any and ex_min > MAX_MATCH:
             return None
-        self.lookup_need = 1 if explore else eff.min_match
+        self.lookup_need = min(eff.min_match, ex_min)
         match = lookup()
         if match is None:
             return None
@@ -1086,7 +1104,8 @@ class Planner:
             if not explore:
                 return None
             k, rate = tab.best[m]
-            if not self._budget_left() or (self.explore_by_rate and self.rng.random() * tab.rate >= rate):
+            if not self._budget_left() or (self.explore_by_rate and (
+                    rate < EXPLORE_FLOOR * tab.rate or self.rng.random() * tab.rate >= rate)):
                 return None
             if self.explore_by_rate and tab.ceilings is not None and tab.ceilings[k - 1] < tab.ar_rate:
                 return None                      # it could not beat ar with every token accepted (_worth_exploring)

@@ -666,3 +666,33 @@ def test_a_lookup_exploration_that_could_not_win_with_every_token_accepted_is_no
     assert explored({1: 1e-3, 2: 2.5e-3, 4: 5e-3, 16: 20e-3}) is None     # k + 1 tokens cost k + 1.5 passes
     plan = explored(None)                                        # t(2) = 1.5 t(1): 2 tokens in 1.5 passes
     assert plan is not None and plan.kind == LOOKUP and plan.lookup >= 1
+
+
+def test_a_lookup_exploration_is_drawn_only_where_it_could_change_the_table(monkeypatch):
+    """An exploration draw asks the index only for matches whose best draft is expected at EXPLORE_FLOOR x
+    the current choice's rate or more (`explore_min`); at a shorter match it explores nothing. On the
+    embedded pair the 1-3 token drafts at 1-7 token matches, ~0.6x `ar`, were explored at most draws that
+    found one: each a wide pass for ~1 token, and a full index catch-up for the draw."""
+    from prove_local import planner as P
+    from prove_local.lookup import Match
+
+    def draw(m, floor=P.EXPLORE_FLOOR):
+        monkeypatch.setattr(P, "EXPLORE_FLOOR", floor)
+        pl = planner()
+        pl._lookup_rates = lambda scores: np.asarray(scores) ** 6      # long matches copy, short ones rarely
+        pl.explore_by_rate, pl.elapsed = True, 1e6                       # (the regret budget is no limit here)
+        pl.rng.random = lambda: 0.0                                      # every draw would explore
+        tab = pl._ltables["lossless"] = pl._lookup_table("lossless", "lossless", {ROLE: 1}, 0)
+        plan = pl._lookup_decide("lossless", "lossless", {ROLE: 1}, 0, 1000, lambda: Match(pos=0, length=m),
+                                 tab, None, None, True)
+        return plan, pl.lookup_need, tab
+
+    plan, need, tab = draw(3)
+    floor = P.EXPLORE_FLOOR * tab.rate
+    assert tab.best[3][1] < floor <= tab.best[4][1] and tab.rows[5] is None     # (the table plans no draft at 3 or 5)
+    assert plan is None and need == 4 == tab.explore_min(P.EXPLORE_FLOOR)
+    plan, need, _ = draw(5)
+    assert plan is not None and plan.kind == LOOKUP and need == 4               # worth exploring: explored
+    plan, need, _ = draw(3, floor=0.0)                                          # without the floor: explored
+    assert plan is not None and need == 1
+
