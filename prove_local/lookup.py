@@ -101,7 +101,7 @@ class NgramIndex:
     def clear(self) -> None:
         self.tokens: list[int] = []
         self._raw = bytearray()                   # the tokens as 4-byte integers (`_occurs`: a search in C)
-        self._n = 0                               # the tokens the maps hold (`_catch`)
+        self._held = [0] * (self.n_max + 1)       # [n] -> the tokens map n holds (`_index`)
         self._last: list[dict] = [{} for _ in range(self.n_max + 1)]   # [n] -> {key: latest position after it}
         self._prev: list[list[int]] = [[] for _ in range(self.n_max + 1)]   # [n][i] -> the one before (-1: none)
         self._match_at = -1                       # the sequence length `_match` was computed for
@@ -110,8 +110,9 @@ class NgramIndex:
     def sync(self, tokens) -> None:
         """Take in `tokens`: the new ones after the known prefix. The caller promises that the known
         tokens are a prefix of `tokens` when len(tokens) >= len(self); a shorter sequence, or one the
-        caller says differs (`reset`), starts from scratch. The maps catch up when next read (`_catch`):
-        an offer that a search of the tokens turns down (`offer`) never builds them."""
+        caller says differs (`reset`), starts from scratch. Each n's map catches up when next read
+        (`_index`): an offer that a search of the tokens turns down (`offer`) builds none, and a match
+        found at n = 4 builds no shorter one."""
         n = len(self.tokens)
         if len(tokens) < n:
             self.reset(tokens)
@@ -123,20 +124,18 @@ class NgramIndex:
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens (a new request that shares them: a conversation's next turn keeps the
-        history before it indexed). Each key whose latest position goes takes the latest before n on its
-        chain; that costs what indexing the dropped positions did, so a cut of more than half of what
-        the maps hold drops them (they are built again when next read)."""
+        history before it indexed). In each map, each key whose latest position goes takes the latest
+        before n on its chain; that costs what indexing the dropped positions did, so a cut of more than
+        half of what a map holds drops it (built again when next read)."""
         n = max(0, n)
         if n >= len(self.tokens):
             return
-        seq, held = self.tokens, self._n
-        if held - n > n:
-            self._last = [{} for _ in range(self.n_max + 1)]
-            self._prev = [[] for _ in range(self.n_max + 1)]
-            self._n = 0
-        elif held > n:
-            for m in range(self.n_min, self.n_max + 1):
-                last, prev = self._last[m], self._prev[m]
+        seq = self.tokens
+        for m in range(self.n_min, self.n_max + 1):
+            held, last, prev = self._held[m], self._last[m], self._prev[m]
+            if held - n > n:
+                self._last[m], self._prev[m], self._held[m] = {}, [], 0
+            elif held > n:
                 for i in range(held - 1, max(n, m) - 1, -1):      # latest first: a key's chain is walked down
                     key = seq[i - 1] if m == 1 else tuple(seq[i - m:i])
                     if last.get(key) == i:
@@ -145,7 +144,7 @@ class NgramIndex:
                         else:
                             del last[key]
                 del prev[n:]
-            self._n = n
+                self._held[m] = n
         del seq[n:]
         del self._raw[4 * n:]
         self._match_at, self._match = -1, None
@@ -156,58 +155,33 @@ class NgramIndex:
         self.sync(tokens)
 
     def _catch(self) -> None:
-        """Index the positions the maps do not hold yet (one at a time, or n by n from BULK on)."""
-        n0, L = self._n, len(self.tokens)
-        if n0 == L:
+        """Every map caught up with the tokens."""
+        for n in range(self.n_min, self.n_max + 1):
+            self._index(n)
+
+    def _index(self, n: int) -> None:
+        """Map n caught up: each position i it does not hold yet becomes the latest follower of the n-gram
+        that ends just before it, the one before on its chain the key's previous latest. Many positions
+        at once go over keys built in C (a slice, or a zip of n slices)."""
+        seq, L, start = self.tokens, len(self.tokens), self._held[n]
+        if start == L:
             return
-        if L - n0 >= self.BULK:
-            self._extend(n0)
-        else:
-            for i in range(n0, L):
-                self._add(i)
-        self._n = L
-
-    def _add(self, i: int) -> None:
-        """Index position i: the n-grams that end just before it now have it as their latest follower.
-        A match being copied that its token continues stays the match, one token longer (the common
-        case inside a repeat: no search next time)."""
-        seq = self.tokens
-        if self._match_at == i and self._match is not None:
-            p, m = self._match
-            self._match = Match(p + 1, m + 1 if m < self.max_match else m) if seq[p] == seq[i] else None
-            self._match_at = i + 1 if self._match is not None else -1
-        for n in range(self.n_min, self.n_max + 1):
-            if i < n:
-                self._prev[n].append(-1)
-                continue
-            key = seq[i - 1] if n == 1 else tuple(seq[i - n:i])
-            last = self._last[n]
-            self._prev[n].append(last.get(key, -1))
-            last[key] = i
-
-    def _extend(self, i0: int) -> None:
-        """Index positions i0.. : what `_add` does one at a time, with the same result."""
-        seq = self.tokens
-        L = len(seq)
-        if self._match_at == i0 and self._match is not None:      # (`_add`'s match, carried along)
-            p, m = self._match
-            for i in range(i0, L):
-                if seq[p] != seq[i]:
-                    self._match, self._match_at = None, -1
-                    break
-                p, m = p + 1, (m + 1 if m < self.max_match else m)
-            else:
-                self._match, self._match_at = Match(p, m), L
-        for n in range(self.n_min, self.n_max + 1):
-            prev, last = self._prev[n], self._last[n]
-            start = min(max(i0, n), L)
-            prev.extend([-1] * (start - len(prev)))             # positions before a whole n-gram
-            get, link = last.get, prev.append
-            # the n-grams that end before positions start..L-1, built in C (a slice, or a zip of n slices)
+        prev, last = self._prev[n], self._last[n]
+        if start < n:                                           # positions before a whole n-gram
+            prev.extend([-1] * (min(n, L) - start))
+            start = min(n, L)
+        get, link = last.get, prev.append
+        if L - start >= self.BULK:
             keys = seq[start - 1:L - 1] if n == 1 else zip(*(seq[start - n + k:L - n + k] for k in range(n)))
             for i, key in enumerate(keys, start):
                 link(get(key, -1))
                 last[key] = i
+        else:
+            for i in range(start, L):
+                key = seq[i - 1] if n == 1 else tuple(seq[i - n:i])
+                link(get(key, -1))
+                last[key] = i
+        self._held[n] = L
 
     def _occurs(self, n: int) -> bool:
         """Whether the last n tokens occurred before with a token after them (what `key in _last[n]`
@@ -221,6 +195,8 @@ class NgramIndex:
 
     def _positions(self, n: int, key) -> list[int] | None:
         """The latest `candidates` positions that followed the n-gram `key`, oldest first (None: none)."""
+        if self._held[n] != len(self.tokens):
+            self._index(n)
         p = self._last[n].get(key)
         if p is None:
             return None
@@ -237,10 +213,19 @@ class NgramIndex:
         """The best earlier occurrence of the end of the sequence: the longest n-gram key (n_max down to
         n_min) that occurred before; among its latest positions, the longest measured match (walking
         back up to max_match tokens), then the follower most of them share, then the latest. Cached
-        until the sequence grows."""
-        self._catch()
+        until the sequence grows; a match that the tokens since continued stays the match, as many tokens
+        longer (the common case inside a repeat: no search)."""
         seq = self.tokens
         L = len(seq)
+        if self._match is not None and 0 <= self._match_at < L:
+            p, m = self._match
+            for i in range(self._match_at, L):
+                if seq[p] != seq[i]:
+                    self._match, self._match_at = None, -1
+                    break
+                p, m = p + 1, (m + 1 if m < self.max_match else m)
+            else:
+                self._match, self._match_at = Match(p, m), L
         if self._match_at == L:
             return self._match
         best = None
@@ -296,7 +281,6 @@ class NgramIndex:
         longest n-gram ending `tail` that has at least MIN_SAMPLES[n-1] of them and in which that
         follower holds more than MIN_PERCENT[n-1] % (`ties`: at least, as llama.cpp's try_draft);
         None if no n-gram passes."""
-        self._catch()
         seq = self.tokens
         for n in range(min(self.n_max, len(tail)), self.n_min - 1, -1):
             pos = self._positions(n, tail[-1] if n == 1 else tuple(tail[-n:]))
@@ -333,7 +317,7 @@ class NgramIndex:
             n, seq = min(min_length, self.n_max), self.tokens
             if len(seq) <= n:
                 return None
-            if self._n == len(seq):
+            if self._held[n] == len(seq):
                 if (seq[-1] if n == 1 else tuple(seq[-n:])) not in self._last[n]:
                     return None
             elif not self._occurs(n):

@@ -173,12 +173,21 @@ def test_a_catch_up_of_many_tokens_indexes_what_one_at_a_time_does():
                 one.sync(seq[:k])
                 one._catch()
             chunks.sync(seq[:j])
-            chunks._catch()                                              # (the maps, as a read builds them)
+            if rng.random() < 0.5:                                       # a read builds the maps it reads
+                assert chunks.match() == one.match(), (seq, i, j)
+            chunks._catch()                                              # (the rest)
             assert chunks._prev == one._prev and chunks._last == one._last, (seq, i, j)
             assert chunks.match() == one.match(), (seq, i, j)
             i = j
         tail = seq[-lookup.N_MAX:]
         assert chunks.follower(tail) == one.follower(tail) and chunks.size() == one.size()
+
+
+def test_a_match_found_with_the_longest_key_builds_no_shorter_map():
+    ix = index_of([7, 1, 2, 3, 4, 9, 8, 1, 2, 3, 4])
+    assert ix.match() == Match(pos=5, length=4)
+    assert ix._held[lookup.N_MAX] == 11 and not any(ix._held[:lookup.N_MAX])
+    assert ix.follower([1, 2, 3, 4]) == 9 and not any(ix._held[:lookup.N_MAX])   # (1 sample backs a 4-gram)
 
 
 def test_a_truncated_index_is_the_index_of_the_prefix():
@@ -215,7 +224,7 @@ def test_an_offer_turned_down_by_a_search_of_the_tokens_is_the_offer_of_the_maps
         built._catch()
         assert lazy.offer(k) == built.offer(k), (seq, k)
     ix = index_of([256, 0, 9, 1])                  # bytes 00 01 00 00 | 00 00 00 00 | ...: 1 = 01 00 00 00 inside
-    assert not ix._occurs(1) and ix._n == 0 and ix.offer(2) is None and ix._n == 0   # nothing built
+    assert not ix._occurs(1) and ix.offer(2) is None and not any(ix._held)   # nothing built
 
 
 def test_a_record_s_varying_field_is_not_supported():
