@@ -72,18 +72,18 @@ class Match(NamedTuple):
 
 class NgramIndex:
     """n-gram -> the latest positions that followed it, over one token sequence that only grows
-    (the engine's committed tokens). `sync(tokens)` indexes what is new (O(n_max) per token; a
-    sequence that is not an extension of the indexed one is indexed again from its first difference
-    by rebuilding); `match()` finds the best earlier occurrence of the end; `draft(match, k)` copies k
-    tokens after it.
+    (the engine's committed tokens). `sync(tokens)` takes in what is new (a sequence that is not an
+    extension of the known one starts from scratch; `truncate` keeps a shared prefix); `match()` finds
+    the best earlier occurrence of the end; `draft(match, k)` copies k tokens after it.
 
     Kept as hash chains (LZ77's, zlib's `head`/`prev`): per n, the latest position that followed
     each key and, per position, the one before it that followed the same key; a key's candidates are
-    the chain's first `candidates` links. A catch-up of many tokens at once (a request's prompt and
-    the answer so far, the first time the planner asks) goes n by n over keys built in C (slices
-    zipped): on the embedded pair's ~160-token catch-ups, ~50 us in a loop and ~140 us from cold
-    caches between two passes, against ~110 and ~240 for a dict of position lists updated a token
-    at a time. Memory: n_max positions per token."""
+    the chain's first `candidates` links. Each n's map is built when it is read (`_index`), many
+    positions at once over keys built in C (slices zipped: a request's ~160-token prompt and answer
+    ~140 us from cold caches between two of the embedded pair's passes, against ~240 for a dict of
+    position lists updated a token at a time); an offer that needs a longer match than the text has
+    repeated is turned down by a search of the raw tokens (`_occurs`) with no map built. Memory: the
+    tokens twice (a list, 4 bytes each) and n_max positions per token."""
 
     BULK = 8                                  # a catch-up of this many tokens or more: n by n
 

@@ -464,7 +464,7 @@ class _LookupTable:
 
     def __post_init__(self):
         self.min_match = next((m for m, r in enumerate(self.rows) if m and r is not None), MAX_MATCH + 1)
-        self._capped: dict = {}
+        self._capped: dict = {}      # (cap, climb) -> its _Capped; ("explore", floor) -> its explore_min
 
     def explore_min(self, floor: float) -> int:
         """The shortest match length whose best lookup draft is worth exploring: its expected rate at
