@@ -158,6 +158,8 @@ NOISE_S = 0.5e-3
 # two differ by DRIFT_TOL the load changed while it was measured; it is measured again up to
 # UNSETTLED_RETRIES times, and a curve still unsettled is used but not cached (`_keep`).
 UNSETTLED_RETRIES = 1
+# a curve measured again in a running process whose t(1) is over this x the cached one's: used, not cached (recalibrate)
+RECAL_CACHE_TOL = 1.25
 # a curve measured again within this of the cached one (t(1), and the median width's t(n) / t(1)): the same
 SAME_CURVE = 0.15
 
@@ -536,9 +538,17 @@ def recalibrate(model, options: dict, threads: int, why: str, *, budget_s: float
     the same passes cost between the planner's Python; one that finds them dearer caught a stall that
     the engine's passes around it did not (the embedded proposer, measured again in a running process:
     t(1) 605 us where its passes took ~0.3 ms, cached, and the next run's planner priced every wider
-    pass at half its cost). Such a curve is neither cached nor used."""
+    pass at half its cost). Such a curve is neither cached nor used.
+
+    A curve whose t(1) is over RECAL_CACHE_TOL x the cached entry's is used by this process but not
+    cached: a slow spell of the host that the engine's passes shared (the in-use check passes) ends, and
+    the next run would start from it for good. On this host the embedded proposer's t(1) measures
+    233-267 us run to run on a quiet machine; in-process recalibrations during slow spells cached 346 and
+    458 us (and 605, 710 before the in-use check). A level the machine keeps is the planner's cost scale
+    either way; the cached curve's shape is what a run needs from it."""
     path = cache_path()
     cache = _load_cache(path)
+    key = entry_key(model, options, threads)
     entry = _entry(model, options, ns, budget_s, threads, why)
     t1 = float(entry["curve"][str(min(int(n) for n in entry["curve"]))])
     if in_use is not None and in_use > 0 and t1 > BUSY_TOL * in_use:
@@ -546,7 +556,13 @@ def recalibrate(model, options: dict, threads: int, why: str, *, budget_s: float
               f"{t1 * 1e3:.3g} ms a one-token pass where its passes cost {in_use * 1e3:.3g} ms in use (a busy "
               "spell): neither cached nor used", file=sys.stderr)
         return None
-    if _keep(cache, entry_key(model, options, threads), entry, model, threads):
+    old = cache["entries"].get(key)
+    old_t1 = float(old["curve"][str(min(int(n) for n in old["curve"]))]) if old is not None else 0.0
+    if old_t1 > 0 and t1 > RECAL_CACHE_TOL * old_t1:
+        print(f"prove-local: note: {Path(model.path).name} measured again with {threads} thread(s) at "
+              f"{t1 * 1e3:.3g} ms a one-token pass, {t1 / old_t1:.2g}x the cached curve's (a slow spell): used "
+              "now, not cached", file=sys.stderr)
+    elif _keep(cache, key, entry, model, threads):
         _save_cache(path, cache)
     print(f"prove-local: calibrated {Path(model.path).name} again with {threads} thread(s) in {entry['seconds']} s: {why}",
           file=sys.stderr)

@@ -63,7 +63,6 @@ class Settings:
     p_tilde: bool = True
 
 
-
 def planned(s: Settings, has_mask: bool = True) -> bool:
     """Whether the planner decides the widths of these settings: the width the mode takes (spec's
     draft length, the others' block; ar has none) is 'auto', or the mode has no width (the lookup

@@ -290,6 +290,27 @@ def test_a_curve_measured_again_in_a_busy_spell_is_neither_cached_nor_used(fake_
     assert json.loads(calibrate.cache_path().read_text())["entries"][key]["replaced"] == "passes disagreed"
 
 
+def test_a_curve_measured_again_in_a_slow_spell_the_engine_shared_is_used_not_cached(fake_llama, monkeypatch, capsys):
+    """The host runs every pass 1.4x slower for a while, the engine's passes too (the in-use check
+    passes): the curve measured again then is the engine's for now, but the cache keeps the curve a
+    quiet machine measured (RECAL_CACHE_TOL), or the next run would start from the slow spell. A level
+    within the tolerance replaces the entry."""
+    model, _ = fake_llama
+    opts = dict(n_threads=2, type_k="f16", type_v="f16")
+    calibrate.calibrate(model, opts)
+    key = calibrate.entry_key(model, opts, 2)
+    cached = lambda: json.loads(calibrate.cache_path().read_text())["entries"][key]
+    assert 1.4 > calibrate.RECAL_CACHE_TOL and 1.4 < calibrate.BUSY_TOL
+    contexts_costing(monkeypatch, lambda n: 1.4 * line(n))
+    curve = calibrate.recalibrate(model, opts, 2, "passes disagreed", in_use=1.4 * line(1))
+    assert curve == pytest.approx({n: 1.4 * line(n) for n in calibrate.DEFAULT_NS})    # used
+    assert "not cached" in capsys.readouterr().err
+    assert "replaced" not in cached() and float(cached()["curve"]["1"]) == pytest.approx(line(1))
+    contexts_costing(monkeypatch, lambda n: 1.1 * line(n))
+    calibrate.recalibrate(model, opts, 2, "passes disagreed", in_use=1.1 * line(1))
+    assert cached()["replaced"] == "passes disagreed" and float(cached()["curve"]["1"]) == pytest.approx(1.1 * line(1))
+
+
 def contexts_costing(monkeypatch, cost, slower_after: int | None = None, made: list | None = None):
     """calibrate's contexts from now on: a pass of n tokens costs cost(n), and twice that from the
     `slower_after`-th pass of a context on (another process starts decoding beside it); `made` gets
