@@ -12,7 +12,8 @@ its drafts start early or late), its median cycles, and the regret share. Separa
 Variants (VARIANTS below): `default` (the code as it is), `no-climb` (planner.CLIMB off: the slow start
 waits for exploration draws), `no-explore` (explore = 0: no exploration draws or probes),
 `sample-32` (ar cycles of a clear run sampled 1 in 32 instead of AR_SAMPLE_CLEAR), `no-floor` (lookup
-explorations at any expected rate, EXPLORE_FLOOR = 0).
+explorations at any expected rate, EXPLORE_FLOOR = 0), `no-lookup` (Settings lookup = 0: MARS blocks
+alone), `no-lookup-explore` (both off: what `lossless` costs where it can only run `ar`).
 """
 from __future__ import annotations
 
@@ -34,13 +35,18 @@ from prove_local.llama import Model, kv_options  # noqa: E402
 from prove_local.loading import EMBEDDED_PROPOSER  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "datasets" / "gsm8k" / "test_dev.jsonl"
-# name -> (module constants of planner.py, Planner attributes), set before each of its requests
+# name -> (module constants of planner.py, Planner attributes[, Settings fields]), set before each of its requests
 VARIANTS = {
     "default": ({}, {}),
     "no-climb": ({"CLIMB": False}, {}),
     "no-explore": ({}, {"explore": 0.0}),
     "sample-32": ({"AR_SAMPLE_CLEAR": 32}, {}),
     "no-floor": ({"EXPLORE_FLOOR": 0.0}, {}),
+    "no-lane": ({"LANE": False}, {}),
+    "no-lookup": ({}, {}, {"lookup": 0}),
+    "no-lookup-explore": ({}, {"explore": 0.0}, {"lookup": 0}),
+    "no-lookup-explore-lane": ({"LANE": False}, {"explore": 0.0}, {"lookup": 0}),
+    "bare": ({}, {"explore": 0.0, "quiet_cycle": lambda *a: True, "observe": lambda *a, **k: False}, {"lookup": 0}),
 }
 
 
@@ -78,8 +84,11 @@ def main() -> int:
             for k, v in VARIANTS[arm][1].items():
                 setattr(pl, k, v)
         r0, e0 = pl.regret, pl.elapsed
-        gen = engine.generate(toks, Settings(mode="ar" if arm == "ar" else "lossless", max_new=a.max_new,
-                                             temperature=0.0, block="auto", lookup=0 if arm == "ar" else "auto"))
+        fields = dict(mode="ar" if arm == "ar" else "lossless", max_new=a.max_new, temperature=0.0, block="auto",
+                      lookup=0 if arm == "ar" else "auto")
+        if arm != "ar":
+            fields.update(VARIANTS[arm][2] if len(VARIANTS[arm]) > 2 else {})
+        gen = engine.generate(toks, Settings(**fields))
         out = list(gen)
         regret[arm, "r"] += pl.regret - r0
         regret[arm, "e"] += pl.elapsed - e0

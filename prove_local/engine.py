@@ -28,6 +28,7 @@ MAX_RECALIBRATIONS = 2            # per role and engine: curves measured again b
 LOAD_PASSES = 8                   # recent stock passes whose step loads the planner prices against (Engine._load)
 LOAD_EVERY = 4                    # target passes between two readings of those medians
 ALONE = ({}, 0)                   # Engine._load while no other engine of the pool generates
+LANE_HOOKS = Hooks()              # an ar cycle of the planner's lane (Planner.lane): no hooks, and not observed
 
 
 @dataclass
@@ -321,12 +322,16 @@ class Engine:
                 # index catches up with the committed tokens then: the planner's back-off skips cycles)
                 offer = self._offer
         if req.auto:
+            pl = self.planner
             if self.member is not None:        # a batched pool: price the widths in the steps they join
                 load = self._load()            # (given again only when read again, or to new costs)
                 if self._load_priced is None or load is not self._load_priced[0] \
                         or self.planner.costs is not self._load_priced[1]:
                     self.planner.set_load(*load)
                     self._load_priced = (load, self.planner.costs)
+            if pl.lane:                        # an ar cycle of the planner's lane: nothing to plan or learn
+                pl.lane -= 1
+                return AR_PLAN, LANE_HOOKS
             # an ar cycle of a quiet run (nothing due, nothing to copy): no planning at all
             if self.planner.quiet_cycle(req.key or req.settings.mode, max(1, len(self.tokens) - self.contexts["target"].n_past),
                                         offer):
@@ -567,7 +572,9 @@ class Engine:
                 yield cycle
                 return
             cycle.coupled = req.sampler is not None and req.sampler.coupled
-            if mode.width is not None or req.lookup:  # acceptance statistics and costs, every cycle
+            if hooks is LANE_HOOKS:                  # (a lane's ar cycle: the planner counts its time alone)
+                self.planner.elapsed += cycle.seconds
+            elif mode.width is not None or req.lookup:  # acceptance statistics and costs, every cycle
                 if self.planner.observe(cycle, req.key, planned=req.auto):   # (plain ar: nothing to learn)
                     self._recheck_threads()          # passes far slower than calibrated
                 if self.planner.costs is not None and self.planner.costs.flagged:

@@ -248,13 +248,19 @@ def test_a_lookup_table_priced_before_the_switch_was_known_is_made_again():
     assert pl._ltables["lossless"] is not made and pl._ltables["lossless"].switch == pytest.approx(0.2e-3)
 
 
-@pytest.mark.parametrize("host", [0.0, 0.2e-3])
-def test_a_quiet_cycle_is_what_plan_cycle_would_have_planned(host):
+@pytest.mark.parametrize("host,accept,offers", [(0.0, 0.7, True), (0.2e-3, 0.7, True), (0.0, 0.05, True),
+                                                (0.2e-3, 0.05, True), (0.0, 0.05, False), (0.2e-3, 0.05, False)])
+def test_a_quiet_cycle_is_what_plan_cycle_would_have_planned(host, accept, offers, monkeypatch):
     """Engine.plan asks `quiet_cycle` first and runs ar without planning when it says so: the same
     scripted 600 cycles (offers that come and go, explorations drawn, replans, lookup drafts accepted or
     not) planned with and without asking it give the same plans and leave the random stream where it
     was; most cycles of a text that rarely copies never reach plan_cycle. `host`: each cycle's own host
-    time, where 0.2 ms (a fifth of t(1)) makes the index's checks back off (Planner._host_bound)."""
+    time, where 0.2 ms (a fifth of t(1)) makes the index's checks back off (Planner._host_bound).
+    Where lookup drafts do not pay (`accept` 0.05: the table has no plan, a clear run), most quiet
+    cycles are a lane's (Planner._grant): the engine neither plans nor observes them, and the plans,
+    the random numbers drawn and the planner's books are those of the same quiet cycles without lanes;
+    also without lookup (`offers` False: MARS explorations alone, the lanes start right after them)."""
+    import prove_local.planner as P
     from prove_local.lookup import Match
     rng = np.random.default_rng(7)
     # the index's offer per cycle: mostly none; now and then a match of 2-9 tokens, a few in a row
@@ -263,11 +269,17 @@ def test_a_quiet_cycle_is_what_plan_cycle_would_have_planned(host):
         script += [None] * int(rng.integers(5, 60)) + [Match(pos=0, length=int(rng.integers(2, 10)))] * int(rng.integers(1, 4))
     accepted = rng.integers(0, 3, size=len(script))
 
-    def drive(ask: bool):
-        pl = planner(accept=0.7)
+    def drive(how: str):                  # "plain": plan_cycle alone; "quiet": quiet_cycle first; "lane": and lanes
+        monkeypatch.setattr(P, "LANE", how == "lane")
+        pl = planner(accept=accept)
         pl.explore = 0.05
+        # (where drafts do not pay, every draw that finds a match explores: the lanes start and end around them)
+        pl.explore_by_rate = accept > 0.5
         pl.rng = random.Random(11)
-        plans, quiet, i = [], 0, 0
+        drawn = []                        # every random number the planner drew, in order
+        rnd = pl.rng.random
+        pl.rng.random = lambda: drawn.append(rnd()) or drawn[-1]
+        plans, quiet, i, lanes = [], 0, 0, 0
         waits = []
         pl._lookup_waits = lambda key: waits.append(pl._lookup_wait.get(key, 0) > 0) or type(pl)._lookup_waits(pl, key)
 
@@ -275,10 +287,16 @@ def test_a_quiet_cycle_is_what_plan_cycle_would_have_planned(host):
             m = script[i]
             return m if m is not None and m.length >= min(pl.lookup_need, 4) else None
         for i in range(len(script)):
-            if ask and pl.quiet_cycle("lossless", 1, offer):
+            if pl.lane:                   # (as Engine.plan: a lane's cycle is ar, its seconds counted, not observed)
+                pl.lane -= 1
+                plans.append(AR_PLAN)
+                pl.elapsed += 1e-3 + host
+                quiet, lanes = quiet + 1, lanes + 1
+                continue
+            if how != "plain" and pl.quiet_cycle("lossless", 1, offer if offers else None):
                 plan, quiet = AR_PLAN, quiet + 1
             else:
-                plan, _ = pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000, "lossless", lookup=offer)
+                plan, _ = pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000, "lossless", lookup=offer if offers else None)
             plans.append(plan)
             if plan.kind == "ar":
                 c = cycle(AR_PLAN, 1e-3)
@@ -292,15 +310,65 @@ def test_a_quiet_cycle_is_what_plan_cycle_would_have_planned(host):
                           decode_seconds={ROLE: 3e-3}, seconds=3e-3, plan=plan)
             c.seconds += host
             pl.observe(c, "lossless")
-        return plans, quiet, pl.rng.random(), sum(waits)
+        summary = pl.summary()                 # (settles the last lane)
+        books = (pl.elapsed, pl.regret, pl._ar_seen, pl._since_start, pl._since_wide, dict(pl._quiet), summary,
+                 [list(r) for r in pl._after_wide + pl._after_start])     # (the switch's records)
+        return plans, quiet, drawn, sum(waits), lanes, books
 
-    plain, none, draw, waited = drive(ask=False)
-    fast, quiet, draw_fast, _ = drive(ask=True)
-    assert none == 0 and fast == plain and draw_fast == draw
-    assert (waited > 0) == (host > 0)                # (the back-off's cycles were in the script)
-    kinds = {p.kind for p in plain}
-    assert {"ar", LOOKUP} <= kinds                   # the script did draft by lookup
-    assert quiet > len(script) // 2                 # and most cycles were quiet
+    plain, none, draw_plain, waited, _, _ = drive("plain")
+    slow, quiet, draw, _, no_lanes, books = drive("quiet")
+    fast, quiet_fast, draw_fast, _, lanes, books_fast = drive("lane")
+    assert none == 0 and no_lanes == 0 and fast == slow and quiet_fast == quiet
+    # the same random numbers in the same order (the last lane drew ahead for cycles the script did not have)
+    assert draw_fast[:len(draw)] == draw and len(draw_fast) - len(draw) < 128
+    assert books_fast == books
+    assert (waited > 0) == (host > 0 and offers)     # (the back-off's cycles were in the script)
+    assert quiet > len(script) // 2                 # most cycles were quiet
+    if accept > 0.5 or not offers:                   # (a clear run samples its ar cycles' costs less often than plan_cycle)
+        assert slow == plain and draw == draw_plain
+    if accept > 0.5:
+        assert {"ar", LOOKUP} <= {p.kind for p in plain}   # the script did draft by lookup
+    else:
+        assert lanes > len(script) // 2             # most of them in lanes (neither planned nor observed)
+
+
+def test_a_lane_leaves_the_switch_s_records_to_observe(monkeypatch):
+    """The ar cycles right after a wider pass (within SWITCH_AFTER) are each recorded for the switch's
+    price, and so are the first SWITCH_STEADY steady ones: no lane covers them (Planner._grant). A wider
+    pass every 20 cycles among quiet ar cycles: the records, with lanes, are those of the same
+    cycles each observed; most cycles are still a lane's."""
+    import prove_local.planner as P
+
+    def drive(lanes: bool):
+        monkeypatch.setattr(P, "LANE", lanes)
+        pl = planner()
+        n_lane = 0
+        for i in range(400):
+            if i % 20 == 19:              # a wider pass (as where a replan changes the choice), the lane ended
+                pl.summary()              # (which settles it)
+                pl.observe(cycle(Plan(LOOKUP, lookup=1), 1.5e-3, k=1, accepted=1), "lossless")
+                continue
+            if pl.lane:
+                pl.lane -= 1
+                pl.elapsed += 1e-3 + 1e-5 * (i % 7)
+                n_lane += 1
+                continue
+            if not pl.quiet_cycle("lossless", 1, None):
+                assert pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000, "lossless")[0] == AR_PLAN
+            pl.observe(cycle(AR_PLAN, 1e-3 + 1e-5 * (i % 7)), "lossless")
+        pl.summary()
+        return [list(r) for r in pl._after_wide + pl._after_start], pl.switch_cost(), pl.elapsed, n_lane, pl
+
+    *books, none, _ = drive(False)
+    *books_lane, n_lane, pl = drive(True)
+    assert none == 0 and n_lane > 150
+    assert books_lane == books
+    # a cycle other than ar where a lane was granted ends it (not the engine's way: only a quiet cycle grants one)
+    while not pl.lane:
+        assert pl.quiet_cycle("lossless", 1, None) or pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000)[0] == AR_PLAN
+        pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
+    pl.observe(cycle(Plan(LOOKUP, lookup=1), 1.5e-3, k=1, accepted=1), "lossless")
+    assert pl.lane == 0 and pl._since_wide == 1
 
 
 def test_a_quiet_run_whose_lookup_table_has_no_plan_checks_the_table_once():

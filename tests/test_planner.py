@@ -803,6 +803,29 @@ def test_under_the_planner_a_partner_is_prefilled_only_when_used(models, ar_outp
     assert first >= len(prompt) - 1               # the catch-up: the whole prompt in the first draft pass
 
 
+def test_the_engine_runs_a_lanes_cycles_unplanned_and_exact(models, ar_outputs):
+    """Where ar is the choice and nothing is due, the planner grants lanes (Planner._grant) and the engine
+    runs their cycles without asking it anything: on a real context, with lookup drafts `auto` and the
+    exploration draws on, most cycles are never planned nor observed, the output is greedy ar's, and
+    the caches hold committed tokens only."""
+    prop, _ = models
+    engine = Engine.load(prop, **F32)
+    steep = {1: 1.0, 2: 3.0, 64: 200.0}              # (nothing wider than one token pays)
+    engine.planner = pl = Planner(Costs({"target": steep}), explore=0.02, seed=3)
+    calls = []
+    quiet, observe = pl.quiet_cycle, pl.observe
+    pl.quiet_cycle = lambda *a, **k: calls.append("q") or quiet(*a, **k)
+    pl.observe = lambda *a, **k: calls.append("o") or observe(*a, **k)
+    n, seconds = 0, 0.0
+    for p in PROMPTS:
+        cycles, out = run(engine, prop.tokenize(p), mode="lossless", block="auto", lookup="auto")
+        assert out == ar_outputs[p], p
+        assert all(ctx.n_past <= len(engine.tokens) for ctx in engine.contexts.values())
+        n, seconds = n + len(cycles), seconds + sum(c.seconds for c in cycles)
+    assert calls.count("o") < n / 3 and calls.count("q") < n / 3, (calls.count("o"), calls.count("q"), n)
+    assert pl.elapsed == pytest.approx(seconds)      # (the regret budget's time counts the lanes' cycles)
+
+
 def test_quiet_runs_keep_the_exploration_rate():
     """While ar is the choice the planner hands out runs of ar cycles up to the next exploration draw
     (a geometric gap) or replan without doing anything else; explorations still come at the configured
