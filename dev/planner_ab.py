@@ -13,7 +13,10 @@ Variants (VARIANTS below): `default` (the code as it is), `no-climb` (planner.CL
 waits for exploration draws), `no-explore` (explore = 0: no exploration draws or probes),
 `sample-32` (ar cycles of a clear run sampled 1 in 32 instead of AR_SAMPLE_CLEAR), `no-floor` (lookup
 explorations at any expected rate, EXPLORE_FLOOR = 0), `no-lookup` (Settings lookup = 0: MARS blocks
-alone), `no-lookup-explore` (both off: what `lossless` costs where it can only run `ar`).
+alone), `no-lookup-explore` (both off: what `lossless` costs where it can only run `ar`), `no-lane` (planner.LANE
+off: every quiet cycle planned and observed), `draws-planned` (every exploration draw of a clear run
+handed to plan_cycle, as before Planner._explorable), `bare` (lookup and exploring off, and neither
+quiet_cycle nor observe called: the floor of what `lossless` costs beside `ar` in this engine).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ VARIANTS = {
     "sample-32": ({"AR_SAMPLE_CLEAR": 32}, {}),
     "no-floor": ({"EXPLORE_FLOOR": 0.0}, {}),
     "no-lane": ({"LANE": False}, {}),
+    "draws-planned": ({}, {"_explorable": lambda *a: True}),
     "no-lookup": ({}, {}, {"lookup": 0}),
     "no-lookup-explore": ({}, {"explore": 0.0}, {"lookup": 0}),
     "no-lookup-explore-lane": ({"LANE": False}, {"explore": 0.0}, {"lookup": 0}),

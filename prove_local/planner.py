@@ -1185,16 +1185,19 @@ class Planner:
             return False
         if lookup is not None:
             if self._lookup_due.pop(key, False) or self.explore > 0.0 and self.rng.random() < self.explore:
-                if self._clear.get(key) != pend or self._budget_left():
+                clear = self._clear.get(key) == pend
+                if not clear or self._budget_left() and self._explorable(key, lookup):
                     self._lookup_draw[key] = True    # (plan_cycle's exploration draw, drawn here)
                     self._clear.pop(key, None)
                     return False
-                # a clear run whose regret budget is spent: the draw could only come out ar, after a plan
-                # that the budget would pay for (`_drew`); its lasting effects, the index's back-off and
-                # the charge (~0 here: an ar cycle's host time)
+                # a clear run whose regret budget is spent, or whose index offers no match worth exploring:
+                # the draw could only come out ar, after a plan that the budget would pay for (`_drew`); its
+                # lasting effects, the index's back-off and the charge (its host time beyond an ar cycle's)
                 self._lookup_found(key, False)
                 self._drew = True
                 self._quiet[key] = q - 1
+                if pend == 1 and LANE:
+                    self._grant(key, q - 1, True)
                 return True
             if self._clear.get(key) == pend:
                 # a clear run: the lookup table was current and had no plan at the run's start, and
@@ -1224,6 +1227,16 @@ class Planner:
             self._grant(key, q - 1, False)
         self._quiet[key] = q - 1
         return True
+
+    def _explorable(self, key: str, lookup) -> bool:
+        """Whether an exploration draw in a clear run of `key` may explore: the index offers a match at
+        least as long as the shortest worth exploring (`_LookupTable.explore_min`; plan_cycle would ask
+        it for the same). Where it does not, the draw is ar without plan_cycle: on the embedded pair
+        each such draw was a plan_cycle from cold caches (~115 us) that ended the clear run, and its
+        lane, for the few cycles of the index's back-off."""
+        tab = self._ltables.get(key)
+        need = tab.explore_min(EXPLORE_FLOOR) if self.explore_by_rate else 1
+        return need <= MAX_MATCH and self._offered(need, lookup)
 
     def _grant(self, key: str, left: int, draws: bool) -> None:
         """A lane of the cycles after this quiet one (`lane`): as many as quiet_cycle would pass with

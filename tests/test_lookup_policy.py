@@ -505,8 +505,9 @@ def test_an_exploration_draw_that_does_not_explore_is_charged_to_the_regret_budg
     """A draw hands the cycle to plan_cycle (the index caught up and asked, the table read), ~90-180 us of
     host time between the embedded pair's ~0.45 ms passes. When it does not explore, the cycle's host
     time beyond an ar cycle's is regret, so that the budget bounds what exploring costs, draws included;
-    a cycle without a draw is charged nothing. In a clear run (no plan) whose budget is spent, a draw
-    stays quiet: it could only come out ar."""
+    a cycle without a draw is charged nothing. In a clear run (no plan) whose budget is spent, or
+    whose index offers no match worth exploring (Planner._explorable), a draw stays quiet, and is
+    charged: it could only come out ar."""
     from prove_local.lookup import Match
     # (t(n) = 1.25 n t(1) past n = 1: no lookup draft could beat ar, whatever its acceptance, so no
     # exploration is carried out)
@@ -521,7 +522,7 @@ def test_an_exploration_draw_that_does_not_explore_is_charged_to_the_regret_budg
     pl.explore = 1.0                                            # (every cycle draws)
     planned = []
     pl.plan_cycle = lambda *a, **k: planned.append(1) or type(pl).plan_cycle(pl, *a, **k)
-    assert next_plan(pl, offer) is AR_PLAN and planned          # the draw reached plan_cycle, explored nothing
+    assert next_plan(pl, offer) is AR_PLAN and not planned      # no draft could beat ar: nothing worth exploring
     c = cycle(AR_PLAN, 1e-3)
     c.seconds += 0.4e-3                                         # its host time: 0.3 ms over an ar cycle's
     before = pl.regret
@@ -542,6 +543,26 @@ def test_an_exploration_draw_that_does_not_explore_is_charged_to_the_regret_budg
         assert next_plan(pl, offer) is AR_PLAN
         pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
     assert not planned
+    # a flatter curve: a one-token draft at ~0.83x ar is worth exploring, not planning (a clear run); a draw reaches
+    # plan_cycle where the index offers a match, and stays quiet, charged, where it offers none
+    pl = planner(curve={1: 1e-3, 2: 1.4e-3, 16: 9e-3}, accept=0.05)
+    pl.overhead["ar"] = 0.1e-3
+    got = [Match(pos=0, length=16)]
+    for _ in range(4):
+        next_plan(pl, lambda: got[0])
+        pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
+    assert pl._clear and pl._ltables["lossless"].explore_min(0.8) <= 16
+    pl.elapsed, pl.explore = 1.0, 1.0
+    pl.explore_by_rate = True
+    pl.plan_cycle = lambda *a, **k: planned.append(1) or type(pl).plan_cycle(pl, *a, **k)
+    got[0] = None
+    assert next_plan(pl, lambda: got[0]) is AR_PLAN and not planned and pl._clear
+    before = pl.regret
+    pl.observe(c, "lossless")
+    assert pl.regret - before == pytest.approx(0.3e-3)
+    got[0] = Match(pos=0, length=16)
+    next_plan(pl, lambda: got[0])
+    assert planned
 
 
 def test_a_stale_lookup_table_is_made_again_only_once_a_match_may_use_it():
