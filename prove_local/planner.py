@@ -814,10 +814,10 @@ class Planner:
         (Costs.step_rest): each pass of the cycle is a step of the pool. Alone that is g / c. Beside
         G requests a proposal must pay for holding up all of them: the choice narrows as the load
         grows, on any backend. A changed load makes the next
-        cycle replan."""
-        if self._lane is not None:
-            self._settle()
+        cycle replan (and ends a lane: a load within LOAD_TOLERANCE of the last leaves it)."""
         if self.costs is not None and self.costs.set_load(load, sequences):
+            if self._lane is not None:
+                self._settle()
             self._vcosts.clear()
             if self.costs.load:
                 # another batched load: the lookup tables are priced at the old one, and are made again

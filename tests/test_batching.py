@@ -18,7 +18,7 @@ from prove_local.engine import Engine, Settings, batch_summary
 from prove_local.errors import ContextFull, LlamaError
 from prove_local.llama import Context, Model
 from prove_local.loading import Loaded
-from prove_local.planner import Planner
+from prove_local.planner import Costs, Planner
 from prove_local.pool import EnginePool
 from tests.reference import next_logits
 from tests.tiny import tiny_gguf
@@ -287,6 +287,34 @@ def test_a_batched_planner_prices_widths_against_the_step_it_joins(models, solo,
         # only when it was read again)
         assert all(ld == {} and k == 0 for _, ld, k in loads)
         assert engines[0].planner.costs.load == {} and engines[0].planner.costs.step_rest() == (0.0, 0.0)
+    finally:
+        shared.close()
+
+
+def test_batched_requests_run_their_planners_lanes_and_stay_exact(models, solo):
+    """In a pool, as alone, the quiet ar cycles of a planner that chose ar run in lanes (Planner._grant):
+    two lossless requests in flight together (without lookup drafts: a pool's load that moves makes a
+    lookup table stale, and its quiet cycles are no clear run until a match may use it), over half of
+    their cycles neither planned nor observed (a lane ends at each sampled ar cycle, 1 in 8 here),
+    each output its solo run's and each cache its committed tokens."""
+    shared, engines = shared_engines(models, 2)
+    try:
+        calls = []
+        for i, e in enumerate(engines):
+            steep = {1: 1.0, 2: 3.0, 64: 200.0}          # (nothing wider than one token pays)
+            e.planner = pl = Planner(Costs({"target": steep}), explore=0.02, seed=i)
+            quiet, observe = pl.quiet_cycle, pl.observe
+            pl.quiet_cycle = lambda *a, quiet=quiet, **k: calls.append("q") or quiet(*a, **k)
+            pl.observe = lambda *a, observe=observe, **k: calls.append("o") or observe(*a, **k)
+        jobs = [(prompt(models, 17, 12), Settings(mode="lossless", max_new=80, block="auto", lookup=0), None),
+                (prompt(models, 18, 20), Settings(mode="lossless", max_new=80, block="auto", lookup=0), None)]
+        want = [alone(solo, p, Settings(mode="ar", max_new=80)) for p, _, _ in jobs]
+        outs, cycles, errors = run_together(engines, jobs)
+        assert errors == [None, None] and outs == want
+        n = sum(len(c) for c in cycles)
+        assert sum(batched_cycles(c) for c in cycles) > n / 4
+        assert calls.count("o") < n / 2 and calls.count("q") < n / 2, (calls.count("o"), calls.count("q"), n)
+        check_caches(models, engines)
     finally:
         shared.close()
 

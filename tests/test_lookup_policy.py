@@ -371,6 +371,31 @@ def test_a_lane_leaves_the_switch_s_records_to_observe(monkeypatch):
     assert pl.lane == 0 and pl._since_wide == 1
 
 
+def test_a_batched_load_that_moves_ends_a_lane_and_one_that_does_not_keeps_it():
+    """A pool's engine hands its planner the others' load every few passes (Engine._load, Planner.set_load):
+    a load within LOAD_TOLERANCE of the one priced leaves the prices, the quiet run and the lane as they
+    are; another load is priced afresh, its first cycle replans, and the lane ends there with the cycles
+    it ran counted (`_settle`)."""
+    pl = planner()
+
+    def lane():                            # quiet ar cycles until a lane is granted
+        for _ in range(200):
+            if pl.lane:
+                return pl.lane
+            if not pl.quiet_cycle("lossless", 1, None):
+                assert pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000)[0] == AR_PLAN
+            pl.observe(cycle(AR_PLAN, 1e-3), "lossless")
+        raise AssertionError("no lane granted")
+    pl.set_load({ROLE: 4}, 4)
+    n = lane()
+    pl.lane -= 1                           # (one of its cycles run)
+    seen = pl._ar_seen
+    pl.set_load({ROLE: 5}, 5)              # within 25 %: kept
+    assert pl.lane == n - 1 and pl._quiet
+    pl.set_load({ROLE: 12}, 12)            # another load: the lane ends, its cycle counted, a replan next
+    assert pl.lane == 0 and pl._lane is None and pl._ar_seen == seen + 1 and not pl._quiet
+
+
 def test_a_quiet_run_whose_lookup_table_has_no_plan_checks_the_table_once():
     """Where the lookup table has no plan for any match (drafts do not pay), a quiet run's cycles need
     no table check after the first: nothing that could make it stale happens in an ar cycle. The check
