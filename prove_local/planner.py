@@ -1629,8 +1629,6 @@ class Planner:
                 f"cycles anyway, fix the width ({how}: about {speed:.2f}x ar's tokens/s)")
 
     def summary(self) -> dict:
-        if self._lane is not None:
-            self._settle()
         return {"current": {m: {"kind": c.kind, "width": c.width, "tokens_per_second": round(c.rate, 1)}
                             for m, c in self.current.items()},
                 "scale": dict(self.costs.scale) if self.costs else {},

@@ -310,7 +310,9 @@ def test_a_quiet_cycle_is_what_plan_cycle_would_have_planned(host, accept, offer
                           decode_seconds={ROLE: 3e-3}, seconds=3e-3, plan=plan)
             c.seconds += host
             pl.observe(c, "lossless")
-        summary = pl.summary()                 # (settles the last lane)
+        if pl._lane is not None:
+            pl._settle()                       # (the last lane's counters)
+        summary = pl.summary()
         books = (pl.elapsed, pl.regret, pl._ar_seen, pl._since_start, pl._since_wide, dict(pl._quiet), summary,
                  [list(r) for r in pl._after_wide + pl._after_start])     # (the switch's records)
         return plans, quiet, drawn, sum(waits), lanes, books
@@ -345,7 +347,8 @@ def test_a_lane_leaves_the_switch_s_records_to_observe(monkeypatch):
         n_lane = 0
         for i in range(400):
             if i % 20 == 19:              # a wider pass (as where a replan changes the choice), the lane ended
-                pl.summary()              # (which settles it)
+                if pl._lane is not None:
+                    pl._settle()
                 pl.observe(cycle(Plan(LOOKUP, lookup=1), 1.5e-3, k=1, accepted=1), "lossless")
                 continue
             if pl.lane:
@@ -356,7 +359,8 @@ def test_a_lane_leaves_the_switch_s_records_to_observe(monkeypatch):
             if not pl.quiet_cycle("lossless", 1, None):
                 assert pl.plan_cycle("lossless", {ROLE: 1}, 4, 1000, "lossless")[0] == AR_PLAN
             pl.observe(cycle(AR_PLAN, 1e-3 + 1e-5 * (i % 7)), "lossless")
-        pl.summary()
+        if pl._lane is not None:
+            pl._settle()
         return [list(r) for r in pl._after_wide + pl._after_start], pl.switch_cost(), pl.elapsed, n_lane, pl
 
     *books, none, _ = drive(False)
