@@ -15,7 +15,8 @@ waits for exploration draws), `no-explore` (explore = 0: no exploration draws or
 explorations at any expected rate, EXPLORE_FLOOR = 0), `no-lookup` (Settings lookup = 0: MARS blocks
 alone), `no-lookup-explore` (both off: what `lossless` costs where it can only run `ar`), `no-lane` (planner.LANE
 off: every quiet cycle planned and observed), `draws-planned` (every exploration draw of a clear run
-handed to plan_cycle, as before Planner._explorable), `bare` (lookup and exploring off, and neither
+handed to plan_cycle, as before Planner._explorable), `reset-cap` (after a rejected lookup draft the
+slow start's cap falls back to what was accepted + 1, LOOKUP_KEEP = 0, instead of keeping half), `bare` (lookup and exploring off, and neither
 quiet_cycle nor observe called: the floor of what `lossless` costs beside `ar` in this engine).
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ VARIANTS = {
     "sample-32": ({"AR_SAMPLE_CLEAR": 32}, {}),
     "no-floor": ({"EXPLORE_FLOOR": 0.0}, {}),
     "no-lane": ({"LANE": False}, {}),
+    "reset-cap": ({"LOOKUP_KEEP": 0.0}, {}),
     "draws-planned": ({}, {"_explorable": lambda *a: True}),
     "no-lookup": ({}, {}, {"lookup": 0}),
     "no-lookup-explore": ({}, {"explore": 0.0}, {"lookup": 0}),

@@ -55,6 +55,7 @@ BACKOFF_SHARE = 0.05                            # ... where an ar cycle's host t
 EXPLORE_FLOOR = 0.8                             # a lookup exploration's expected rate, at least this x the current choice's
 CLIMB = True                                    # a request whose drafts are accepted whole probes longer ones (observe)
 LOOKUP_START = 2                                # a request's first lookup drafts are at most this long (slow start)
+LOOKUP_KEEP = 0.5                               # ... and after a rejection, at least this share of the cap stands
 
 
 # the lookup table's slots: the score of each of the MAX_MATCH + LOOKUP_K_MAX distinct match lengths
@@ -715,7 +716,7 @@ class Planner:
             # draft miss at its first token on a text the model rewrites)
             ok = min(cycle.n_accepted, n_l)
             self._lookup_cap = min(LOOKUP_K_MAX, max(self._lookup_cap, 2 * n_l)) if ok == n_l \
-                else max(LOOKUP_START, ok + 1)
+                else max(LOOKUP_START, ok + 1, int(LOOKUP_KEEP * self._lookup_cap))
             self._lookup_missed |= ok < n_l
             # the climb: while its drafts are accepted whole, a request whose cap is below the drafts the
             # table plans gets the capped draft as a probe at each such match (`_Capped.probes`), not at

@@ -532,8 +532,10 @@ def test_the_planner_drafts_where_the_lookup_has_earned_it():
 def test_a_requests_lookup_drafts_start_short_and_grow_with_its_own_record():
     """Slow start: the engine-wide record says 8-token drafts pay, but a new request's first draft is at
     most planner.LOOKUP_START long; a draft accepted whole lets the next be twice as long as it was (short
-    drafts accepted do not raise the cap), a rejection brings it back to what was accepted + 1. (A short answer that does not copy lost 10 % to two
-    9-token misses on SmolLM2 before.)"""
+    drafts accepted do not raise the cap), a rejection brings it back to what was accepted + 1, or to
+    half the cap where that is more (planner.LOOKUP_KEEP: a request that climbed to long drafts on a
+    copy keeps drafting after one miss, as at a repeated line's end). (A short answer that does not
+    copy lost 10 % to two 9-token misses on SmolLM2 before.)"""
     from prove_local.planner import LOOKUP_START
     from prove_local.rules import Cycle
     curve = {1: 1e-3, 2: 1.2e-3, 4: 1.5e-3, 8: 2.2e-3, 16: 3.5e-3}       # cheap enough that short drafts pay too
@@ -561,6 +563,15 @@ def test_a_requests_lookup_drafts_start_short_and_grow_with_its_own_record():
     for _ in range(4):                                            # one-token drafts accepted whole...
         outcome(rules.Plan("lookup", lookup=1), 1)
     assert pl.plan("lookup", {"target": 1}, 0, 4000, lookup=long).lookup == 2   # ...earn two tokens, not 16
+    for _ in range(4):                                            # the climb: 2, 4, 8, the table's best, accepted whole
+        plan = pl.plan("lookup", {"target": 1}, 0, 4000, lookup=long)
+        outcome(plan, plan.lookup)
+    top = pl.plan("lookup", {"target": 1}, 0, 4000, lookup=long)
+    assert top.lookup > 8 and pl._lookup_cap == 16, top
+    outcome(top, 0)                                               # a miss at its first token: half the cap stands
+    assert pl.plan("lookup", {"target": 1}, 0, 4000, lookup=long).lookup == 8
+    outcome(rules.Plan("lookup", lookup=8), 0)                    # and again: half again, down to the start
+    assert pl.plan("lookup", {"target": 1}, 0, 4000, lookup=long).lookup == 4
     pl.start_request()                                            # the next request starts short again
     assert pl.plan("lookup", {"target": 1}, 0, 4000, lookup=long).lookup == LOOKUP_START
 
