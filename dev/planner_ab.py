@@ -16,7 +16,8 @@ explorations at any expected rate, EXPLORE_FLOOR = 0), `no-lookup` (Settings loo
 alone), `no-lookup-explore` (both off: what `lossless` costs where it can only run `ar`), `no-lane` (planner.LANE
 off: every quiet cycle planned and observed), `draws-planned` (every exploration draw of a clear run
 handed to plan_cycle, as before Planner._explorable), `reset-cap` (after a rejected lookup draft the
-slow start's cap falls back to what was accepted + 1, LOOKUP_KEEP = 0, instead of keeping half), `bare` (lookup and exploring off, and neither
+slow start's cap falls back to what was accepted + 1, LOOKUP_KEEP = 0, instead of keeping half),
+`explore-local` (lookup explorations judged by the request's record alone, EXPLORE_PRIOR off), `bare` (lookup and exploring off, and neither
 quiet_cycle nor observe called: the floor of what `lossless` costs beside `ar` in this engine).
 """
 from __future__ import annotations
@@ -48,6 +49,7 @@ VARIANTS = {
     "no-floor": ({"EXPLORE_FLOOR": 0.0}, {}),
     "no-lane": ({"LANE": False}, {}),
     "reset-cap": ({"LOOKUP_KEEP": 0.0}, {}),
+    "explore-local": ({"EXPLORE_PRIOR": False}, {}),
     "draws-planned": ({}, {"_explorable": lambda *a: True}),
     "no-lookup": ({}, {}, {"lookup": 0}),
     "no-lookup-explore": ({}, {"explore": 0.0}, {"lookup": 0}),

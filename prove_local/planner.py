@@ -53,6 +53,7 @@ LOOKUP_EAGER_EVERY = 4                          # after each miss, and after eve
 LOOKUP_BACKOFF = 4                              # most cycles the index is not asked after offers of no use
 BACKOFF_SHARE = 0.05                            # ... where an ar cycle's host time is this share of its pass
 EXPLORE_FLOOR = 0.8                             # a lookup exploration's expected rate, at least this x the current choice's
+EXPLORE_PRIOR = True                            # lookup explorations judged by the engine-wide record too (_lookup_table)
 CLIMB = True                                    # a request whose drafts are accepted whole probes longer ones (observe)
 LOOKUP_START = 2                                # a request's first lookup drafts are at most this long (slow start)
 LOOKUP_KEEP = 0.5                               # ... and after a rejection, at least this share of the cap stands
@@ -1419,7 +1420,18 @@ class Planner:
         rate = (l_steps * g0 + gain) / (l_steps * t0 + np.maximum(cost, 1e-12)[None, :])
         # (Python lists from here: between two passes a numpy call costs microseconds, a list item little)
         best_i, best_r = rate.argmax(axis=1).tolist(), rate.max(axis=1)
-        bests = [(i + 1, r) for i, r in zip(best_i, best_r.tolist())]     # (k, its rate) per match length
+        # what exploring goes by (`best`, `explore_min`): the better of the rates from the request's record and
+        # from the engine-wide one alone. The request's own few slots decide its plans, but they are what an
+        # exploration gathers: one early miss (1 of 3 slots, a repeated line's end) put every draft under the
+        # floor, and the request never explored again (the embedded pair's copying answer, 1 round in 4)
+        if EXPLORE_PRIOR and self._lookup_local.n_cycles:
+            a0 = st.p_rates(_TABLE_SCORES)[_TABLE_SLOTS]
+            rate0 = (l_steps * g0 + 1.0 + np.cumsum(np.cumprod(a0, axis=1), axis=1)) / (
+                l_steps * t0 + np.maximum(cost, 1e-12)[None, :])
+            ex = np.maximum(rate, rate0)
+            bests = [(i + 1, r) for i, r in zip(ex.argmax(axis=1).tolist(), ex.max(axis=1).tolist())]
+        else:
+            bests = [(i + 1, r) for i, r in zip(best_i, best_r.tolist())]     # (k, its rate) per match length
         # a k-token draft's rate were every token accepted (what exploring it can find: Choice.ceiling)
         ceilings = ((l_steps * g0 + 2.0 + np.arange(LOOKUP_K_MAX)) / (l_steps * t0 + np.maximum(cost, 1e-12))).tolist()
         rows = [plans[i] for i in best_i]

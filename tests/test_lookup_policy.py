@@ -400,6 +400,36 @@ def test_a_batched_load_that_moves_ends_a_lane_and_one_that_does_not_keeps_it():
     assert pl.lane == 0 and pl._lane is None and pl._ar_seen == seen + 1 and not pl._quiet
 
 
+def test_one_early_miss_does_not_end_a_request_s_lookup_explorations(monkeypatch):
+    """The request's own lookup record decides its plans, but explorations are what add to it: judged by
+    it alone, one early miss (a 2-token draft accepted, then a 4-token one rejected at its first slot, as
+    at a repeated line's end) put every draft under EXPLORE_FLOOR, and the request never explored again.
+    Explorations go by the better of its record's rates and the engine-wide record's (EXPLORE_PRIOR);
+    its plans still by its own."""
+    import prove_local.planner as P
+    from prove_local import lookup
+    curve = {1: 1e-3, 2: 2.04e-3, 4: 3.9e-3, 8: 7.2e-3, 16: 12.8e-3, 32: 25e-3}   # (the embedded pair's shape)
+
+    def request(prior: bool):
+        monkeypatch.setattr(P, "EXPLORE_PRIOR", prior)
+        pl = Planner(Costs({ROLE: curve}), explore=0.0)
+        pl.overhead = {"ar": 0.0, LOOKUP: 0.0}
+        for _ in range(300):                      # the engine-wide record: long matches copy
+            pl.stats_for(LOOKUP).record([lookup.score(16 + j) for j in range(16)], 0, 16, 16)
+        pl.start_request()
+        for k, ok in ((2, 2), (4, 0)):
+            c = Cycle(proposed=[5] * k, p=[lookup.score(16 + j) for j in range(k)], q=None, committed=[5] * (ok + 1),
+                      n_accepted=ok, widths={ROLE: [1 + k]}, decode_seconds={ROLE: 3e-3}, seconds=3e-3,
+                      plan=Plan(LOOKUP, lookup=k))
+            pl.observe(c, "lossless")
+        return pl._lookup_table("lossless", "lossless", {ROLE: 1}, 0)
+
+    own, both = request(False), request(True)
+    assert own.explore_min(P.EXPLORE_FLOOR) > P.MAX_MATCH          # its own 3 slots: nothing worth exploring
+    assert both.explore_min(P.EXPLORE_FLOOR) <= P.MAX_MATCH        # the engine-wide record: worth exploring
+    assert own.rows == both.rows                                     # (the plans are the request's own)
+
+
 def test_a_quiet_run_whose_lookup_table_has_no_plan_checks_the_table_once():
     """Where the lookup table has no plan for any match (drafts do not pay), a quiet run's cycles need
     no table check after the first: nothing that could make it stale happens in an ar cycle. The check
