@@ -528,6 +528,11 @@ def same_curve(a: dict, b: dict, tol: float = SAME_CURVE) -> bool:
     return offs[len(offs) // 2] <= tol
 
 
+def _narrowest(curve: dict) -> float:
+    """A cached curve's (width as a string -> seconds) narrowest pass: t(1)."""
+    return float(curve[str(min(int(n) for n in curve))])
+
+
 def recalibrate(model, options: dict, threads: int, why: str, *, budget_s: float = 0.8,
                 ns=DEFAULT_NS, in_use: float | None = None) -> dict[int, float] | None:
     """Measure the curve of `model` with `options` and `threads` again and replace its cache entry
@@ -550,14 +555,14 @@ def recalibrate(model, options: dict, threads: int, why: str, *, budget_s: float
     cache = _load_cache(path)
     key = entry_key(model, options, threads)
     entry = _entry(model, options, ns, budget_s, threads, why)
-    t1 = float(entry["curve"][str(min(int(n) for n in entry["curve"]))])
+    t1 = _narrowest(entry["curve"])
     if in_use is not None and in_use > 0 and t1 > BUSY_TOL * in_use:
         print(f"prove-local: note: {Path(model.path).name} measured again with {threads} thread(s) at "
               f"{t1 * 1e3:.3g} ms a one-token pass where its passes cost {in_use * 1e3:.3g} ms in use (a busy "
               "spell): neither cached nor used", file=sys.stderr)
         return None
     old = cache["entries"].get(key)
-    old_t1 = float(old["curve"][str(min(int(n) for n in old["curve"]))]) if old is not None else 0.0
+    old_t1 = _narrowest(old["curve"]) if old is not None else 0.0
     if old_t1 > 0 and t1 > RECAL_CACHE_TOL * old_t1:
         print(f"prove-local: note: {Path(model.path).name} measured again with {threads} thread(s) at "
               f"{t1 * 1e3:.3g} ms a one-token pass, {t1 / old_t1:.2g}x the cached curve's (a slow spell): used "

@@ -1097,7 +1097,7 @@ class Planner:
         # is expected at under EXPLORE_FLOOR x the current choice's rate could hardly change the table (on the
         # embedded pair, 1-3 token drafts at 1-7 token matches, ~0.6x `ar`, explored at ~60 % of the draws that
         # found one), and a draw that needs 2+ tokens of match costs a search of the tokens where there is none
-        ex_min = tab.explore_min(EXPLORE_FLOOR) if explore and self.explore_by_rate else (1 if explore else MAX_MATCH + 1)
+        ex_min = self._explore_need(tab) if explore else MAX_MATCH + 1
         eff = self._capped(tab)
         if not eff.any and ex_min > MAX_MATCH:
             return None
@@ -1236,9 +1236,12 @@ class Planner:
         it for the same). Where it does not, the draw is ar without plan_cycle: on the embedded pair
         each such draw was a plan_cycle from cold caches (~115 us) that ended the clear run, and its
         lane, for the few cycles of the index's back-off."""
-        tab = self._ltables.get(key)
-        need = tab.explore_min(EXPLORE_FLOOR) if self.explore_by_rate else 1
+        need = self._explore_need(self._ltables[key])
         return need <= MAX_MATCH and self._offered(need, lookup)
+
+    def _explore_need(self, tab: _LookupTable) -> int:
+        """The shortest match an exploration draw could explore at (`explore_min`; any without `explore_by_rate`)."""
+        return tab.explore_min(EXPLORE_FLOOR) if self.explore_by_rate else 1
 
     def _grant(self, key: str, left: int, draws: bool) -> None:
         """A lane of the cycles after this quiet one (`lane`): as many as quiet_cycle would pass with
@@ -1417,7 +1420,8 @@ class Planner:
         if was is not best:                      # (the MARS options changed: a replan, which rebuilds the costs)
             best, full = None, None
         # (as in rates: a cycle of P passes spans P steps of the others' G tokens and T seconds)
-        rate = (l_steps * g0 + gain) / (l_steps * t0 + np.maximum(cost, 1e-12)[None, :])
+        span = l_steps * t0 + np.maximum(cost, 1e-12)[None, :]
+        rate = (l_steps * g0 + gain) / span
         # (Python lists from here: between two passes a numpy call costs microseconds, a list item little)
         best_i, best_r = rate.argmax(axis=1).tolist(), rate.max(axis=1)
         # what exploring goes by (`best`, `explore_min`): the better of the rates from the request's record and
@@ -1426,9 +1430,7 @@ class Planner:
         # floor, and the request never explored again (the embedded pair's copying answer, 1 round in 4)
         if EXPLORE_PRIOR and self._lookup_local.n_cycles:
             a0 = st.p_rates(_TABLE_SCORES)[_TABLE_SLOTS]
-            rate0 = (l_steps * g0 + 1.0 + np.cumsum(np.cumprod(a0, axis=1), axis=1)) / (
-                l_steps * t0 + np.maximum(cost, 1e-12)[None, :])
-            ex = np.maximum(rate, rate0)
+            ex = np.maximum(rate, (l_steps * g0 + 1.0 + np.cumsum(np.cumprod(a0, axis=1), axis=1)) / span)
             bests = [(i + 1, r) for i, r in zip(ex.argmax(axis=1).tolist(), ex.max(axis=1).tolist())]
         else:
             bests = [(i + 1, r) for i, r in zip(best_i, best_r.tolist())]     # (k, its rate) per match length
