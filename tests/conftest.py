@@ -1,22 +1,35 @@
 """Session-wide test settings, and the fixtures shared by several test modules (plain helpers are in
 non-test modules: fakes.py, reference.py, tiny.py, ui_page.py)."""
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _calibration_cache_in_tmp(tmp_path_factory):
+_CACHE_BEFORE: str | None = None
+_CACHE_DIR: str | None = None
+
+
+def pytest_configure(config):
     """Pass-cost calibrations (calibrate.py) of the tests' models go to a temporary folder, never to
-    the user's ~/.cache/prove-local (subprocesses inherit the variable)."""
-    old = os.environ.get("PROVE_LOCAL_CACHE")
-    os.environ["PROVE_LOCAL_CACHE"] = str(tmp_path_factory.mktemp("prove-local-cache"))
-    yield
-    if old is None:
+    the user's ~/.cache/prove-local. Set here, before any test module is imported: a module that
+    copies os.environ at import for its subprocesses (test_rpc's ENV) inherits it too (a session
+    fixture came after collection, and `prove-local run` subprocesses wrote the tests' models into
+    the user's cache)."""
+    global _CACHE_BEFORE, _CACHE_DIR
+    _CACHE_BEFORE = os.environ.get("PROVE_LOCAL_CACHE")
+    _CACHE_DIR = os.environ["PROVE_LOCAL_CACHE"] = tempfile.mkdtemp(prefix="prove-local-cache-")
+
+
+def pytest_unconfigure(config):
+    if _CACHE_DIR is not None:
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+    if _CACHE_BEFORE is None:
         os.environ.pop("PROVE_LOCAL_CACHE", None)
     else:
-        os.environ["PROVE_LOCAL_CACHE"] = old
+        os.environ["PROVE_LOCAL_CACHE"] = _CACHE_BEFORE
 
 
 # ------------------------------------------------------------------ the chat UI (test_ui, test_sampling)

@@ -7,7 +7,10 @@ t(4) = 11,651 ms beside t(32) = 568 ms, and every later run priced 4-token passe
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +18,9 @@ from prove_local import calibrate, engine as engine_module
 from prove_local.llama import flash_attn_setting
 from prove_local.planner import Costs
 from tests.fakes import make_engine, run
+
+# what a test module sees at import (test_rpc copies os.environ then, for its `prove-local` subprocesses)
+CACHE_AT_IMPORT = os.environ.get("PROVE_LOCAL_CACHE")
 
 # SmolLM2-135M Q4_1, 2 threads: t(n)/t(1) 1.89 at 2, 2.64 at 4, 4.94 at 8 (docs/lookup.md), the rest on
 # that shape, at the level the issue's t(32) = 568 ms gives
@@ -599,3 +605,11 @@ def test_the_adapters_switches_are_measured_apart_from_its_passes():
     stalled = SwitchingContext(10e-3, 8e-3, n_past=40, stall=lambda n, k: 0.5 if (n, k) == (2, 4) else 0.0)
     assert calibrate.measure_switch(stalled, list(range(50)))["switch"] == pytest.approx(18e-3)
     assert calibrate.measure_switch(SwitchingContext(0.0, 0.0), [1, 2])["switch"] == 0.0
+
+
+def test_the_tests_calibrations_never_reach_the_users_cache():
+    """conftest points PROVE_LOCAL_CACHE at a temporary folder before any test module is imported, so
+    an environment copied at import (test_rpc's ENV) keeps the tests' models out of ~/.cache too."""
+    assert CACHE_AT_IMPORT is not None
+    assert calibrate.cache_path() == Path(CACHE_AT_IMPORT) / "calibration.json"
+    assert Path(CACHE_AT_IMPORT).resolve().is_relative_to(Path(tempfile.gettempdir()).resolve())
