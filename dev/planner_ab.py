@@ -9,6 +9,10 @@ its drafts start early or late), its median cycles, and the regret share. Separa
 
     python dev/planner_ab.py --variants default,no-climb,no-explore --rounds 30
 
+`--fresh`: every round, each variant answers the 8 prompts in a NEW engine (the model loaded once), as
+one `prove-local bench` run does: what a fresh process pays while its planner knows nothing yet. Each
+prompt is still answered by `ar` and the variant back to back in that engine (order flipping).
+
 Variants (VARIANTS below): `default` (the code as it is), `no-climb` (planner.CLIMB off: the slow start
 waits for exploration draws), `no-explore` (explore = 0: no exploration draws or probes),
 `sample-32` (ar cycles of a clear run sampled 1 in 32 instead of AR_SAMPLE_CLEAR), `no-floor` (lookup
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import json
 import statistics
 import sys
@@ -54,6 +59,17 @@ VARIANTS = {
     "no-lookup": ({}, {}, {"lookup": 0}),
     "no-lookup-explore": ({}, {"explore": 0.0}, {"lookup": 0}),
     "no-lookup-explore-lane": ({"LANE": False}, {"explore": 0.0}, {"lookup": 0}),
+    # --fresh only: a new engine whose planner starts from what a warm one learned on other questions
+    # (--prior N GSM8K train questions answered first): its statistics, costs and switch record; "+choice"
+    # also its current choices and replan state
+    "prior": ({}, {}),
+    "prior+choice": ({}, {}),
+    "prior-stats": ({}, {}),                       # the acceptance statistics alone
+    "prior-costs": ({}, {}),                       # the host-time and switch records alone
+    # --fresh only: the planner's memory on (calibrate.save_memory, in a cache folder of this run's own
+    # with a copy of the calibration): each new engine of this variant starts from what its last one
+    # left; every other variant runs with PROVE_LOCAL_MEMORY=0
+    "memory": ({}, {}),
     "bare": ({}, {"explore": 0.0, "quiet_cycle": lambda *a: True, "observe": lambda *a, **k: False}, {"lookup": 0}),
 }
 
@@ -64,17 +80,47 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--out", type=Path, default=None, help="also write the per-round ratios as JSON here")
+    ap.add_argument("--fresh", action="store_true", help="a new engine per round and variant (as each bench run)")
+    ap.add_argument("--prior", type=int, default=16, help="--fresh: train questions the prior variants' warm engine answers")
     a = ap.parse_args()
     names = a.variants.split(",")
     bad = [n for n in names if n not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown variant(s) {bad}; known: {', '.join(VARIANTS)}")
+    import os
+    import shutil
+    import tempfile
+
+    from prove_local.calibrate import cache_path
+    cache = Path(tempfile.mkdtemp(prefix="planner-ab-"))
+    if cache_path().exists():
+        shutil.copy(cache_path(), cache / "calibration.json")
+    os.environ["PROVE_LOCAL_CACHE"], os.environ["PROVE_LOCAL_MEMORY"] = str(cache), "0"
     model = Model(str(EMBEDDED_PROPOSER))
-    engine = Engine.load(model, n_ctx=4096, n_threads=1, flash_attn="auto", **kv_options(model.default_kv_type))
-    engine.prepare(Settings(mode="lossless", block="auto"))
+
+    def new_engine() -> Engine:
+        e = Engine.load(model, n_ctx=4096, n_threads=1, flash_attn="auto", **kv_options(model.default_kv_type))
+        e.prepare(Settings(mode="lossless", block="auto"))
+        return e
+
+    engine = new_engine()
     pl = engine.planner
     saved = ({k: getattr(P, k) for v in VARIANTS.values() for k in v[0]},
              {k: getattr(pl, k) for v in VARIANTS.values() for k in v[1]})
+    kinds = collections.Counter()
+    snapshot = {}
+    if any(n.startswith("prior") for n in names):
+        train = [Conversation(model).prompt_tokens(p.text) for p in load_prompts(str(DATA.parent / "train.jsonl"), a.prior)]
+        for toks in train:
+            list(engine.generate(toks, Settings(mode="lossless", max_new=a.max_new, temperature=0.0, block="auto")))
+        learned = ("stats", "overhead", "_after_wide", "_after_start", "_ar_seen")
+        choice = ("current", "age", "_settled", "_options", "_hopeless", "_fresh")
+        snapshot = {"prior": {k: copy.deepcopy(getattr(pl, k)) for k in learned},
+                    "prior+choice": {k: copy.deepcopy(getattr(pl, k)) for k in learned + choice},
+                    "prior-stats": {"stats": copy.deepcopy(pl.stats)},
+                    "prior-costs": {k: copy.deepcopy(getattr(pl, k)) for k in learned if k != "stats"}}
+        engine.close()
+        engine = new_engine()
     prompts = [Conversation(model).prompt_tokens(p.text) for p in load_prompts(str(DATA), 8)]
     arms = ["ar"] + names
     ratios = {n: [[] for _ in prompts] for n in names}
@@ -82,10 +128,14 @@ def main() -> int:
     regret = collections.Counter()
 
     def answer(arm: str, toks: list[int]):
+        pl = engine.planner
         for k, v in saved[0].items():
             setattr(P, k, v)
         for k, v in saved[1].items():
-            setattr(pl, k, v)
+            if callable(v):
+                pl.__dict__.pop(k, None)          # (a method: the planner's own again)
+            else:
+                setattr(pl, k, v)
         if arm != "ar":
             for k, v in VARIANTS[arm][0].items():
                 setattr(P, k, v)
@@ -100,10 +150,23 @@ def main() -> int:
         out = list(gen)
         regret[arm, "r"] += pl.regret - r0
         regret[arm, "e"] += pl.elapsed - e0
+        if arm != "ar":
+            for c in out:
+                label = c.plan.kind if c.plan.kind == "ar" else ("lookup" if c.plan.lookup else f"block{c.plan.block}")
+                kinds[arm, label, "cycles"] += 1
+                kinds[arm, label, "tokens"] += len(c.committed)
         return gen.request.n_tokens / gen.request.decode_seconds, len(out), [t for c in out for t in c.committed]
 
+    def one_pass(r: int, i: int, toks: list[int], arms_now: list[str]) -> dict:
+        k = (r + i) % len(arms_now)
+        order = arms_now[k:] + arms_now[:k]
+        if (r + i) % 2:
+            order = order[::-1]
+        list(engine.generate(toks, Settings(mode="ar", max_new=8, temperature=0.0)))   # (the prefill, untimed)
+        return {arm: answer(arm, toks) for arm in order}
+
     try:
-        for r in range(a.rounds + 1):
+        for r in range(a.rounds + 1 if not a.fresh else 0):
             for i, toks in enumerate(prompts):
                 k = (r + i) % len(arms)
                 order = arms[k:] + arms[:k]
@@ -119,8 +182,25 @@ def main() -> int:
                     ratios[n][i].append(res[n][0] / res["ar"][0])
                     cycles[n][i].append(res[n][1])
             print(f"round {r}/{a.rounds}", file=sys.stderr, flush=True)
+        for r in range(a.rounds if a.fresh else 0):
+            for n in (names if r % 2 == 0 else names[::-1]):
+                engine.close()
+                os.environ["PROVE_LOCAL_MEMORY"] = "1" if n == "memory" else "0"
+                engine = new_engine()
+                for k, v in snapshot.get(n, {}).items():
+                    setattr(engine.planner, k, copy.deepcopy(v))
+                for i, toks in enumerate(prompts):
+                    res = one_pass(r, i, toks, ["ar", n])
+                    if res[n][2] != res["ar"][2]:
+                        raise SystemExit(f"prompt {i}: {n}'s tokens differ from ar's")
+                    ratios[n][i].append(res[n][0] / res["ar"][0])
+                    cycles[n][i].append(res[n][1])
+                engine.close()                  # (its memory written while the variant's setting holds)
+                os.environ["PROVE_LOCAL_MEMORY"] = "0"
+            print(f"round {r + 1}/{a.rounds}", file=sys.stderr, flush=True)
     finally:
         engine.close()
+        shutil.rmtree(cache, ignore_errors=True)
     out = {}
     for n in names:
         per_round = [statistics.median(ratios[n][i][r] for i in range(len(prompts))) for r in range(a.rounds)]
@@ -134,6 +214,9 @@ def main() -> int:
               + "   means " + " ".join(f"{x:.3f}" for x in out[n]["prompts_mean"])
               + "   cycles " + " ".join(f"{x:.0f}" for x in out[n]["cycles"])
               + f"   regret {100 * out[n]['regret_share']:.2f} %")
+        shares = {lab: (kinds[n, lab, "cycles"], kinds[n, lab, "tokens"]) for (v, lab, f) in kinds if v == n and f == "cycles"}
+        out[n]["kinds"] = shares
+        print("            " + "  ".join(f"{lab}: {c} cycles {t} tokens" for lab, (c, t) in sorted(shares.items())))
     if a.out:
         a.out.write_text(json.dumps(out, indent=1))
     return 0

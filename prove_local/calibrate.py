@@ -117,6 +117,61 @@ def _save_cache(path: Path, data: dict) -> None:
         print(f"prove-local: note: could not write the calibration cache {path}: {e}", file=sys.stderr)
 
 
+# ------------------------------------------------------------------------------- the planner's memory
+# What an engine's planner learned (Planner.memory: acceptance statistics, host time per cycle kind, the
+# switch's record), kept per models, options and build beside the calibration cache, so that a new
+# process starts where the last one on this machine left off instead of from nothing: new engines ran
+# the embedded pair's GSM8K questions at 0.947x `ar` per question without it and 0.975x with it
+# (dev/planner_ab.py --fresh; as the issue's bench command in fresh processes 0.954x and 0.964x:
+# docs/planner.md, "The planner's memory"). llama.cpp's lookup keeps its dynamic n-gram cache across
+# runs in a file the same way (--lookup-cache-dynamic).
+MEMORY_EVERY_S = 60.0     # an engine writes its memory at the end of a request at most this often (and when closed)
+
+
+def memory_path() -> Path:
+    return cache_path().with_name("planner-memory.json")
+
+
+def memory_enabled() -> bool:
+    """PROVE_LOCAL_MEMORY=0 turns the planner's memory off (every process starts from nothing)."""
+    return os.environ.get("PROVE_LOCAL_MEMORY", "1").strip().lower() not in ("0", "off", "no", "false")
+
+
+def _read_memory(path: Path, quiet: bool = False) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and isinstance(data.get("entries"), dict):
+            return data
+        why = "not a {\"entries\": {...}} object"
+    except FileNotFoundError:
+        return {"entries": {}}
+    except (OSError, ValueError) as e:
+        why = str(e)
+    if not quiet:
+        print(f"prove-local: note: the planner memory {path} could not be read ({why}); starting without it "
+              "(it is written anew)", file=sys.stderr)
+    return {"entries": {}}
+
+
+def load_memory(key: str) -> dict | None:
+    """The planner memory saved under `key` (None: none, or the file is unreadable: a note says so)."""
+    return _read_memory(memory_path())["entries"].get(key)
+
+
+def save_memory(key: str, memory: dict) -> None:
+    """Keep `memory` under `key` (the other entries stay; those of changed or deleted model files go)."""
+    path = memory_path()
+    data = _read_memory(path, quiet=True)
+    data["entries"][key] = {**memory, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    _prune(data)
+    try:
+        text = json.dumps(data, sort_keys=True, allow_nan=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, text)
+    except (OSError, TypeError, ValueError) as e:    # (a cache: decoding goes on without it)
+        print(f"prove-local: note: could not write the planner memory {path}: {e}", file=sys.stderr)
+
+
 # ------------------------------------------------------------------------------- checking a curve
 # A pass-cost curve is checked before it is trusted (measured now, or read from the cache): one stall
 # of the machine during a calibration (a browser, a laptop waking up) once cached SmolLM2's t(4) as

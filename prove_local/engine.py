@@ -15,7 +15,8 @@ from typing import Iterator
 
 
 from . import constrain, modes, rules, sampling
-from .calibrate import SAME_CURVE, calibrate, recalibrate, recheck_threads, same_curve, switch_cost
+from .calibrate import (MEMORY_EVERY_S, SAME_CURVE, calibrate, entry_key, load_memory, memory_enabled, memory_path,
+                        model_key, recalibrate, recheck_threads, same_curve, save_memory, switch_cost)
 from .errors import ContextFull, EngineBusy, ModeError
 from .llama import Adapter, Context, Model
 from .lookup import NgramIndex
@@ -133,6 +134,10 @@ class Engine:
         self.member = None
         self._load_read: tuple | None = None       # (the target's n_decode, the load) of the last reading
         self._load_priced: tuple | None = None     # (the load, the planner's costs) it was last given
+        # the planner's memory (calibrate.save_memory): its key once recalled, and when and at which
+        # planner.elapsed it was last written
+        self._memory_key: str | None = None
+        self._memory_saved: tuple[float, float] | None = None
 
     def close(self) -> None:
         """Free the contexts (their KV caches), each before its model; the models stay (they belong
@@ -141,6 +146,8 @@ class Engine:
         Engine.load(...) as engine:` closes it at the end of the block."""
         if self.active is not None:
             self._release(self.active)
+        if not self.closed:
+            self.save_memory(force=True)
         for ctx in self.contexts.values():
             close = getattr(ctx, "close", None)       # (the tests' fake contexts have none)
             if close is not None:
@@ -205,6 +212,7 @@ class Engine:
         if getattr(target, "adapter", None) is not None:   # a gated adapter: what its switches cost
             self.planner.costs.adapter_switch = switch_cost(target.model, target.adapter, self.context_options,
                                                     target.n_threads, refresh=refresh)
+        self._recall_memory()
 
     def adopt_calibration(self, other: "Engine") -> bool:
         """Take the calibrated pass costs of `other`, an engine on the same models with the same options
@@ -225,7 +233,46 @@ class Engine:
             curves[role] = self._thread_curves[role][th]
         self.planner.costs = Costs(curves)
         self.planner.costs.adapter_switch = other.planner.costs.adapter_switch
+        self._recall_memory()
         return True
+
+    def memory_key(self) -> str:
+        """The planner memory's key: the target's calibration key (model file, options, threads, build),
+        whether the contexts are a batched pool's, the adapter's and the other roles' model files."""
+        target = self.contexts["target"]
+        key = [entry_key(target.model, self.context_options, target.n_threads), "memory",
+               "pool" if self.member is not None else "solo"]
+        adapter = getattr(target, "adapter", None)
+        if adapter is not None:
+            key.append("adapter=" + model_key(adapter))
+        key += [f"{role}={model_key(self.contexts[role].model)}" for role in ("verifier", "draft") if role in self.contexts]
+        return "|".join(key)
+
+    def _recall_memory(self) -> None:
+        """The planner starts from the memory an earlier engine left (calibrate.load_memory), once, before
+        it observed anything; an entry that does not check out is left unused, with a note."""
+        if self.context_options is None or self._memory_key is not None or not memory_enabled() \
+                or self.planner.elapsed > 0:
+            return
+        self._memory_key = self.memory_key()
+        data = load_memory(self._memory_key)
+        if data is not None:
+            why = self.planner.recall(data)
+            if why is not None:
+                print(f"prove-local: note: the planner memory of {self.name} in {memory_path()} is not used: {why}",
+                      file=sys.stderr)
+
+    def save_memory(self, force: bool = False) -> None:
+        """Write the planner's memory (Planner.memory) if it learned anything since it was last written,
+        and, unless `force`, MEMORY_EVERY_S have passed (the end of each request calls it)."""
+        if self._memory_key is None or not memory_enabled():
+            return
+        now, seen = time.monotonic(), self.planner.elapsed
+        last = self._memory_saved
+        if seen <= (last[1] if last else 0.0) or not force and last is not None and now - last[0] < MEMORY_EVERY_S:
+            return
+        save_memory(self._memory_key, self.planner.memory())
+        self._memory_saved = (now, seen)
 
     def _recheck_threads(self) -> None:
         """Passes cost many times their calibrated t(n): choose the thread count again on the live
@@ -500,6 +547,7 @@ class Engine:
         if self.active is req:
             self._sync()
             self.active = None
+            self.save_memory()
 
     def _run(self, req: "Request") -> Iterator[rules.Cycle]:
         member = self.member

@@ -74,6 +74,8 @@ SWITCH_REPRICE = 0.1                            # a lookup table whose switch pr
 LANE = True                                     # quiet ar cycles granted in runs the engine counts down (grant)
 AFTER_EXPLORATION = 8                           # cycles after an exploration whose excess time is charged to it
 CATCH_UP = 2                                    # a partner's pending tokens counted in its planned pass
+MEMORY_VERSION = 1                              # Planner.memory's format
+MEMORY_SWITCH_WEIGHT = 8                        # recalled switch records count as at most this many cycles
 LOAD_TOLERANCE = 0.25                           # a step's load must move by more than this share to replan
 
 
@@ -422,6 +424,17 @@ class SlotStats:
         b = self._bin(np.asarray(p, dtype=float))
         return (np.asarray(self.bin_accepted)[b] + self.centers[b] * self.weight) / (np.asarray(self.bin_tested)[b] + self.weight)
 
+    def counts(self) -> dict:
+        """The counts, as plain data (Planner.memory)."""
+        return {"tested": self.tested, "accepted": self.accepted, "bin_tested": self.bin_tested,
+                "bin_accepted": self.bin_accepted, "n_cycles": self.n_cycles}
+
+    def set_counts(self, d: dict) -> None:
+        """Counts from `counts()` (checked by Planner.recall)."""
+        self.tested, self.accepted = [float(x) for x in d["tested"]], [float(x) for x in d["accepted"]]
+        self.bin_tested, self.bin_accepted = [float(x) for x in d["bin_tested"]], [float(x) for x in d["bin_accepted"]]
+        self.n_cycles = int(d["n_cycles"])
+
     def summary(self, n: int = 16) -> dict:
         return {"slot_rate": [round(float(x), 3) for x in self.slot_rates(n)],
                 "slot_tested": [round(float(x), 1) for x in self.tested[:n]],
@@ -621,6 +634,7 @@ class Planner:
         self._lookup_missed = False                   # a lookup draft missed since the table was made
         self._climb = False                           # the request's last lookup draft was accepted whole
         self.lookup_need = 1                          # the shortest lookup match the next offer may use
+        self.recalled: str | None = None              # when the memory it started from was written (recall)
 
     # ---------------------------------------------------------------------- statistics
     def start_request(self) -> None:
@@ -640,6 +654,73 @@ class Planner:
         self._clear.clear()
         self._since_wide = 1                      # the prompt's prefill was a wide pass
         self._since_start = 0
+
+    # ---------------------------------------------------------------------- memory
+    def memory(self) -> dict:
+        """What this planner learned that a later process on the same models, options and machine may
+        start from (engine.py keeps it beside the calibration cache): the acceptance statistics of the
+        model's proposal slots (per mode key), the host time per cycle kind, and the ar passes' record
+        after wider passes and after the prefill (the switch). Not the lookup drafts' record: their
+        acceptance is the text's, not the model's (it forgets ~40x faster, LOOKUP_DECAY), and a
+        record left by answers that did not copy kept the next process's copying answer from drafting
+        (the embedded pair's fifth question in fresh engines: 1.06x `ar` with a warm engine's whole
+        record copied in, 1.28x with its costs alone, dev/planner_ab.py --fresh). Not the regret
+        budget's account, the choices or anything of a request: a new process still explores within its
+        own budget. Plain JSON data."""
+        return {"version": MEMORY_VERSION,
+                "stats": {k: st.counts() for k, st in self.stats.items() if k != LOOKUP},
+                "overhead": [[k, v] if isinstance(k, str) else [list(k), v] for k, v in self.overhead.items()],
+                "after_wide": [list(r) for r in self._after_wide],
+                "after_start": [list(r) for r in self._after_start]}
+
+    def recall(self, data) -> str | None:
+        """Start from `data` (a `memory()`, read back): nothing is taken unless all of it checks out.
+        Returns None, or why it was not taken. The switch records count as at most MEMORY_SWITCH_WEIGHT
+        cycles, so that this process's own passes take over within a few cycles where the machine's
+        speed moved since (the statistics forget as they always do)."""
+        def number(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+        def records(rs) -> bool:
+            return isinstance(rs, list) and len(rs) == SWITCH_AFTER + 1 and all(
+                isinstance(r, list) and len(r) == 2 and number(r[0]) and number(r[1]) for r in rs)
+
+        if not isinstance(data, dict) or data.get("version") != MEMORY_VERSION:
+            return f"version {data.get('version') if isinstance(data, dict) else None!r}, not {MEMORY_VERSION}"
+        stats, overhead = data.get("stats"), data.get("overhead")
+        if not isinstance(stats, dict) or not isinstance(overhead, list):
+            return "no 'stats' object or 'overhead' list"
+        for key, d in stats.items():
+            lens = {"tested": N_SLOTS, "accepted": N_SLOTS, "bin_tested": None, "bin_accepted": None}
+            if not isinstance(d, dict) or not all(isinstance(d.get(f), list) and all(map(number, d[f]))
+                                                  and (n is None or len(d[f]) == n) for f, n in lens.items()) \
+                    or len(d["bin_tested"]) != len(d["bin_accepted"]) or not number(d.get("n_cycles")) \
+                    or any(a > t + 1e-9 for a, t in zip(d["accepted"] + d["bin_accepted"], d["tested"] + d["bin_tested"])):
+                return f"stats[{key!r}] is not a slot record"
+        for item in overhead:
+            ok = isinstance(item, list) and len(item) == 2 and number(item[1]) and (
+                isinstance(item[0], str) or isinstance(item[0], list) and len(item[0]) == 2
+                and isinstance(item[0][0], str) and isinstance(item[0][1], int))
+            if not ok:
+                return f"overhead entry {item!r} is not [kind or [kind, width], seconds]"
+        if not records(data.get("after_wide")) or not records(data.get("after_start")):
+            return "the switch records are not [seconds, count] pairs"
+        for key, d in stats.items():
+            if key == LOOKUP:
+                continue                        # (the text's: see memory)
+            st = self.stats_for(key)
+            if len(d["bin_tested"]) != st.bins:
+                continue                        # (a record of another binning: this process learns it anew)
+            st.set_counts(d)
+        self.overhead.update({(k if isinstance(k, str) else (k[0], k[1])): float(v) for k, v in overhead})
+        for name in ("after_wide", "after_start"):
+            setattr(self, "_" + name, [[float(m), int(min(n, MEMORY_SWITCH_WEIGHT))] for m, n in data[name]])
+        self._bin_rates = None
+        self._vcosts.clear()
+        self._ltables.clear()
+        self._fresh.clear()
+        self.recalled = str(data.get("when") or "unknown")
+        return None
 
     def stats_for(self, mode: str) -> SlotStats:
         if mode not in self.stats:
@@ -1650,6 +1731,7 @@ class Planner:
                 "adapter_switch_ms": round(self.costs.adapter_switch * 1e3, 2) if self.costs else 0.0,
                 "shape": {r: self.costs.shape_summary(r) for r in self.costs.base} if self.costs else {},
                 "exploration_regret_share": round(self.regret / self.elapsed, 4) if self.elapsed else 0.0,
+                "memory_from": self.recalled,             # (None: this engine started from nothing)
                 "overhead_us": {k if isinstance(k, str) else f"{k[0]}@{k[1]}": round(v * 1e6, 1)
                                 for k, v in sorted(self.overhead.items(), key=str)},
                 "stats": {m: s.summary() for m, s in self.stats.items()}}

@@ -1,0 +1,117 @@
+"""#32's own benchmark command, `prove-local bench --modes ar,lossless --threads 1 --data
+../shared/datasets/gsm8k/test_dev.jsonl --limit 8`, run again and again as fresh processes, in two arms
+taking turns (the order flipping each pair): with the planner's memory (calibrate.save_memory: each
+process starts from what the one before it learned; the first from nothing) and without it
+(PROVE_LOCAL_MEMORY=0: every process starts from nothing, as before the memory existed). Both arms
+read one copy of the user's calibration cache (the same pass curves; nothing measured again unless
+it is missing), in a folder of their own, so the user's memory is neither read nor written.
+
+Per run: per question `ar` seconds / `lossless` seconds (the same question's two answers in one
+process, seconds apart), their median over the 8 questions, and the ratio of the summed seconds
+(totals); per arm the median over runs. Every `lossless` answer is checked equal to `ar`'s.
+
+    python scripts/issue_command.py --runs 12 --out docs/bench/issue-command-v3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DATA = ROOT.parent / "shared" / "datasets" / "gsm8k" / "test_dev.jsonl"
+ARMS = ("memory", "no-memory")
+
+
+def read_run(folder: Path) -> dict:
+    """Per question (in order) the two answers' seconds and lossless' tokens per cycle, from a bench
+    folder's generations.jsonl."""
+    by = {}
+    for line in (folder / "generations.jsonl").read_text().splitlines():
+        g = json.loads(line)
+        by[g["prompt"], g["run"]] = g
+    prompts = list(dict.fromkeys(p for p, _ in by))
+    out = []
+    for p in prompts:
+        ar, ll = by[p, "ar"], by[p, "lossless"]
+        if ar["tokens"] != ll["tokens"]:
+            raise SystemExit(f"{folder}: question {p}: lossless' tokens differ from ar's")
+        out.append({"prompt": p, "ar_s": ar["seconds"], "lossless_s": ll["seconds"], "ratio": ar["seconds"] / ll["seconds"],
+                    "tokens": len(ar["tokens"]), "tokens_per_cycle": len(ll["tokens"]) / max(1, len(ll["cycles"]))})
+    return {"per_prompt": out, "median": statistics.median(q["ratio"] for q in out),
+            "totals": sum(q["ar_s"] for q in out) / sum(q["lossless_s"] for q in out),
+            "ar_tokens_per_s": sum(q["tokens"] for q in out) / sum(q["ar_s"] for q in out)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=12, help="runs per arm")
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    from prove_local.calibrate import cache_path   # (after the arguments: --help loads no llama.cpp)
+    from prove_local.files import write_atomic
+
+    work = Path(tempfile.mkdtemp(prefix="issue-command-"))
+    cache = work / "cache"
+    cache.mkdir()
+    if cache_path().exists():
+        shutil.copy(cache_path(), cache / "calibration.json")
+    command = ["prove-local", "bench", "--modes", "ar,lossless", "--threads", "1", "--data", a.data,
+               "--limit", str(a.limit), "--no-plots"]
+    runs = []
+    try:
+        for i in range(a.runs):
+            for arm in (ARMS if i % 2 == 0 else ARMS[::-1]):
+                folder = work / f"{arm}-{i + 1}"
+                env = {**os.environ, "PROVE_LOCAL_CACHE": str(cache), "PROVE_LOCAL_MEMORY": "1" if arm == "memory" else "0"}
+                t0 = time.strftime("%H:%M:%S", time.gmtime())
+                subprocess.run(command + ["--out", str(folder)], env=env, check=True, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+                r = {"arm": arm, "run": i + 1, "started_utc": t0, **read_run(folder)}
+                runs.append(r)
+                print(f"{arm:10s} run {i + 1:2d}/{a.runs}: per question {r['median']:.3f}, totals {r['totals']:.3f}, "
+                      f"ar {r['ar_tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    arms = {}
+    for arm in ARMS:
+        rs = [r for r in runs if r["arm"] == arm]
+        n_q = len(rs[0]["per_prompt"])
+        arms[arm] = {"median": statistics.median(r["median"] for r in rs), "totals": statistics.median(r["totals"] for r in rs),
+                     "per_prompt": [statistics.median(r["per_prompt"][q]["ratio"] for r in rs) for q in range(n_q)],
+                     "tokens_per_cycle": [statistics.median(r["per_prompt"][q]["tokens_per_cycle"] for r in rs)
+                                          for q in range(n_q)]}
+    a.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(a.out / "results.json", json.dumps({"command": " ".join(command), "arms": arms, "runs": runs}, indent=1))
+    lines = [f"# `{' '.join(command)}`, fresh processes, with and without the planner's memory", "",
+             f"`python scripts/issue_command.py --runs {a.runs} --out {a.out}`; {len(runs)} runs, "
+             f"{runs[0]['started_utc']}–{runs[-1]['started_utc']} UTC {time.strftime('%Y-%m-%d', time.gmtime())}. "
+             "Ratios: `ar` seconds / `lossless` seconds; *per question*: the median over the questions of one run; "
+             "*totals*: summed seconds. Every answer equal to `ar`'s.", "",
+             "| arm | per question (median over runs) | totals (median over runs) | per question, each question |",
+             "|---|---:|---:|---|"]
+    for arm, s in arms.items():
+        lines.append(f"| {arm} | **{s['median']:.3f}** | {s['totals']:.3f} | " + " ".join(f"{x:.2f}" for x in s["per_prompt"]) + " |")
+    lines += ["", "| run | arm | started (UTC) | per question | totals | `ar` tokens/s | lossless tokens/cycle, each question |",
+              "|---:|---|---|---:|---:|---:|---|"]
+    for r in runs:
+        lines.append(f"| {r['run']} | {r['arm']} | {r['started_utc']} | {r['median']:.3f} | {r['totals']:.3f} | "
+                     f"{r['ar_tokens_per_s']:.0f} | " + " ".join(f"{q['tokens_per_cycle']:.2f}" for q in r["per_prompt"]) + " |")
+    write_atomic(a.out / "summary.md", "\n".join(lines) + "\n")
+    print("\n".join(lines[4:6 + len(arms)]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
