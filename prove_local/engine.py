@@ -264,14 +264,17 @@ class Engine:
 
     def save_memory(self, force: bool = False) -> None:
         """Write the planner's memory (Planner.memory) if it learned anything since it was last written,
-        and, unless `force`, MEMORY_EVERY_S have passed (the end of each request calls it)."""
+        and, unless `force`, MEMORY_EVERY_S have passed (the end of each request calls it). Under the key
+        of the engine as it is now (its thread count may have been chosen again since it was read)."""
         if self._memory_key is None or not memory_enabled():
             return
-        now, seen = time.monotonic(), self.planner.elapsed
+        pl = self.planner
+        now, seen = time.monotonic(), pl.elapsed + sum(st.n_cycles for st in pl.stats.values())
         last = self._memory_saved
         if seen <= (last[1] if last else 0.0) or not force and last is not None and now - last[0] < MEMORY_EVERY_S:
             return
-        save_memory(self._memory_key, self.planner.memory())
+        self._memory_key = self.memory_key()
+        save_memory(self._memory_key, pl.memory())
         self._memory_saved = (now, seen)
 
     def _recheck_threads(self) -> None:

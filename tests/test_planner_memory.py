@@ -179,3 +179,15 @@ def test_a_batched_pools_engines_keep_a_memory_of_their_own_kind(prop, cache_dir
             engine.prepare(s)
             assert engine.memory_key() == key
             assert engine.planner.overhead == saved.overhead
+
+
+def test_fixed_width_cycles_teach_the_memory_too(prop, cache_dir):
+    """A request with a fixed block is not planned, but its cycles are observed (the slots' acceptance):
+    what they taught is written as well."""
+    with Engine.load(prop, **dict(F32, n_threads=None)) as engine:      # (threads left open: calibrated)
+        out = [t for c in engine.generate(prop.tokenize(PROMPTS[1]), Settings(mode="lossless", block=4, max_new=16))
+               for t in c.committed]
+        assert out == greedy_ar(prop, prop.tokenize(PROMPTS[1]), 16, **F32)
+        assert engine.planner.elapsed == 0 and engine.planner.stats["lossless"].n_cycles > 0
+    (entry,) = json.loads(calibrate.memory_path().read_text())["entries"].values()
+    assert entry["stats"]["lossless"]["n_cycles"] == engine.planner.stats["lossless"].n_cycles
