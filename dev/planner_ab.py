@@ -70,6 +70,7 @@ VARIANTS = {
     # with a copy of the calibration): each new engine of this variant starts from what its last one
     # left; every other variant runs with PROVE_LOCAL_MEMORY=0
     "memory": ({}, {}),
+    "memory-cold": ({"WARM": False}, {}),          # the memory on, the first plans made by the first request (not at prepare)
     "bare": ({}, {"explore": 0.0, "quiet_cycle": lambda *a: True, "observe": lambda *a, **k: False}, {"lookup": 0}),
 }
 
@@ -185,7 +186,9 @@ def main() -> int:
         for r in range(a.rounds if a.fresh else 0):
             for n in (names if r % 2 == 0 else names[::-1]):
                 engine.close()
-                os.environ["PROVE_LOCAL_MEMORY"] = "1" if n == "memory" else "0"
+                os.environ["PROVE_LOCAL_MEMORY"] = "1" if n.startswith("memory") else "0"
+                for k, v in saved[0].items():
+                    setattr(P, k, VARIANTS[n][0].get(k, v))      # (the variant's constants at prepare too)
                 engine = new_engine()
                 for k, v in snapshot.get(n, {}).items():
                     setattr(engine.planner, k, copy.deepcopy(v))

@@ -527,6 +527,18 @@ class Engine:
         threads_open = self.context_options is not None and self.context_options.get("n_threads") is None
         if (auto or threads_open) and self.planner.costs is None:
             self.calibrate()        # (also picks the thread count of small models when --threads is not set)
+        mode = MODES[s.mode]
+        if auto and set(mode.roles) == {"target"}:
+            # what the first request's first plans would make (Planner.warm), at the pending tokens its first
+            # cycle has (the prefill leaves one); not for modes with a partner model, whose first cycle
+            # prices the partner's catch-up (it is prefilled only when the planner uses it)
+            pending = {"target": 1}
+            if rules.gated(self.contexts["target"]):
+                pending[modes.GATED] = 1
+            block = (s.block if isinstance(s.block, int) else self.block_size) \
+                if self.mask_token is not None or not mode.needs_mask else 0
+            self.planner.warm(s.mode, pending, block, mode.key(s),
+                              lookup=lookup_on(s, self.mask_token is not None) and s.lookup == "auto")
         return auto
 
     def _watched(self, req: "Request", cycle: rules.Cycle) -> bool:

@@ -74,6 +74,7 @@ SWITCH_REPRICE = 0.1                            # a lookup table whose switch pr
 LANE = True                                     # quiet ar cycles granted in runs the engine counts down (grant)
 AFTER_EXPLORATION = 8                           # cycles after an exploration whose excess time is charged to it
 CATCH_UP = 2                                    # a partner's pending tokens counted in its planned pass
+WARM = True                                     # the first plans made at prepare (Planner.warm)
 MEMORY_VERSION = 1                              # Planner.memory's format
 MEMORY_SWITCH_WEIGHT = 8                        # recalled switch records count as at most this many cycles
 LOAD_TOLERANCE = 0.25                           # a step's load must move by more than this share to replan
@@ -654,6 +655,23 @@ class Planner:
         self._clear.clear()
         self._since_wide = 1                      # the prompt's prefill was a wide pass
         self._since_start = 0
+
+    def warm(self, mode: str, pending: dict, block_max: int, key: str | None = None, lookup: bool = False) -> None:
+        """Make now what a fresh planner's first request would make before its first plans (Engine.prepare
+        calls it, before anything is timed, as it calibrates): the options and the current choice at the
+        prefill's pending tokens (`_replan`, and the layouts it caches) and, for a request with lookup
+        drafts, the lookup table of an empty request record (`_fresh`: where every request starts). A
+        fresh engine's first request spent ~1.2 ms of its planner time on these (embedded pair, first of
+        the 8 GSM8K questions, ~40 ms of decoding); made at prepare, that question ran 0.981 and 1.010x
+        `ar` against 0.956 and 0.918x in two runs (dev/planner_ab.py --fresh, variant memory-cold), the
+        other questions within noise. A no-op once made (each request's prepare calls it)."""
+        key = key or mode
+        if self.costs is None or not WARM:
+            return
+        if MODES[mode].width is not None and block_max >= 1 and key not in self.current:
+            self._replan(mode, pending, min(block_max, N_SLOTS), key, None)
+        if lookup and key not in self._fresh and self._lookup_local.n_cycles == 0:
+            self._ltables[key] = self._lookup_table(mode, key, pending, block_max)
 
     # ---------------------------------------------------------------------- memory
     def memory(self) -> dict:

@@ -1,6 +1,7 @@
-"""The planner's memory (Planner.memory / recall, calibrate.save_memory / load_memory, Engine): what an
-engine learned is kept beside the calibration cache and a new engine on the same models starts from it;
-a bad file or entry is reported and left unused, never trusted; PROVE_LOCAL_MEMORY=0 turns it off."""
+"""How a new engine's planner starts. Its memory (Planner.memory / recall, calibrate.save_memory /
+load_memory, Engine): what an engine learned is kept beside the calibration cache and a new engine on the
+same models starts from it; a bad file or entry is reported and left unused, never trusted;
+PROVE_LOCAL_MEMORY=0 turns it off. Its first plans, made at prepare (Planner.warm)."""
 import json
 import math
 
@@ -191,3 +192,20 @@ def test_fixed_width_cycles_teach_the_memory_too(prop, cache_dir):
         assert engine.planner.elapsed == 0 and engine.planner.stats["lossless"].n_cycles > 0
     (entry,) = json.loads(calibrate.memory_path().read_text())["entries"].values()
     assert entry["stats"]["lossless"]["n_cycles"] == engine.planner.stats["lossless"].n_cycles
+
+
+def test_prepare_makes_the_first_plans_before_anything_is_timed(prop):
+    """Engine.prepare (front ends call it before timing) leaves the planner with the current choice and
+    the lookup table an empty request record starts from (Planner.warm), so a fresh engine's first
+    request does not make them between its passes; the output is unchanged."""
+    s = Settings(mode="lossless", block="auto", max_new=24)
+    with Engine.load(prop, **F32) as engine:
+        assert engine.prepare(s)
+        pl = engine.planner
+        assert "lossless" in pl.current and "lossless" in pl._fresh
+        replans = []
+        replan = pl._replan
+        pl._replan = lambda *a, **k: replans.append(1) or replan(*a, **k)
+        cycles = list(engine.generate(prop.tokenize(PROMPTS[1]), s))
+        assert [t for c in cycles for t in c.committed] == greedy_ar(prop, prop.tokenize(PROMPTS[1]), 24, **F32)
+        assert len(replans) <= len(cycles) // pl.replan_every       # (none at the first cycle)
