@@ -178,6 +178,13 @@ def cmd_run(args) -> int:
     if isinstance(args.block, int) and args.block >= args.ctx:     # before loading anything
         raise UsageError(f"--block {args.block} does not fit the {args.ctx}-token context (--ctx)")
     engine, model = load_engine(args)
+    try:
+        return _run(args, engine, model)
+    finally:
+        engine.close()          # (its contexts freed, and the planner's memory written: Engine.save_memory)
+
+
+def _run(args, engine, model) -> int:
     mode = args.mode or engine.default_mode()
     if args.mode is None and engine.mask_token is None:
         print(f"note: {model.path.name} has no mask token: lossless drafts by lookup only (continuations copied from "

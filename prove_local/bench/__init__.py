@@ -275,8 +275,12 @@ def _engines(args, models: dict, context_options: dict, adapter):
     """(engine, batch) for run_bench: one engine, or with --parallel N a batched pool's N engines
     (pool.py, all held for the whole run; batch = (engines, their Batcher)), closed at the end."""
     if args.parallel <= 1:
-        yield Engine.load(models["target"], models.get("verifier"), models.get("draft"), mask_token=args.mask_token,
-                          adapter=adapter, **context_options), None
+        engine = Engine.load(models["target"], models.get("verifier"), models.get("draft"), mask_token=args.mask_token,
+                             adapter=adapter, **context_options)
+        try:
+            yield engine, None
+        finally:
+            engine.close()      # (the planner's memory written: what the whole run taught it)
         return
     loaded = Loaded(models["target"], models.get("verifier"), models.get("draft"), context_options,
                     args.mask_token, adapter)
