@@ -771,9 +771,10 @@ def test_the_planner_is_offered_only_what_the_statistics_back():
     e = Engine({"target": FakeContext(records, fakes.V)}, is_eog=lambda t: t == fakes.EOS, mask_token=None,
                n_ctx=256, block_size=4)
     s = Settings(mode="lossless", block="auto", lookup="auto", max_new=40)
-    e.prepare(s)
-    e.planner.costs = Costs({"target": {1: 1e-3, 64: 1.1e-3}})        # flat passes: drafts pay
+    # flat passes: drafts pay (set before prepare, which makes the first plans with the costs it finds)
+    e.planner.costs = Costs({"target": {1: 1e-3, 64: 1.1e-3}})
     e.planner.explore = 0.0
+    e.prepare(s)
     cycles = list(e.generate(prompt, s))
     assert [t for c in cycles for t in c.committed] == want[len(prompt):]
     drafted = [t for c in cycles if c.plan.lookup for t in c.proposed]
