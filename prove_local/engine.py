@@ -134,8 +134,8 @@ class Engine:
         self.member = None
         self._load_read: tuple | None = None       # (the target's n_decode, the load) of the last reading
         self._load_priced: tuple | None = None     # (the load, the planner's costs) it was last given
-        # the planner's memory (calibrate.save_memory): its key once recalled, and when and at which
-        # planner.elapsed it was last written
+        # the planner's memory (calibrate.save_memory): its key once recalled, and when it was last written
+        # and how much the planner had learned then (seconds of planned cycles + cycles recorded)
         self._memory_key: str | None = None
         self._memory_saved: tuple[float, float] | None = None
 
@@ -273,7 +273,10 @@ class Engine:
         last = self._memory_saved
         if seen <= (last[1] if last else 0.0) or not force and last is not None and now - last[0] < MEMORY_EVERY_S:
             return
-        self._memory_key = self.memory_key()
+        try:
+            self._memory_key = self.memory_key()
+        except OSError:                         # (a model file gone meanwhile: nothing to key it by)
+            return
         save_memory(self._memory_key, pl.memory())
         self._memory_saved = (now, seen)
 

@@ -209,3 +209,19 @@ def test_prepare_makes_the_first_plans_before_anything_is_timed(prop):
         cycles = list(engine.generate(prop.tokenize(PROMPTS[1]), s))
         assert [t for c in cycles for t in c.committed] == greedy_ar(prop, prop.tokenize(PROMPTS[1]), 24, **F32)
         assert len(replans) <= len(cycles) // pl.replan_every       # (none at the first cycle)
+
+
+def test_a_model_file_gone_while_decoding_loses_only_the_memory(tmp_path, cache_dir):
+    """The memory is keyed by the model file's size and mtime: a file deleted after loading (a download
+    replaced) leaves nothing to key it by, and the request ends as usual, its output intact."""
+    import shutil
+
+    path = tmp_path / "gone.gguf"
+    shutil.copy(tiny_gguf(tmp_path / "src", seed=0), path)
+    with Model(path) as m, Engine.load(m, **F32) as engine:
+        s = Settings(mode="lossless", block="auto", max_new=12)
+        engine.prepare(s)
+        path.unlink()
+        out = [t for c in engine.generate(m.tokenize(PROMPTS[1]), s) for t in c.committed]
+        assert out == greedy_ar(m, m.tokenize(PROMPTS[1]), 12, **F32)
+    assert not calibrate.memory_path().exists() or not json.loads(calibrate.memory_path().read_text())["entries"]
