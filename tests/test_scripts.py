@@ -226,3 +226,31 @@ def test_embedded_pair_pairs_the_modes_round_by_round(tmp_path):
         assert d["tokens_per_cycle"] == pytest.approx((tpc[0] + tpc[1]) / 2) and d["tokens_per_cycle"] >= 1.0
     assert len(res["prompts_detail"]) == 2
     assert (out / "summary.md").read_text().startswith("# lossless (defaults) / ar")
+
+
+def test_issue_command_reads_a_bench_folders_answers_in_pairs(tmp_path):
+    """scripts/issue_command.py: per question `ar` seconds over `lossless` seconds (the two answers of one
+    process), their median and the summed seconds' ratio; an answer that differs from `ar`'s stops it."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("issue_command", SCRIPTS / "issue_command.py")
+    ic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ic)
+
+    def write(lossless_tokens):
+        lines = []
+        for q, (ar_s, ll_s) in enumerate([(1.0, 0.5), (1.0, 1.0), (2.0, 4.0)]):
+            for run, secs, toks in (("ar", ar_s, [1, 2, 3, 4]), ("lossless", ll_s, lossless_tokens)):
+                cycles = [{}] * (2 if run == "lossless" else 4)
+                lines.append(json.dumps({"prompt": f"q{q}", "run": run, "seconds": secs, "tokens": toks, "cycles": cycles}))
+        (tmp_path / "generations.jsonl").write_text("\n".join(lines))
+
+    write([1, 2, 3, 4])
+    r = ic.read_run(tmp_path)
+    assert [q["ratio"] for q in r["per_prompt"]] == [2.0, 1.0, 0.5]
+    assert r["median"] == 1.0 and r["totals"] == pytest.approx(4.0 / 5.5)
+    assert [q["tokens_per_cycle"] for q in r["per_prompt"]] == [2.0] * 3
+    write([1, 2, 3, 5])
+    with pytest.raises(SystemExit, match="differ"):
+        ic.read_run(tmp_path)
