@@ -108,13 +108,14 @@ def _prune(data: dict) -> None:
     data["entries"] = {k: v for k, v in data["entries"].items() if current(k)}
 
 
-def _save_cache(path: Path, data: dict) -> None:
+def _save_cache(path: Path, data: dict, what: str = "calibration cache") -> None:
     _prune(data)
     try:
+        text = json.dumps(data, indent=1, sort_keys=True, allow_nan=False)
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(data, indent=1, sort_keys=True))
-    except OSError as e:   # a read-only home must not stop decoding
-        print(f"prove-local: note: could not write the calibration cache {path}: {e}", file=sys.stderr)
+        write_atomic(path, text)
+    except (OSError, TypeError, ValueError) as e:   # a read-only home (or a value JSON cannot hold) must not stop decoding
+        print(f"prove-local: note: could not write the {what} {path}: {e}", file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------- the planner's memory
@@ -163,13 +164,7 @@ def save_memory(key: str, memory: dict) -> None:
     path = memory_path()
     data = _read_memory(path, quiet=True)
     data["entries"][key] = {**memory, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    _prune(data)
-    try:
-        text = json.dumps(data, sort_keys=True, allow_nan=False)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, text)
-    except (OSError, TypeError, ValueError) as e:    # (a cache: decoding goes on without it)
-        print(f"prove-local: note: could not write the planner memory {path}: {e}", file=sys.stderr)
+    _save_cache(path, data, "planner memory")
 
 
 # ------------------------------------------------------------------------------- checking a curve

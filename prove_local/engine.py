@@ -510,9 +510,7 @@ class Engine:
         auto = self.prepare(s)
         self.planner.start_request()
         mode = MODES[s.mode]
-        # the widest block: the fixed one, else the GGUF's; none without a mask token (lookup drafts only)
-        block = (s.block if isinstance(s.block, int) else self.block_size) if self.mask_token is not None or \
-            not mode.needs_mask else 0
+        block = self._widest_block(s)
         sampler = sampling.Sampler.for_settings(s, seed)
         watch = None
         if s.grammar is not None or s.logprobs is not None:
@@ -538,11 +536,15 @@ class Engine:
             pending = {"target": 1}
             if rules.gated(self.contexts["target"]):
                 pending[modes.GATED] = 1
-            block = (s.block if isinstance(s.block, int) else self.block_size) \
-                if self.mask_token is not None or not mode.needs_mask else 0
-            self.planner.warm(s.mode, pending, block, mode.key(s),
+            self.planner.warm(s.mode, pending, self._widest_block(s), mode.key(s),
                               lookup=lookup_on(s, self.mask_token is not None) and s.lookup == "auto")
         return auto
+
+    def _widest_block(self, s: Settings) -> int:
+        """The widest block of a request: the fixed one, else the GGUF's; none without a mask token (lookup
+        drafts only)."""
+        return (s.block if isinstance(s.block, int) else self.block_size) \
+            if self.mask_token is not None or not MODES[s.mode].needs_mask else 0
 
     def _watched(self, req: "Request", cycle: rules.Cycle) -> bool:
         """A watched request's cycle (constrain.py): its committed run cut to the tokens the grammar

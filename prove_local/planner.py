@@ -679,10 +679,10 @@ class Planner:
         start from (engine.py keeps it beside the calibration cache): the acceptance statistics of the
         model's proposal slots (per mode key), the host time per cycle kind, and the ar passes' record
         after wider passes and after the prefill (the switch). Not the lookup drafts' record: their
-        acceptance is the text's, not the model's (it forgets ~40x faster, LOOKUP_DECAY), and a
+        acceptance is the text's, not the model's (it forgets ~40x faster, LOOKUP_DECAY); with it, a
         record left by answers that did not copy kept the next process's copying answer from drafting
-        (the embedded pair's fifth question in fresh engines: 1.06x `ar` with a warm engine's whole
-        record copied in, 1.28x with its costs alone, dev/planner_ab.py --fresh). Not the regret
+        (the embedded pair's fifth question 1.09x `ar` against 1.41x without any memory: thin evidence,
+        docs/planner.md "The planner's memory"). Not the regret
         budget's account, the choices or anything of a request: a new process still explores within its
         own budget. Plain JSON data."""
         return {"version": MEMORY_VERSION,
@@ -708,8 +708,8 @@ class Planner:
         stats, overhead = data.get("stats"), data.get("overhead")
         if not isinstance(stats, dict) or not isinstance(overhead, list):
             return "no 'stats' object or 'overhead' list"
+        lens = {"tested": N_SLOTS, "accepted": N_SLOTS, "bin_tested": None, "bin_accepted": None}
         for key, d in stats.items():
-            lens = {"tested": N_SLOTS, "accepted": N_SLOTS, "bin_tested": None, "bin_accepted": None}
             if not isinstance(d, dict) or not all(isinstance(d.get(f), list) and all(map(number, d[f]))
                                                   and (n is None or len(d[f]) == n) for f, n in lens.items()) \
                     or len(d["bin_tested"]) != len(d["bin_accepted"]) or not number(d.get("n_cycles")) \

@@ -76,8 +76,10 @@ def main() -> int:
                 folder = work / f"{arm}-{i + 1}"
                 env = {**os.environ, "PROVE_LOCAL_CACHE": str(cache), "PROVE_LOCAL_MEMORY": "1" if arm == "memory" else "0"}
                 t0 = time.strftime("%H:%M:%S", time.gmtime())
-                subprocess.run(command + ["--out", str(folder)], env=env, check=True, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+                done = subprocess.run(command + ["--out", str(folder)], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True)
+                if done.returncode != 0:
+                    raise SystemExit(f"issue_command: {' '.join(command)} exited {done.returncode}:\n{done.stderr[-2000:]}")
                 r = {"arm": arm, "run": i + 1, "started_utc": t0, **read_run(folder)}
                 runs.append(r)
                 print(f"{arm:10s} run {i + 1:2d}/{a.runs}: per question {r['median']:.3f}, totals {r['totals']:.3f}, "

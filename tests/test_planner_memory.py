@@ -175,9 +175,11 @@ def test_a_batched_pools_engines_keep_a_memory_of_their_own_kind(prop, cache_dir
     saved = Planner()
     assert saved.recall(entry) is None and saved.overhead
     with EnginePool(Loaded(prop, None, None, dict(F32)), parallel=2) as pool, contextlib.ExitStack() as held:
-        engines = [held.enter_context(pool.engine())[1] for _ in range(2)]
-        for engine in engines:
-            engine.prepare(s)
+        first = held.enter_context(pool.engine())[1]
+        first.prepare(s)                          # (calibrates: reads the memory)
+        second = held.enter_context(pool.engine())[1]
+        assert second.planner.costs is not None   # (made after: adopts the first's costs, and reads the memory then)
+        for engine in (first, second):
             assert engine.memory_key() == key
             assert engine.planner.overhead == saved.overhead
 
