@@ -165,10 +165,15 @@ def test_a_batched_pools_engines_keep_a_memory_of_their_own_kind(prop, cache_dir
     import contextlib
 
     s = Settings(mode="lossless", block="auto", max_new=16)
+    # (the requests' blocks fixed, on calibrated engines: every cycle a MARS one, so host times are recorded whatever the
+    # planner would have chosen; planned, a cold planner on a slow host may keep to ar cycles, of
+    # which only 1 in AR_SAMPLE is recorded, and 2 x 16 tokens can leave it with none)
+    fixed = Settings(mode="lossless", block=4, max_new=16)
     with EnginePool(Loaded(prop, None, None, dict(F32)), parallel=2) as pool:
         for p in PROMPTS[:2]:
             with pool.engine() as (_, engine):
-                out = [t for c in engine.generate(prop.tokenize(p), s) for t in c.committed]
+                engine.prepare(s)                 # (calibrated, as a planned request's engine is)
+                out = [t for c in engine.generate(prop.tokenize(p), fixed) for t in c.committed]
             assert out == greedy_ar(prop, prop.tokenize(p), 16, **F32)
     (key, entry), = json.loads(calibrate.memory_path().read_text())["entries"].items()
     assert "|memory|pool" in key
