@@ -18,7 +18,8 @@ waits for exploration draws), `no-explore` (explore = 0: no exploration draws or
 `sample-32` (ar cycles of a clear run sampled 1 in 32 instead of AR_SAMPLE_CLEAR), `no-floor` (lookup
 explorations at any expected rate, EXPLORE_FLOOR = 0), `no-lookup` (Settings lookup = 0: MARS blocks
 alone), `no-lookup-explore` (both off: what `lossless` costs where it can only run `ar`), `no-lane` (planner.LANE
-off: every quiet cycle planned and observed), `draws-planned` (every exploration draw of a clear run
+off: every quiet cycle planned and observed), `no-backoff-lane` (planner.BACKOFF_LANE off: the index's
+back-off's cycles planned and observed one by one), `draws-planned` (every exploration draw of a clear run
 handed to plan_cycle, as before Planner._explorable), `reset-cap` (after a rejected lookup draft the
 slow start's cap falls back to what was accepted + 1, LOOKUP_KEEP = 0, instead of keeping half),
 `explore-local` (lookup explorations judged by the request's record alone, EXPLORE_PRIOR off), `bare` (lookup and exploring off, and neither
@@ -53,6 +54,7 @@ VARIANTS = {
     "sample-32": ({"AR_SAMPLE_CLEAR": 32}, {}),
     "no-floor": ({"EXPLORE_FLOOR": 0.0}, {}),
     "no-lane": ({"LANE": False}, {}),
+    "no-backoff-lane": ({"BACKOFF_LANE": False}, {}),
     "reset-cap": ({"LOOKUP_KEEP": 0.0}, {}),
     "explore-local": ({"EXPLORE_PRIOR": False}, {}),
     "draws-planned": ({}, {"_explorable": lambda *a: True}),

@@ -259,6 +259,7 @@ def test_a_quiet_cycle_is_what_plan_cycle_would_have_planned(host, accept, offer
     Where lookup drafts do not pay (`accept` 0.05: the table has no plan, a clear run), most quiet
     cycles are a lane's (Planner._grant): the engine neither plans nor observes them, and the plans,
     the random numbers drawn and the planner's books are those of the same quiet cycles without lanes;
+    where they pay, the cycles of the index's back-off are a lane's (host-bound: `host` > 0);
     also without lookup (`offers` False: MARS explorations alone, the lanes start right after them)."""
     import prove_local.planner as P
     from prove_local.lookup import Match
@@ -314,6 +315,7 @@ def test_a_quiet_cycle_is_what_plan_cycle_would_have_planned(host, accept, offer
             pl._settle()                       # (the last lane's counters)
         summary = pl.summary()
         books = (pl.elapsed, pl.regret, pl._ar_seen, pl._since_start, pl._since_wide, dict(pl._quiet), summary,
+                 dict(pl._lookup_wait), dict(pl._lookup_back),
                  [list(r) for r in pl._after_wide + pl._after_start])     # (the switch's records)
         return plans, quiet, drawn, sum(waits), lanes, books
 
@@ -330,6 +332,8 @@ def test_a_quiet_cycle_is_what_plan_cycle_would_have_planned(host, accept, offer
         assert slow == plain and draw == draw_plain
     if accept > 0.5:
         assert {"ar", LOOKUP} <= {p.kind for p in plain}   # the script did draft by lookup
+        # where the table has plans, the index's back-off (host-bound cycles) is run in lanes
+        assert (lanes > 0) == (host > 0)
     else:
         assert lanes > len(script) // 2             # most of them in lanes (neither planned nor observed)
 
