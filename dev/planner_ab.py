@@ -11,7 +11,9 @@ its drafts start early or late), its median cycles, and the regret share. Separa
 
 `--fresh`: every round, each variant answers the 8 prompts in a NEW engine (the model loaded once), as
 one `prove-local bench` run does: what a fresh process pays while its planner knows nothing yet. Each
-prompt is still answered by `ar` and the variant back to back in that engine (order flipping).
+prompt is still answered by `ar` and the variant back to back in that engine (order flipping). The memory
+variants (`memory`, `memory-cold`, `memory-lookup`) keep the planner's memory on, each in a cache folder of its
+own (a copy of the calibration cache): each new engine of the variant starts from what its last one left.
 
 Variants (VARIANTS below): `default` (the code as it is), `no-climb` (planner.CLIMB off: the slow start
 waits for exploration draws), `no-explore` (explore = 0: no exploration draws or probes),
@@ -73,6 +75,7 @@ VARIANTS = {
     # left; every other variant runs with PROVE_LOCAL_MEMORY=0
     "memory": ({}, {}),
     "memory-cold": ({"WARM": False}, {}),          # the memory on, the first plans made by the first request (not at prepare)
+    "memory-lookup": ({"MEMORY_LOOKUP": True}, {}),   # the memory on, the lookup drafts' record in it too
     "bare": ({}, {"explore": 0.0, "quiet_cycle": lambda *a: True, "observe": lambda *a, **k: False}, {"lookup": 0}),
 }
 
@@ -189,6 +192,15 @@ def main() -> int:
             for n in (names if r % 2 == 0 else names[::-1]):
                 engine.close()
                 os.environ["PROVE_LOCAL_MEMORY"] = "1" if n.startswith("memory") else "0"
+                if n.startswith("memory"):            # (each memory variant a cache folder of its own)
+                    own = cache / n
+                    if not own.is_dir():
+                        own.mkdir()
+                        if (cache / "calibration.json").exists():
+                            shutil.copy(cache / "calibration.json", own / "calibration.json")
+                    os.environ["PROVE_LOCAL_CACHE"] = str(own)
+                else:
+                    os.environ["PROVE_LOCAL_CACHE"] = str(cache)
                 for k, v in saved[0].items():
                     setattr(P, k, VARIANTS[n][0].get(k, v))      # (the variant's constants at prepare too)
                 engine = new_engine()
@@ -200,6 +212,8 @@ def main() -> int:
                         raise SystemExit(f"prompt {i}: {n}'s tokens differ from ar's")
                     ratios[n][i].append(res[n][0] / res["ar"][0])
                     cycles[n][i].append(res[n][1])
+                for k, v in saved[0].items():
+                    setattr(P, k, VARIANTS[n][0].get(k, v))      # (the last answer may have been ar's)
                 engine.close()                  # (its memory written while the variant's setting holds)
                 os.environ["PROVE_LOCAL_MEMORY"] = "0"
             print(f"round {r + 1}/{a.rounds}", file=sys.stderr, flush=True)

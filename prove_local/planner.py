@@ -73,6 +73,7 @@ SETTLED_MAX = 3                                 # ... and the replans then come 
 SWITCH_REPRICE = 0.1                            # a lookup table whose switch price is off by this share of an ar cycle is made again
 LANE = True                                     # quiet ar cycles granted in runs the engine counts down (grant)
 BACKOFF_LANE = True                             # ... the index's back-off's cycles too (quiet_cycle)
+MEMORY_LOOKUP = True                            # the planner's memory holds the lookup drafts' record too
 AFTER_EXPLORATION = 8                           # cycles after an exploration whose excess time is charged to it
 CATCH_UP = 2                                    # a partner's pending tokens counted in its planned pass
 WARM = True                                     # the first plans made at prepare (Planner.warm)
@@ -679,16 +680,13 @@ class Planner:
     def memory(self) -> dict:
         """What this planner learned that a later process on the same models, options and machine may
         start from (engine.py keeps it beside the calibration cache): the acceptance statistics of the
-        model's proposal slots (per mode key), the host time per cycle kind, and the ar passes' record
-        after wider passes and after the prefill (the switch). Not the lookup drafts' record: their
-        acceptance is the text's, not the model's (it forgets ~40x faster, LOOKUP_DECAY); with it, a
-        record left by answers that did not copy kept the next process's copying answer from drafting
-        (the embedded pair's fifth question 1.09x `ar` against 1.41x without any memory: thin evidence,
-        docs/planner.md "The planner's memory"). Not the regret
+        model's proposal slots (per mode key), the lookup drafts' (MEMORY_LOOKUP: it forgets ~40x faster,
+        LOOKUP_DECAY, as in one process; docs/planner.md "The planner's memory" has the A/B), the host time
+        per cycle kind, and the ar passes' record after wider passes and after the prefill (the switch). Not the regret
         budget's account, the choices or anything of a request: a new process still explores within its
         own budget. Plain JSON data."""
         return {"version": MEMORY_VERSION,
-                "stats": {k: st.counts() for k, st in self.stats.items() if k != LOOKUP},
+                "stats": {k: st.counts() for k, st in self.stats.items() if k != LOOKUP or MEMORY_LOOKUP},
                 "overhead": [[k, v] if isinstance(k, str) else [list(k), v] for k, v in self.overhead.items()],
                 "after_wide": [list(r) for r in self._after_wide],
                 "after_start": [list(r) for r in self._after_start]}
@@ -726,8 +724,8 @@ class Planner:
         if not records(data.get("after_wide")) or not records(data.get("after_start")):
             return "the switch records are not [seconds, count] pairs"
         for key, d in stats.items():
-            if key == LOOKUP:
-                continue                        # (the text's: see memory)
+            if key == LOOKUP and not MEMORY_LOOKUP:
+                continue                        # (left out: see memory)
             st = self.stats_for(key)
             if len(d["bin_tested"]) != st.bins:
                 continue                        # (a record of another binning: this process learns it anew)

@@ -46,14 +46,13 @@ def taught() -> Planner:
     return pl
 
 
-def test_a_memory_read_back_gives_a_new_planner_the_models_record_not_the_texts():
+def test_a_memory_read_back_gives_a_new_planner_the_record_it_was_written_from():
     mem = json.loads(json.dumps(taught().memory()))          # (through JSON, as on disk)
     pl = Planner()
     assert pl.recall(mem) is None
-    for key in ("lossless", "prove@0.1"):
+    for key in ("lossless", "prove@0.1", LOOKUP):
         assert pl.stats[key].counts() == taught().stats[key].counts()
-    assert LOOKUP not in pl.stats                            # the lookup record is the text's: not kept
-    assert LOOKUP not in mem["stats"]
+    assert pl.stats[LOOKUP].decay == taught().stats[LOOKUP].decay       # (the lookup record forgets faster)
     assert pl.overhead == {"ar": 1e-4, ("lossless", 4): 3e-4}
     # the switch records keep their means; their counts are capped, so this process's passes take over soon
     assert [m for m, _ in pl._after_wide] == [m for m, _ in taught()._after_wide]
@@ -83,6 +82,18 @@ def test_a_spoiled_memory_is_refused_whole_and_says_why(spoil, why):
     assert reason is not None and why in reason
     assert json.dumps(pl.memory()) == before                  # nothing taken
 
+
+
+def test_without_memory_lookup_the_lookup_record_is_neither_written_nor_read(monkeypatch):
+    """planner.MEMORY_LOOKUP off (dev/planner_ab.py's `memory` against `memory-lookup`): the lookup drafts'
+    record stays out of what is written, and out of a planner that reads a memory which has it."""
+    import prove_local.planner as P
+    with_lookup = json.loads(json.dumps(taught().memory()))
+    monkeypatch.setattr(P, "MEMORY_LOOKUP", False)
+    assert LOOKUP not in taught().memory()["stats"] and LOOKUP in with_lookup["stats"]
+    pl = Planner()
+    assert pl.recall(with_lookup) is None
+    assert LOOKUP not in pl.stats and pl.stats["lossless"].counts() == taught().stats["lossless"].counts()
 
 def test_an_engine_starts_from_what_the_last_one_on_these_models_learned(prop, cache_dir):
     """A lossless auto engine writes its planner's memory when a request ends (the first one at once) and
