@@ -76,6 +76,9 @@ VARIANTS = {
     "memory": ({}, {}),
     "memory-cold": ({"WARM": False}, {}),          # the memory on, the first plans made by the first request (not at prepare)
     "memory-lookup": ({"MEMORY_LOOKUP": True}, {}),   # the memory on, the lookup drafts' record in it too
+    "memory-no-lookup": ({"MEMORY_LOOKUP": False}, {}),   # the memory on, without the lookup drafts' record
+    "memory-no-loss-check": ({"LOOKUP_LOSS_CHECK": False}, {}),   # the memory on, lookup explorations judged by the spent budget alone
+    "no-loss-check": ({"LOOKUP_LOSS_CHECK": False}, {}),
     "bare": ({}, {"explore": 0.0, "quiet_cycle": lambda *a: True, "observe": lambda *a, **k: False}, {"lookup": 0}),
 }
 

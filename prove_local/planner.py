@@ -55,6 +55,7 @@ BACKOFF_SHARE = 0.05                            # ... where an ar cycle's host t
 EXPLORE_FLOOR = 0.8                             # a lookup exploration's expected rate, at least this x the current choice's
 EXPLORE_PRIOR = True                            # lookup explorations judged by the engine-wide record too (_lookup_table)
 CLIMB = True                                    # a request whose drafts are accepted whole probes longer ones (observe)
+LOOKUP_LOSS_CHECK = True                        # a lookup exploration or probe runs only if its expected loss fits the budget
 LOOKUP_START = 2                                # a request's first lookup drafts are at most this long (slow start)
 LOOKUP_KEEP = 0.5                               # ... and after a rejection, at least this share of the cap stands
 
@@ -1216,7 +1217,7 @@ class Planner:
                 return None
         if plan is not None and m in eff.probes:
             # a climb's probe is an exploration: within the regret budget, its regret against the choice it displaces
-            if not self._budget_left():
+            if not self._budget_left() or not self._lookup_loss_fits(tab, m, plan.lookup):
                 return None
             self._displaced, self._after = tab.rate, 0
             self._drew = False
@@ -1229,15 +1230,34 @@ class Planner:
                 return None
             if self.explore_by_rate and tab.ceilings is not None and tab.ceilings[k - 1] < tab.ar_rate:
                 return None                      # it could not beat ar with every token accepted (_worth_exploring)
+            k = min(k, self._lookup_cap)         # (no longer than the slow start allows)
+            if self.explore_by_rate and not self._lookup_loss_fits(tab, m, k):
+                return None
             self._displaced, self._after = tab.rate, 0
             self._drew = False
-            plan = Plan(LOOKUP, lookup=min(k, self._lookup_cap))    # (no longer than the slow start allows)
+            plan = Plan(LOOKUP, lookup=k)
         if plan.lookup + plan.block > room:      # near the end of the context: what still fits
             k = room - plan.block
             if k < 1:
                 return None
             plan = Plan(plan.kind, plan.block, verify=plan.verify, lookup=k)
         return plan
+
+    def _lookup_loss_fits(self, tab: _LookupTable, m: int, k: int) -> bool:
+        """Whether a k-token lookup draft at a match of m tokens, run as an exploration or a climb's probe,
+        is expected to lose no more than the regret budget has left: its cycle's seconds (the steps it
+        spans; its passes, host time and switch, as the table prices them) less its expected tokens at the
+        current choice's rate, as `_worth_exploring` asks of a MARS exploration. Without it a lookup
+        exploration was judged by the budget already spent alone, so a fresh engine's first requests drew
+        probes that the budget could only refuse afterwards (the embedded pair: a 4-token probe at an
+        8-token match, ~5.6 t(1) for ~1-5 tokens, in the second question of each fresh process)."""
+        if not LOOKUP_LOSS_CHECK or tab.rates is None or tab.costs is None or tab.rate <= 0:
+            return True
+        cost, l_steps = tab.costs[0], tab.costs[5][0]
+        _, t0 = self.costs.step_rest()
+        span = float(l_steps[k - 1]) * t0 + max(float(cost[k - 1]), 1e-12)
+        loss = max(0.0, span * (1.0 - float(tab.rates[m, k - 1]) / tab.rate))
+        return self.regret + loss <= self._allowance()
 
     def _table_stale(self, tab: _LookupTable | None, key: str, pend: int) -> str | None:
         """Whether the lookup table of `key` must be made again before it is read: "remake" (none yet,

@@ -3,6 +3,7 @@ pays for the switch it causes (the one-token passes after a wider pass run slowe
 table costs little to keep. Fakes only: scripted cycles with scripted decode seconds, no timing."""
 from __future__ import annotations
 
+import copy
 import random
 
 import numpy as np
@@ -516,7 +517,8 @@ def test_a_request_whose_drafts_are_accepted_whole_climbs_to_the_drafts_that_pay
     the slow start's capped drafts pay at no cap below 16. A draft accepted whole starts a climb: at each
     match the table has a (longer) plan for, the capped draft runs as a probe, an exploration charged to
     the regret budget, and doubles the cap when it is accepted whole, until the table's own draft fits.
-    A miss ends the climb; a spent budget stops the probes."""
+    A miss ends the climb; a spent budget stops the probes, and so does one without room for the probe's
+    expected loss (Planner._lookup_loss_fits: a fresh engine)."""
     from prove_local.lookup import Match
     from prove_local.planner import LOOKUP_START
     pl = planner(curve={1: 1e-3, 9: 9.5e-3, 16: 10e-3}, accept=0.99)
@@ -529,6 +531,11 @@ def test_a_request_whose_drafts_are_accepted_whole_climbs_to_the_drafts_that_pay
     tab = pl._ltables["lossless"]
     assert tab.rows[16].lookup > 8 and not any(tab.capped(c, pl.lookup_margin).any for c in (2, 4, 8))
     pl.observe(cycle(Plan(LOOKUP, lookup=LOOKUP_START), 3e-3, k=2, accepted=2), "lossless")   # (an exploration's)
+    fresh = copy.deepcopy(pl)
+    # a capped probe is expected to lose here (a 4-token draft: ~5 ms for at most 5 tokens that ar makes in
+    # 5): in an engine that has seen ~6 ms, the budget (1 % of that) has no room for it
+    assert next_plan(fresh, offer) is AR_PLAN and fresh.regret == 0.0
+    pl.elapsed += 1.0                     # (an engine that has decoded for a second: room for the probes)
     for cap in (4, 8):
         plan = next_plan(pl, offer)
         assert plan == Plan(LOOKUP, lookup=cap) and pl._displaced is not None    # a probe, charged as an exploration
