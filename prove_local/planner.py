@@ -74,7 +74,7 @@ SETTLED_MAX = 3                                 # ... and the replans then come 
 SWITCH_REPRICE = 0.1                            # a lookup table whose switch price is off by this share of an ar cycle is made again
 LANE = True                                     # quiet ar cycles granted in runs the engine counts down (grant)
 BACKOFF_LANE = True                             # ... the index's back-off's cycles too (quiet_cycle)
-MEMORY_LOOKUP = True                            # the planner's memory holds the lookup drafts' record too
+MEMORY_LOOKUP = False                           # the planner's memory holds the lookup drafts' record too (measured: no)
 AFTER_EXPLORATION = 8                           # cycles after an exploration whose excess time is charged to it
 CATCH_UP = 2                                    # a partner's pending tokens counted in its planned pass
 WARM = True                                     # the first plans made at prepare (Planner.warm)
@@ -681,9 +681,12 @@ class Planner:
     def memory(self) -> dict:
         """What this planner learned that a later process on the same models, options and machine may
         start from (engine.py keeps it beside the calibration cache): the acceptance statistics of the
-        model's proposal slots (per mode key), the lookup drafts' (MEMORY_LOOKUP: it forgets ~40x faster,
-        LOOKUP_DECAY, as in one process; docs/planner.md "The planner's memory" has the A/B), the host time
-        per cycle kind, and the ar passes' record after wider passes and after the prefill (the switch). Not the regret
+        model's proposal slots (per mode key), the host time per cycle kind, and the ar passes' record
+        after wider passes and after the prefill (the switch). Not the lookup drafts' record (unless
+        MEMORY_LOOKUP): their acceptance is the text's more than the model's (it forgets ~40x faster,
+        LOOKUP_DECAY); in fresh processes, with it, a record left by answers that did not copy kept the next
+        process's copying answer from drafting (the embedded pair: 9 against 12 of 24 runs drafted,
+        docs/planner.md "The planner's memory"). Not the regret
         budget's account, the choices or anything of a request: a new process still explores within its
         own budget. Plain JSON data."""
         return {"version": MEMORY_VERSION,

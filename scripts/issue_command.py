@@ -10,6 +10,11 @@ Per run: per question `ar` seconds / `lossless` seconds (the same question's two
 process, seconds apart), their median over the 8 questions, and the ratio of the summed seconds
 (totals); per arm the median over runs. Every `lossless` answer is checked equal to `ar`'s.
 
+`--arms`: other arms than the two (taking turns in a rotating order): `memory`, `no-memory`, or an arm
+with planner.py's module constants set in its processes, `NAME:CONST=VALUE[;CONST=VALUE]` (the memory on;
+each arm with a memory of its own, in a cache folder of its own with the same calibration copy), e.g.
+`--arms memory,no-lookup-memory:MEMORY_LOOKUP=False` (an A/B of one planner rule in fresh processes).
+
     python scripts/issue_command.py --runs 12 --out docs/bench/issue-command-v3
 """
 from __future__ import annotations
@@ -30,6 +35,22 @@ sys.path.insert(0, str(ROOT))
 
 DATA = ROOT.parent / "shared" / "datasets" / "gsm8k" / "test_dev.jsonl"
 ARMS = ("memory", "no-memory")
+# a process whose planner constants are set before the command line runs (`--arms NAME:CONST=VALUE`)
+RUNNER = ("import ast, sys, prove_local.planner as P\n"
+          "for item in sys.argv[1].split(';'):\n"
+          "    name, value = item.split('=', 1)\n"
+          "    if not hasattr(P, name): sys.exit(f'issue_command: planner.py has no constant {name}')\n"
+          "    setattr(P, name, ast.literal_eval(value))\n"
+          "from prove_local.entry import main\n"
+          "sys.exit(main(sys.argv[2:]))")
+
+
+def parse_arm(spec: str) -> tuple[str, str | None]:
+    """(name, the constants to set or None) of an --arms item."""
+    name, _, consts = spec.partition(":")
+    if not name or (not consts and name not in ARMS) or (consts and not all("=" in c for c in consts.split(";"))):
+        raise SystemExit(f"issue_command: arm {spec!r} is neither {' nor '.join(ARMS)} nor NAME:CONST=VALUE[;...]")
+    return name, consts or None
 
 
 def read_run(folder: Path) -> dict:
@@ -58,7 +79,13 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--arms", default=",".join(ARMS),
+                    help="arms taking turns: memory, no-memory, NAME:CONST=VALUE[;...] (planner constants, memory on)")
     a = ap.parse_args()
+    arms_spec = [parse_arm(s) for s in a.arms.split(",")]
+    names = [n for n, _ in arms_spec]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"issue_command: arm names repeat in {a.arms!r}")
     from prove_local.calibrate import cache_path   # (after the arguments: --help loads no llama.cpp)
     from prove_local.files import write_atomic
 
@@ -67,16 +94,26 @@ def main() -> int:
     cache.mkdir()
     if cache_path().exists():
         shutil.copy(cache_path(), cache / "calibration.json")
+    caches = {}                                   # (an arm of planner constants: a memory of its own)
+    for name, consts in arms_spec:
+        caches[name] = cache
+        if consts:
+            caches[name] = work / f"cache-{name}"
+            shutil.copytree(cache, caches[name])
     command = ["prove-local", "bench", "--modes", "ar,lossless", "--threads", "1", "--data", a.data,
                "--limit", str(a.limit), "--no-plots"]
     runs = []
     try:
         for i in range(a.runs):
-            for arm in (ARMS if i % 2 == 0 else ARMS[::-1]):
+            k = i % len(arms_spec)
+            order = arms_spec[k:] + arms_spec[:k]
+            for arm, consts in (order if i % 2 == 0 else order[::-1]):
                 folder = work / f"{arm}-{i + 1}"
-                env = {**os.environ, "PROVE_LOCAL_CACHE": str(cache), "PROVE_LOCAL_MEMORY": "1" if arm == "memory" else "0"}
+                env = {**os.environ, "PROVE_LOCAL_CACHE": str(caches[arm]),
+                       "PROVE_LOCAL_MEMORY": "0" if arm == "no-memory" else "1"}
+                argv = command if consts is None else [sys.executable, "-c", RUNNER, consts] + command[1:]
                 t0 = time.strftime("%H:%M:%S", time.gmtime())
-                done = subprocess.run(command + ["--out", str(folder)], env=env, stdout=subprocess.DEVNULL,
+                done = subprocess.run(argv + ["--out", str(folder)], env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True)
                 if done.returncode != 0:
                     raise SystemExit(f"issue_command: {' '.join(command)} exited {done.returncode}:\n{done.stderr[-2000:]}")
@@ -87,7 +124,7 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     arms = {}
-    for arm in ARMS:
+    for arm in names:
         rs = [r for r in runs if r["arm"] == arm]
         n_q = len(rs[0]["per_prompt"])
         arms[arm] = {"median": statistics.median(r["median"] for r in rs), "totals": statistics.median(r["totals"] for r in rs),
@@ -95,9 +132,12 @@ def main() -> int:
                      "tokens_per_cycle": [statistics.median(r["per_prompt"][q]["tokens_per_cycle"] for r in rs)
                                           for q in range(n_q)]}
     a.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(a.out / "results.json", json.dumps({"command": " ".join(command), "arms": arms, "runs": runs}, indent=1))
-    lines = [f"# `{' '.join(command)}`, fresh processes, with and without the planner's memory", "",
-             f"`python scripts/issue_command.py --runs {a.runs} --out {a.out}`; {len(runs)} runs, "
+    write_atomic(a.out / "results.json", json.dumps({"command": " ".join(command), "arms": arms, "runs": runs,
+                                                     "arm_constants": dict(arms_spec)}, indent=1))
+    how = "with and without the planner's memory" if a.arms == ",".join(ARMS) else f"arms {a.arms}"
+    given = "" if a.arms == ",".join(ARMS) else f" --arms '{a.arms}'"
+    lines = [f"# `{' '.join(command)}`, fresh processes, {how}", "",
+             f"`python scripts/issue_command.py --runs {a.runs}{given} --out {a.out}`; {len(runs)} runs, "
              f"{runs[0]['started_utc']}–{runs[-1]['started_utc']} UTC {time.strftime('%Y-%m-%d', time.gmtime())}. "
              "Ratios: `ar` seconds / `lossless` seconds; *per question*: the median over the questions of one run; "
              "*totals*: summed seconds. Every answer equal to `ar`'s.", "",

@@ -46,13 +46,14 @@ def taught() -> Planner:
     return pl
 
 
-def test_a_memory_read_back_gives_a_new_planner_the_record_it_was_written_from():
+def test_a_memory_read_back_gives_a_new_planner_the_models_record_not_the_texts():
     mem = json.loads(json.dumps(taught().memory()))          # (through JSON, as on disk)
     pl = Planner()
     assert pl.recall(mem) is None
-    for key in ("lossless", "prove@0.1", LOOKUP):
+    for key in ("lossless", "prove@0.1"):
         assert pl.stats[key].counts() == taught().stats[key].counts()
-    assert pl.stats[LOOKUP].decay == taught().stats[LOOKUP].decay       # (the lookup record forgets faster)
+    assert LOOKUP not in pl.stats                            # the lookup record is the text's: not kept
+    assert LOOKUP not in mem["stats"]
     assert pl.overhead == {"ar": 1e-4, ("lossless", 4): 3e-4}
     # the switch records keep their means; their counts are capped, so this process's passes take over soon
     assert [m for m, _ in pl._after_wide] == [m for m, _ in taught()._after_wide]
@@ -84,13 +85,18 @@ def test_a_spoiled_memory_is_refused_whole_and_says_why(spoil, why):
 
 
 
-def test_without_memory_lookup_the_lookup_record_is_neither_written_nor_read(monkeypatch):
-    """planner.MEMORY_LOOKUP off (dev/planner_ab.py's `memory` against `memory-lookup`): the lookup drafts'
-    record stays out of what is written, and out of a planner that reads a memory which has it."""
+def test_with_memory_lookup_the_lookup_record_is_written_and_read(monkeypatch):
+    """planner.MEMORY_LOOKUP on (`scripts/issue_command.py --arms`, `dev/planner_ab.py`'s `memory-lookup`):
+    the lookup drafts' record is written and read back, forgetting as fast as before; off (the default),
+    a memory that has it is read without it."""
     import prove_local.planner as P
+    monkeypatch.setattr(P, "MEMORY_LOOKUP", True)
     with_lookup = json.loads(json.dumps(taught().memory()))
+    pl = Planner()
+    assert pl.recall(with_lookup) is None
+    assert pl.stats[LOOKUP].counts() == taught().stats[LOOKUP].counts()
+    assert pl.stats[LOOKUP].decay == taught().stats[LOOKUP].decay       # (the lookup record forgets faster)
     monkeypatch.setattr(P, "MEMORY_LOOKUP", False)
-    assert LOOKUP not in taught().memory()["stats"] and LOOKUP in with_lookup["stats"]
     pl = Planner()
     assert pl.recall(with_lookup) is None
     assert LOOKUP not in pl.stats and pl.stats["lossless"].counts() == taught().stats["lossless"].counts()

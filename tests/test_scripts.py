@@ -254,3 +254,32 @@ def test_issue_command_reads_a_bench_folders_answers_in_pairs(tmp_path):
     write([1, 2, 3, 5])
     with pytest.raises(SystemExit, match="differ"):
         ic.read_run(tmp_path)
+
+
+def test_issue_command_arms_set_planner_constants_in_their_processes(tmp_path):
+    """scripts/issue_command.py --arms: `memory`, `no-memory`, or NAME:CONST=VALUE[;...], whose processes
+    set planner.py's constants before the command line runs; an unknown constant stops the process."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    spec = importlib.util.spec_from_file_location("issue_command", SCRIPTS / "issue_command.py")
+    ic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ic)
+    assert ic.parse_arm("memory") == ("memory", None)
+    assert ic.parse_arm("a:MEMORY_LOOKUP=False;LANE=True") == ("a", "MEMORY_LOOKUP=False;LANE=True")
+    for bad in ("other", ":LANE=1", "a:LANE"):
+        with pytest.raises(SystemExit, match="neither"):
+            ic.parse_arm(bad)
+    # the runner: the constant set (printed by a command line that reads it), then prove-local's own main
+    probe = ic.RUNNER.replace("from prove_local.entry import main\nsys.exit(main(sys.argv[2:]))",
+                              "print(P.MEMORY_LOOKUP, P.LANE)")
+    done = subprocess.run([sys.executable, "-c", probe, "MEMORY_LOOKUP=False;LANE=False"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["False", "False"]
+    done = subprocess.run([sys.executable, "-c", ic.RUNNER, "NO_SUCH=1", "--version"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0 and "no constant NO_SUCH" in done.stderr
+    done = subprocess.run([sys.executable, "-c", ic.RUNNER, "LANE=True", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "bench" in done.stdout

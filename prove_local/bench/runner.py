@@ -232,7 +232,7 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
               runs: list[Run], *, context_options: dict, warmup: int = 16, pass_cost: bool = True,
               pass_cost_reps: int = 3, pass_cost_max: int = 64, progress: bool = True, oracle: bool = False,
               external: "LlamaSpec | None" = None, batch: "tuple[list[Engine], object] | None" = None) -> BenchData:
-    """Warm-up, pass-cost curves, then for each prompt every run once, the run order rotated from
+    """Pass-cost curves, warm-up, then for each prompt every run once, the run order rotated from
     one prompt to the next (A B C, B C A, ...) so that drift hits all runs alike. Ctrl-C stops the
     runs: the data then holds the prompts whose runs all finished, and `interrupted` is set.
 
@@ -248,12 +248,10 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
     for e in engines:
         for r in runs:
             e.prepare(r.settings)     # pass costs measured (or read from the cache) before any timing
-    if warmup > 0 and prompt_tokens:
-        t0 = time.perf_counter()
-        for run in runs:
-            generate_together(engines, [(prompt_tokens[0], replace(run.settings, max_new=warmup))] * width)
-        data.warmup_seconds = time.perf_counter() - t0
     if pass_cost and prompt_tokens:
+        # (before the warm-up, which is what the timed runs should follow: measured after it, its fresh
+        # contexts and wide passes left the next passes slower for a while; the embedded pair's first
+        # question's first run decoded in 58 ms, median of 10 fresh processes, against 46 ms without it)
         ns = tuple(n for n in PASS_COST_NS if n <= pass_cost_max)
         seen: dict[int, dict] = {}
         roles = [r for r in ("target", "verifier", "draft") if r in models and r in engine.contexts]
@@ -263,6 +261,11 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
             if id(m) not in seen:
                 seen[id(m)] = measure_pass_cost(m, context_options, prompt_tokens[0], ns=ns, reps=pass_cost_reps)
             data.pass_cost[role] = seen[id(m)]
+    if warmup > 0 and prompt_tokens:
+        t0 = time.perf_counter()
+        for run in runs:
+            generate_together(engines, [(prompt_tokens[0], replace(run.settings, max_new=warmup))] * width)
+        data.warmup_seconds = time.perf_counter() - t0
     bar = tqdm(total=len(prompts) * sum(r.samples for r in runs), desc="bench", unit="gen", disable=not progress,
                file=sys.stderr, dynamic_ncols=True)
     done = 0
