@@ -282,11 +282,13 @@ def run_bench(engine: Engine, models: dict[str, Model], prompts: list[Prompt], p
                     # compares independent samples (ar and lossless with one seed draw the same first token)
                     seeds = [(run.settings.seed or 0) + 10 ** 8 * runs.index(run) + 1000 * i + j for i in group]
                     jobs = [(prompt_tokens[i], replace(run.settings, seed=sd)) for i, sd in zip(group, seeds)]
+                    # the prompts prefilled first, untimed (the run then reuses them from the caches):
+                    # batched, one request's decode steps would otherwise wait for the others' prefills, and
+                    # the first run of a group, which prefills, would pay for the runs after it; alone, the
+                    # first run after a prompt's prefill decoded ~1.5 % slower than the next (the embedded
+                    # pair, one process, 48 answers: a penalty for whichever mode the rotation put first)
+                    generate_together(engines, [(t, replace(st, max_new=1)) for t, st in jobs])
                     if batcher is not None:
-                        # the prompts prefilled first, untimed (the run then reuses them from the caches):
-                        # otherwise one request's decode steps wait for the others' prefills, and the
-                        # first run of a group, which prefills, would pay for the runs after it
-                        generate_together(engines, [(t, replace(st, max_new=1)) for t, st in jobs])
                         before = batcher.stats()
                     outs = generate_together(engines, jobs)
                     for i, sd, (cycles, req) in zip(group, seeds, outs):
