@@ -160,11 +160,13 @@ def test_bench_ctrl_c_keeps_the_finished_prompts_marked_partial(proposer, tmp_pa
     calls = {"n": 0}
     real = runner.generate_once
 
-    def interrupted_on_the_6th(*a, **kw):       # Ctrl-C during prompt 3's second run
+    def interrupted_on_the_6th(engine, tokens, settings):   # Ctrl-C during prompt 3's second run
+        if settings.max_new == 1:               # (the untimed request that prefills a run's prompt)
+            return real(engine, tokens, settings)
         calls["n"] += 1
         if calls["n"] == 6:
             raise KeyboardInterrupt
-        return real(*a, **kw)
+        return real(engine, tokens, settings)
     monkeypatch.setattr(runner, "generate_once", interrupted_on_the_6th)
     out = tmp_path / "out"
     assert main(bench_args(proposer, prompts_file(tmp_path, 5), out)) == 130
