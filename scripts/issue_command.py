@@ -10,10 +10,11 @@ Per run: per question `ar` seconds / `lossless` seconds (the same question's two
 process, seconds apart), their median over the 8 questions, and the ratio of the summed seconds
 (totals); per arm the median over runs. Every `lossless` answer is checked equal to `ar`'s.
 
-`--arms`: other arms than the two (taking turns in a rotating order): `memory`, `no-memory`, or an arm
+`--arms`: other arms than the two (taking turns, the order rotating by one each run: with two arms each
+goes first in every other run): `memory`, `no-memory`, or an arm
 with planner.py's module constants set in its processes, `NAME:CONST=VALUE[;CONST=VALUE]` (the memory on;
 each arm with a memory of its own, in a cache folder of its own with the same calibration copy), e.g.
-`--arms memory,no-lookup-memory:MEMORY_LOOKUP=False` (an A/B of one planner rule in fresh processes).
+`--arms memory,memory-lookup:MEMORY_LOOKUP=True` (an A/B of one planner rule in fresh processes).
 
     python scripts/issue_command.py --runs 12 --out docs/bench/issue-command-v3
 """
@@ -106,8 +107,7 @@ def main() -> int:
     try:
         for i in range(a.runs):
             k = i % len(arms_spec)
-            order = arms_spec[k:] + arms_spec[:k]
-            for arm, consts in (order if i % 2 == 0 else order[::-1]):
+            for arm, consts in arms_spec[k:] + arms_spec[:k]:
                 folder = work / f"{arm}-{i + 1}"
                 env = {**os.environ, "PROVE_LOCAL_CACHE": str(caches[arm]),
                        "PROVE_LOCAL_MEMORY": "0" if arm == "no-memory" else "1"}
