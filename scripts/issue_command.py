@@ -54,6 +54,13 @@ def parse_arm(spec: str) -> tuple[str, str | None]:
     return name, consts or None
 
 
+def arm_order(arms: list, i: int) -> list:
+    """The arms' order in run i (from 0): rotated by one each run, so each arm runs at each place equally
+    often (two arms: each first in every other run)."""
+    k = i % len(arms)
+    return arms[k:] + arms[:k]
+
+
 def read_run(folder: Path) -> dict:
     """Per question (in order) the two answers' seconds and lossless' tokens per cycle, from a bench
     folder's generations.jsonl."""
@@ -106,8 +113,7 @@ def main() -> int:
     runs = []
     try:
         for i in range(a.runs):
-            k = i % len(arms_spec)
-            for arm, consts in arms_spec[k:] + arms_spec[:k]:
+            for arm, consts in arm_order(arms_spec, i):
                 folder = work / f"{arm}-{i + 1}"
                 env = {**os.environ, "PROVE_LOCAL_CACHE": str(caches[arm]),
                        "PROVE_LOCAL_MEMORY": "0" if arm == "no-memory" else "1"}

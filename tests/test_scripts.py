@@ -267,6 +267,10 @@ def test_issue_command_arms_set_planner_constants_in_their_processes(tmp_path):
     ic = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ic)
     assert ic.parse_arm("memory") == ("memory", None)
+    # each arm at each place equally often (two arms: each first in every other run)
+    assert [ic.arm_order(["a", "b"], i)[0] for i in range(4)] == ["a", "b", "a", "b"]
+    assert sorted(tuple(ic.arm_order(["a", "b", "c"], i)) for i in range(3)) == \
+        [("a", "b", "c"), ("b", "c", "a"), ("c", "a", "b")]
     assert ic.parse_arm("a:MEMORY_LOOKUP=False;LANE=True") == ("a", "MEMORY_LOOKUP=False;LANE=True")
     for bad in ("other", ":LANE=1", "a:LANE"):
         with pytest.raises(SystemExit, match="neither"):
