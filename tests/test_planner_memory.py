@@ -84,7 +84,6 @@ def test_a_spoiled_memory_is_refused_whole_and_says_why(spoil, why):
     assert json.dumps(pl.memory()) == before                  # nothing taken
 
 
-
 def test_with_memory_lookup_the_lookup_record_is_written_and_read(monkeypatch):
     """planner.MEMORY_LOOKUP on (`scripts/issue_command.py --arms`, `dev/planner_ab.py`'s `memory-lookup`):
     the lookup drafts' record is written and read back, forgetting as fast as before; off (the default),
@@ -100,6 +99,7 @@ def test_with_memory_lookup_the_lookup_record_is_written_and_read(monkeypatch):
     pl = Planner()
     assert pl.recall(with_lookup) is None
     assert LOOKUP not in pl.stats and pl.stats["lossless"].counts() == taught().stats["lossless"].counts()
+
 
 def test_an_engine_starts_from_what_the_last_one_on_these_models_learned(prop, cache_dir):
     """A lossless auto engine writes its planner's memory when a request ends (the first one at once) and

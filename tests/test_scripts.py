@@ -278,9 +278,9 @@ def test_issue_command_arms_set_planner_constants_in_their_processes(tmp_path):
     # the runner: the constant set (printed by a command line that reads it), then prove-local's own main
     probe = ic.RUNNER.replace("from prove_local.entry import main\nsys.exit(main(sys.argv[2:]))",
                               "print(P.MEMORY_LOOKUP, P.LANE)")
-    done = subprocess.run([sys.executable, "-c", probe, "MEMORY_LOOKUP=False;LANE=False"], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", probe, "MEMORY_LOOKUP=True;LANE=False"], capture_output=True,
                           text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.split() == ["False", "False"]
+    assert done.returncode == 0 and done.stdout.split() == ["True", "False"]     # (both the defaults' opposite)
     done = subprocess.run([sys.executable, "-c", ic.RUNNER, "NO_SUCH=1", "--version"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode != 0 and "no constant NO_SUCH" in done.stderr
