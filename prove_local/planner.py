@@ -429,9 +429,9 @@ class SlotStats:
         return (np.asarray(self.bin_accepted)[b] + self.centers[b] * self.weight) / (np.asarray(self.bin_tested)[b] + self.weight)
 
     def counts(self) -> dict:
-        """The counts, as plain data (Planner.memory)."""
-        return {"tested": self.tested, "accepted": self.accepted, "bin_tested": self.bin_tested,
-                "bin_accepted": self.bin_accepted, "n_cycles": self.n_cycles}
+        """The counts, as plain data (Planner.memory): copies, which later cycles do not move."""
+        return {"tested": list(self.tested), "accepted": list(self.accepted), "bin_tested": list(self.bin_tested),
+                "bin_accepted": list(self.bin_accepted), "n_cycles": self.n_cycles}
 
     def set_counts(self, d: dict) -> None:
         """Counts from `counts()` (checked by Planner.recall)."""
@@ -1256,7 +1256,7 @@ class Planner:
         8-token match, ~5.6 t(1) for ~1-5 tokens, in the second question of each fresh process)."""
         if not LOOKUP_LOSS_CHECK or tab.rates is None or tab.costs is None or tab.rate <= 0:
             return True
-        cost, l_steps = tab.costs[0], tab.costs[5][0]
+        cost, *_, (l_steps, _, _) = tab.costs           # (per k: the plan's seconds, the steps it spans)
         _, t0 = self.costs.step_rest()
         span = float(l_steps[k - 1]) * t0 + max(float(cost[k - 1]), 1e-12)
         loss = max(0.0, span * (1.0 - float(tab.rates[m, k - 1]) / tab.rate))

@@ -782,3 +782,40 @@ def test_generate_together_ctrl_c_stops_every_request_and_leaves_only_committed_
         signal.signal(signal.SIGINT, old)
         pool.close()
         model.close()
+
+
+def test_bench_measures_pass_costs_then_warms_up_then_prefills_each_run_untimed(tiny_models, tmp_path, monkeypatch):
+    """The order of a bench's work: the pass-cost curves, then the warm-up (what the timed runs follow),
+    then each timed run right after an untimed one-token request on its own prompt (the prefill: the
+    first run after it would otherwise decode slower, whichever mode the rotation put first); only the
+    timed runs are recorded."""
+    from prove_local.bench import runner
+    from prove_local.cli import main
+    monkeypatch.setenv("PROVE_LOCAL_CACHE", str(tmp_path / "cache"))
+    prop, _, _ = tiny_models
+    events = []
+    real_once, real_cost = runner.generate_once, runner.measure_pass_cost
+
+    def once(engine, tokens, settings):
+        events.append(("gen", settings.mode, settings.max_new, tuple(tokens)))
+        return real_once(engine, tokens, settings)
+
+    def cost(*a, **kw):
+        events.append(("pass cost",))
+        return real_cost(*a, **kw)
+    monkeypatch.setattr(runner, "generate_once", once)
+    monkeypatch.setattr(runner, "measure_pass_cost", cost)
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "x\n#### 3"}) + "\n"
+                            for q in ("What is 1 + 2?", "Natalia sold 48 clips.")))
+    out = tmp_path / "out"
+    assert main(["bench", "--proposer", str(prop), "--modes", "ar,lossless", "--data", str(data), "--max-new", "8",
+                 "--threads", "1", "--ctx", "256", "--kv-type", "f32", "--warmup", "4", "--pass-cost-reps", "1",
+                 "--pass-cost-max", "4", "--no-plots", "--out", str(out), "-q"]) == 0
+    assert events[0] == ("pass cost",)
+    assert [e[2] for e in events[1:3]] == [4, 4]                       # the warm-up: each mode, after the curves
+    timed = events[3:]
+    assert len(timed) == 2 * 2 * 2                                     # 2 prompts x 2 modes, each after its prefill
+    for prefill, run in zip(timed[::2], timed[1::2]):
+        assert prefill[2] == 1 and run[2] == 8 and prefill[1] == run[1] and prefill[3] == run[3]
+    assert len((out / "generations.jsonl").read_text().splitlines()) == 4
