@@ -24,7 +24,9 @@ off: every quiet cycle planned and observed), `no-backoff-lane` (planner.BACKOFF
 back-off's cycles planned and observed one by one), `draws-planned` (every exploration draw of a clear run
 handed to plan_cycle, as before Planner._explorable), `reset-cap` (after a rejected lookup draft the
 slow start's cap falls back to what was accepted + 1, LOOKUP_KEEP = 0, instead of keeping half),
-`explore-local` (lookup explorations judged by the request's record alone, EXPLORE_PRIOR off), `bare` (lookup and exploring off, and neither
+`explore-local` (lookup explorations judged by the request's record alone, EXPLORE_PRIOR off), `backoff-16`/`-32`/`-64`
+(the index's back-off up to 16/32/64 cycles instead of LOOKUP_BACKOFF's 4: a copy found later, the index asked
+less often), `bare` (lookup and exploring off, and neither
 quiet_cycle nor observe called: the floor of what `lossless` costs beside `ar` in this engine).
 """
 from __future__ import annotations
@@ -79,6 +81,9 @@ VARIANTS = {
     "memory-no-lookup": ({"MEMORY_LOOKUP": False}, {}),   # the memory on, without the lookup drafts' record
     "memory-no-loss-check": ({"LOOKUP_LOSS_CHECK": False}, {}),   # the memory on, lookup explorations judged by the spent budget alone
     "no-loss-check": ({"LOOKUP_LOSS_CHECK": False}, {}),
+    "backoff-16": ({"LOOKUP_BACKOFF": 16}, {}),
+    "backoff-64": ({"LOOKUP_BACKOFF": 64}, {}),
+    "backoff-32": ({"LOOKUP_BACKOFF": 32}, {}),
     "bare": ({}, {"explore": 0.0, "quiet_cycle": lambda *a: True, "observe": lambda *a, **k: False}, {"lookup": 0}),
 }
 

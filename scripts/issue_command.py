@@ -16,7 +16,13 @@ with planner.py's module constants set in its processes, `NAME:CONST=VALUE[;CONS
 each arm with a memory of its own, in a cache folder of its own with the same calibration copy), e.g.
 `--arms memory,memory-lookup:MEMORY_LOOKUP=True` (an A/B of one planner rule in fresh processes).
 
+Each arm's medians come with a distribution-free 95 % interval over its runs (serve_bench.median_ci), and
+the spread of `ar`'s tokens/s over the runs (the machine's own speed: this host has swung 2x within
+minutes, and a set of 24 runs moved 2-3 % per question from one set to the next). `--from` pools the runs
+of earlier sets of the same command (their results.json) with this one's (`--runs 0`: only them).
+
     python scripts/issue_command.py --runs 12 --out docs/bench/issue-command-v3
+    python scripts/issue_command.py --runs 0 --from docs/bench/issue-command-v11 docs/bench/issue-command-v12 --out OUT
 """
 from __future__ import annotations
 
@@ -33,6 +39,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from serve_bench import median_ci  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "datasets" / "gsm8k" / "test_dev.jsonl"
 ARMS = ("memory", "no-memory")
@@ -81,12 +89,58 @@ def read_run(folder: Path) -> dict:
             "ar_tokens_per_s": sum(q["tokens"] for q in out) / sum(q["ar_s"] for q in out)}
 
 
+def summarize_arms(runs: list[dict], names: list[str]) -> dict:
+    """Per arm: the medians over its runs of the per-question median and of the totals ratio, each with
+    a 95 % interval for that median (median_ci: low, high, coverage), per question the median over runs
+    of its ratio and of lossless' tokens per cycle, and `ar`'s tokens/s over the runs (min, median, max:
+    how steady the machine was)."""
+    arms = {}
+    for arm in names:
+        rs = [r for r in runs if r["arm"] == arm]
+        if not rs:
+            raise SystemExit(f"issue_command: arm {arm!r} has no runs")
+        n_q = len(rs[0]["per_prompt"])
+        speeds = sorted(r["ar_tokens_per_s"] for r in rs)
+        arms[arm] = {"runs": len(rs),
+                     "median": statistics.median(r["median"] for r in rs),
+                     "median_ci": list(median_ci([r["median"] for r in rs])),
+                     "totals": statistics.median(r["totals"] for r in rs),
+                     "totals_ci": list(median_ci([r["totals"] for r in rs])),
+                     "per_prompt": [statistics.median(r["per_prompt"][q]["ratio"] for r in rs) for q in range(n_q)],
+                     "tokens_per_cycle": [statistics.median(r["per_prompt"][q]["tokens_per_cycle"] for r in rs)
+                                          for q in range(n_q)],
+                     "ar_tokens_per_s": [speeds[0], statistics.median(speeds), speeds[-1]]}
+    return arms
+
+
+def pooled_runs(folders: list[Path], command: list[str], names: list[str]) -> list[dict]:
+    """The runs of earlier sets (their results.json), numbered on from set to set; a set of another
+    command or of other arms is refused, naming its folder."""
+    out, offset = [], 0
+    for folder in folders:
+        path = Path(folder) / "results.json"
+        try:
+            res = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"issue_command: --from {path}: cannot read it ({type(e).__name__}: {e})") from None
+        if res.get("command") != " ".join(command):
+            raise SystemExit(f"issue_command: --from {path}: another command ({res.get('command')!r})")
+        if sorted(res.get("arms", {})) != sorted(names):
+            raise SystemExit(f"issue_command: --from {path}: arms {sorted(res.get('arms', {}))}, not {sorted(names)}")
+        runs = res["runs"]
+        out += [{**r, "run": r["run"] + offset, "set": str(folder)} for r in runs]
+        offset += max((r["run"] for r in runs), default=0)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=12, help="runs per arm")
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--from", dest="pool", nargs="+", type=Path, default=[],
+                    help="pool the runs of earlier sets of the same command and arms (their folders)")
     ap.add_argument("--arms", default=",".join(ARMS),
                     help="arms taking turns: memory, no-memory, NAME:CONST=VALUE[;...] (planner constants, memory on)")
     a = ap.parse_args()
@@ -110,7 +164,10 @@ def main() -> int:
             shutil.copytree(cache, caches[name])
     command = ["prove-local", "bench", "--modes", "ar,lossless", "--threads", "1", "--data", a.data,
                "--limit", str(a.limit), "--no-plots"]
-    runs = []
+    runs = pooled_runs(a.pool, command, names)
+    if not runs and a.runs < 1:
+        raise SystemExit("issue_command: nothing to summarize (--runs 0 and no --from)")
+    first = 1 + max((r["run"] for r in runs), default=0)
     try:
         for i in range(a.runs):
             for arm, consts in arm_order(arms_spec, i):
@@ -123,34 +180,35 @@ def main() -> int:
                                       stderr=subprocess.PIPE, text=True)
                 if done.returncode != 0:
                     raise SystemExit(f"issue_command: {' '.join(command)} exited {done.returncode}:\n{done.stderr[-2000:]}")
-                r = {"arm": arm, "run": i + 1, "started_utc": t0, **read_run(folder)}
+                r = {"arm": arm, "run": first + i, "started_utc": t0, **read_run(folder)}
                 runs.append(r)
                 print(f"{arm:10s} run {i + 1:2d}/{a.runs}: per question {r['median']:.3f}, totals {r['totals']:.3f}, "
                       f"ar {r['ar_tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    arms = {}
-    for arm in names:
-        rs = [r for r in runs if r["arm"] == arm]
-        n_q = len(rs[0]["per_prompt"])
-        arms[arm] = {"median": statistics.median(r["median"] for r in rs), "totals": statistics.median(r["totals"] for r in rs),
-                     "per_prompt": [statistics.median(r["per_prompt"][q]["ratio"] for r in rs) for q in range(n_q)],
-                     "tokens_per_cycle": [statistics.median(r["per_prompt"][q]["tokens_per_cycle"] for r in rs)
-                                          for q in range(n_q)]}
+    arms = summarize_arms(runs, names)
     a.out.mkdir(parents=True, exist_ok=True)
     write_atomic(a.out / "results.json", json.dumps({"command": " ".join(command), "arms": arms, "runs": runs,
-                                                     "arm_constants": dict(arms_spec)}, indent=1))
+                                                     "arm_constants": dict(arms_spec),
+                                                     "pooled": [str(f) for f in a.pool]}, indent=1))
     how = "with and without the planner's memory" if a.arms == ",".join(ARMS) else f"arms {a.arms}"
     given = "" if a.arms == ",".join(ARMS) else f" --arms '{a.arms}'"
+    pooled = (" --from " + " ".join(str(f) for f in a.pool)) if a.pool else ""
     lines = [f"# `{' '.join(command)}`, fresh processes, {how}", "",
-             f"`python scripts/issue_command.py --runs {a.runs}{given} --out {a.out}`; {len(runs)} runs, "
-             f"{runs[0]['started_utc']}–{runs[-1]['started_utc']} UTC {time.strftime('%Y-%m-%d', time.gmtime())}. "
+             f"`python scripts/issue_command.py --runs {a.runs}{given}{pooled} --out {a.out}`; {len(runs)} runs, "
+             f"{runs[0]['started_utc']}–{runs[-1]['started_utc']} UTC {time.strftime('%Y-%m-%d', time.gmtime())}"
+             + (f" (pooled: {len(a.pool)} earlier set(s) and this one's {a.runs} run(s) per arm)" if a.pool else "") + ". "
              "Ratios: `ar` seconds / `lossless` seconds; *per question*: the median over the questions of one run; "
-             "*totals*: summed seconds. Every answer equal to `ar`'s.", "",
-             "| arm | per question (median over runs) | totals (median over runs) | per question, each question |",
-             "|---|---:|---:|---|"]
+             "*totals*: summed seconds; [a, b]: a distribution-free 95 % interval for the median over runs; "
+             "`ar` tokens/s: min / median / max over the runs (how steady the machine was). Every answer equal to `ar`'s.", "",
+             "| arm | runs | per question (median over runs) | totals (median over runs) | `ar` tokens/s | per question, each question |",
+             "|---|---:|---:|---:|---:|---|"]
     for arm, s in arms.items():
-        lines.append(f"| {arm} | **{s['median']:.3f}** | {s['totals']:.3f} | " + " ".join(f"{x:.2f}" for x in s["per_prompt"]) + " |")
+        lo, hi, _ = s["median_ci"]
+        tlo, thi, _ = s["totals_ci"]
+        sp = s["ar_tokens_per_s"]
+        lines.append(f"| {arm} | {s['runs']} | **{s['median']:.3f}** [{lo:.3f}, {hi:.3f}] | {s['totals']:.3f} [{tlo:.3f}, {thi:.3f}] | "
+                     f"{sp[0]:.0f} / {sp[1]:.0f} / {sp[2]:.0f} | " + " ".join(f"{x:.2f}" for x in s["per_prompt"]) + " |")
     lines += ["", "| run | arm | started (UTC) | per question | totals | `ar` tokens/s | lossless tokens/cycle, each question |",
               "|---:|---|---|---:|---:|---:|---|"]
     for r in runs:

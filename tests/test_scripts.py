@@ -287,3 +287,48 @@ def test_issue_command_arms_set_planner_constants_in_their_processes(tmp_path):
     done = subprocess.run([sys.executable, "-c", ic.RUNNER, "LANE=True", "--help"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "bench" in done.stdout
+
+
+def test_issue_command_summarizes_arms_with_intervals_and_pools_earlier_sets(tmp_path):
+    """scripts/issue_command.py: per arm the medians over runs with a 95 % interval (serve_bench.median_ci),
+    `ar`'s tokens/s over the runs; --from pools earlier sets of the same command and arms, runs numbered
+    on, and refuses another command's or other arms' set naming the file."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("issue_command", SCRIPTS / "issue_command.py")
+    ic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ic)
+
+    def run(arm, i, med, tot, speed):
+        return {"arm": arm, "run": i, "started_utc": "00:00:00", "median": med, "totals": tot, "ar_tokens_per_s": speed,
+                "per_prompt": [{"ratio": med, "tokens_per_cycle": 1.0}, {"ratio": 2 * med, "tokens_per_cycle": 1.5}]}
+    meds = [0.90, 0.95, 0.97, 0.99, 1.00, 1.01, 1.02, 1.04, 1.10]
+    runs = [run("memory", i + 1, m, m + 0.01, 1000.0 + 100 * i) for i, m in enumerate(meds)]
+    runs += [run("no-memory", i + 1, 1.0, 1.0, 500.0) for i in range(9)]
+    arms = ic.summarize_arms(runs, ["memory", "no-memory"])
+    m = arms["memory"]
+    assert m["runs"] == 9 and m["median"] == 1.00 and m["totals"] == pytest.approx(1.01)
+    # 9 runs: the 2nd smallest and 2nd largest cover the median with 96 %
+    assert m["median_ci"][:2] == [0.95, 1.04] and m["median_ci"][2] >= 0.95
+    assert m["totals_ci"][:2] == pytest.approx([0.96, 1.05])
+    assert m["per_prompt"] == [1.00, 2.00] and m["tokens_per_cycle"] == [1.0, 1.5]
+    assert m["ar_tokens_per_s"] == [1000.0, 1400.0, 1800.0]
+    with pytest.raises(SystemExit, match="'other' has no runs"):
+        ic.summarize_arms(runs, ["other"])
+
+    command = ["prove-local", "bench", "--limit", "8"]
+    # (each set's runs numbered from 1, as issue_command writes them)
+    for name, rs in (("a", runs[:3] + runs[9:12]), ("b", [{**r, "run": r["run"] - 3} for r in runs[3:5] + runs[12:14]])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(
+            {"command": " ".join(command), "arms": {"memory": {}, "no-memory": {}}, "runs": rs}))
+    pooled = ic.pooled_runs([tmp_path / "a", tmp_path / "b"], command, ["no-memory", "memory"])
+    assert [(r["arm"], r["run"]) for r in pooled if r["arm"] == "memory"] == [("memory", n) for n in (1, 2, 3, 4, 5)]
+    assert pooled[-1]["set"] == str(tmp_path / "b")
+    with pytest.raises(SystemExit, match="another command"):
+        ic.pooled_runs([tmp_path / "a"], command + ["--no-plots"], ["memory", "no-memory"])
+    with pytest.raises(SystemExit, match="arms"):
+        ic.pooled_runs([tmp_path / "a"], command, ["memory"])
+    with pytest.raises(SystemExit, match="cannot read"):
+        ic.pooled_runs([tmp_path / "missing"], command, ["memory", "no-memory"])
