@@ -314,6 +314,11 @@ def test_issue_command_summarizes_arms_with_intervals_and_pools_earlier_sets(tmp
     assert m["totals_ci"][:2] == pytest.approx([0.96, 1.05])
     assert m["per_prompt"] == [1.00, 2.00] and m["tokens_per_cycle"] == [1.0, 1.5]
     assert m["ar_tokens_per_s"] == [1000.0, 1400.0, 1800.0]
+    # the answers pooled by what lossless did: one token a cycle (the first question of each run) or more
+    assert m["one_per_cycle"]["answers"] == 9 and m["one_per_cycle"]["median"] == 1.00
+    assert m["one_per_cycle"]["ci"][:2] == [0.95, 1.04]
+    assert m["gained"]["answers"] == 9 and m["gained"]["median"] == 2.00
+    assert ic.summarize_arms([{**r, "per_prompt": r["per_prompt"][:1]} for r in runs], ["memory"])["memory"]["gained"] is None
     with pytest.raises(SystemExit, match="'other' has no runs"):
         ic.summarize_arms(runs, ["other"])
 
