@@ -291,8 +291,9 @@ def test_issue_command_arms_set_planner_constants_in_their_processes(tmp_path):
 
 def test_issue_command_summarizes_arms_with_intervals_and_pools_earlier_sets(tmp_path):
     """scripts/issue_command.py: per arm the medians over runs with a 95 % interval (serve_bench.median_ci),
-    `ar`'s tokens/s over the runs; --from pools earlier sets of the same command and arms, runs numbered
-    on, and refuses another command's or other arms' set naming the file."""
+    `ar`'s tokens/s over the runs, the answers pooled over runs by whether a draft gained a token; --from
+    pools earlier sets of the same command and arms, runs numbered on, and refuses another command's or
+    other arms' set naming the file."""
     import importlib.util
     import json
 
