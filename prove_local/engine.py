@@ -19,7 +19,7 @@ from .calibrate import (MEMORY_EVERY_S, SAME_CURVE, calibrate, entry_key, load_m
                         model_key, recalibrate, recheck_threads, same_curve, save_memory, switch_cost)
 from .errors import ContextFull, EngineBusy, ModeError
 from .llama import Adapter, Context, Model
-from .lookup import NgramIndex
+from .lookup import PUBLISH_CONTEXT, NgramIndex, Recent
 from .modes import AR_PLAN, DEFAULT_BLOCK, DEFAULT_DRAFT_K, LOOKUP, MODES, NO_HOOKS, Hooks, Plan
 from .planner import Costs, Planner
 
@@ -43,6 +43,9 @@ class Settings:
     # lookup drafts (modes that take them: lossless, spec, lookup): "auto" = the planner's choice per cycle
     # (where it plans the widths), 0 = off, K = a K-token lookup draft whenever the index has a match
     lookup: int | str = "auto"
+    # lookup drafts may copy earlier requests' tokens held by this engine (lookup.NgramIndex.restart: a
+    # repeated question, a regenerated answer); False: only this request's (bench: each run alone)
+    recall: bool = True
     # sampling (llama.cpp's names and, except temperature, its defaults); temperature 0 is greedy.
     # The chain, its order and these defaults: sampling.py.
     temperature: float = sampling.TEMPERATURE
@@ -124,8 +127,10 @@ class Engine:
         # calibrated at the first auto request (Engine.load sets context_options for that)
         self.planner = Planner()
         self.context_options: dict | None = None
-        # lookup drafts: the n-gram index of the committed tokens (always a prefix of self.tokens)
+        # lookup drafts: the n-gram index of the committed tokens (its own part always a prefix of
+        # self.tokens), after earlier requests' tokens (its history)
         self.index = NgramIndex()
+        self.recent: Recent | None = None          # a pool's engines' finished requests (lookup.Recent)
         self._thread_curves: dict[str, dict] = {}
         self._recalibrated: dict[str, int] = {}     # per role: curves measured again (_recalibrate)
         self.closed = False
@@ -497,8 +502,12 @@ class Engine:
         keep = 0
         while keep < min(len(prompt), len(self.tokens)) and prompt[keep] == self.tokens[keep]:
             keep += 1
-        # the index must stay a prefix of the committed tokens: a conversation's next turn keeps its history's
-        self.index.truncate(keep)
+        # the index ends with the committed tokens: a conversation's next turn keeps its history's indexed,
+        # a request that drops an answer keeps it before its own (the lookup's history) if it may recall
+        if s.recall:
+            self.index.sync(self.tokens)       # (the last request's answer, where no offer caught it up)
+        self.index.restart(keep, recall=s.recall,
+                           others=(lambda: self.recent.since(self)) if self.recent is not None else None)
         keep = self._cached_prefix(prompt, keep)
         self.tokens = self.tokens[:keep]
         self._sync()
@@ -567,6 +576,10 @@ class Engine:
         if self.active is req:
             self._sync()
             self.active = None
+            if self.recent is not None and req.settings.recall and len(self.tokens) > req.n_prompt:
+                # (the prompt's end and the answer, for the pool's other engines: a request that may
+                # not recall is not recalled either)
+                self.recent.add(self, self.tokens[max(0, req.n_prompt - PUBLISH_CONTEXT):])
             self.save_memory()
 
     def _run(self, req: "Request") -> Iterator[rules.Cycle]:

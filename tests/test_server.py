@@ -233,6 +233,21 @@ def test_completions_and_prove_mode(client, local):
     assert p["draft_n"] == 7 * 20 and p["draft_n_accepted"] == 0      # slot 1 of each block is no draft
 
 
+def test_a_repeated_request_is_drafted_from_the_earlier_answer(client, local):
+    """The same request again goes to the engine that answered it (the slot with its prompt) and its
+    lookup drafts copy that answer (lookup.NgramIndex's history): greedy ar's text, most tokens drafted
+    and accepted; `recall: false` copies only the request's own tokens."""
+    prompt = "Betty is saving money for a new wallet which costs one hundred dollars, and her parents help."
+    _, ref = local.complete(prompt, 32)
+    body = {"mode": "lookup", "lookup": 4}
+    got = []
+    for extra in (body, body, dict(body, recall=False)):
+        r = client.completions.create(model="any", prompt=prompt, max_tokens=32, extra_body=extra)
+        assert r.choices[0].text == ref
+        got.append(check_stats(r, mode="lookup")["drafts"].get("lookup", {}).get("accepted", 0))
+    assert got[1] >= 20 and got[2] < got[1], got
+
+
 def test_lookup_drafts_over_the_api(client, local, server):
     """mode lookup with a fixed lookup length: greedy ar's text, the drafts per source in the `prove`
     object and in /metrics."""

@@ -106,7 +106,8 @@ def make_runs(modes: list[str], *, max_new: int, block, thetas: list[float], tau
             if MODES[mode].width is None and MODES[mode].lookup:     # the lookup mode: 0 would draft nothing
                 looks = [x for x in looks if x != 0] or looks
             for (b, k), lk in ((w, lk) for w in widths for lk in looks):
-                common = dict(max_new=max_new, block=b, tau=tau, draft_k=k, lookup=lk, temperature=t, **sampling)
+                common = dict(max_new=max_new, block=b, tau=tau, draft_k=k, lookup=lk, temperature=t, **sampling,
+                              recall=False)       # (each run alone: none copies another's answer)
                 ltag = f"@L{lk}" if len(looks) > 1 else ""
                 if MODES[mode].gate == "theta":             # one run per θ
                     for th in thetas:

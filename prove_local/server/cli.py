@@ -40,6 +40,11 @@ def add_parser(sub) -> None:
     p.add_argument("--cache-ram", type=int_in(0), default=PROMPT_CACHE_MIB, metavar="MIB",
                    help="host memory for saved prompt states, as llama-server's --cache-ram: a request starts from "
                         f"the longest saved prefix of its prompt instead of prefilling it (default {PROMPT_CACHE_MIB}; 0: off)")
+    p.add_argument("--no-recall", action="store_true",
+                   help="lookup drafts copy only the request's own tokens (default: also the earlier requests' that "
+                        "its engine served, so a repeated question or a regenerated answer is drafted from them; "
+                        "the text is the same either way, but a client could tell from the speed that someone "
+                        "asked the same before)")
     p.add_argument("--queue", type=int_in(0), default=DEFAULT_QUEUE,
                    help=f"requests that may wait for a free engine; beyond that: 503 (default {DEFAULT_QUEUE})")
     keys = p.add_mutually_exclusive_group()

@@ -31,6 +31,7 @@ def settings_for(state, body, n_prompt: int):
         theta=d.theta if body.theta is None else body.theta, tau=d.tau if body.tau is None else body.tau,
         draft_k=d.draft_k if body.draft_k is None else body.draft_k,
         lookup=d.lookup if body.lookup is None else body.lookup,
+        recall=d.recall and body.recall is not False,      # (a request may turn it off, not on)
         # (the one rule of the CLI and the UI: a tiny T is greedy, never logits / 1e-310)
         temperature=d.temperature if body.temperature is None else sampling.temperature_of(body.temperature),
         top_k=d.top_k if body.top_k is None else body.top_k, top_p=d.top_p if body.top_p is None else body.top_p,

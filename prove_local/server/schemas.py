@@ -70,6 +70,7 @@ class Common(Body):
     block: Union[Literal["auto"], Annotated[int, Field(ge=1, le=512)], None] = None
     draft_k: Union[Literal["auto"], Annotated[int, Field(ge=0, le=512)], None] = None
     lookup: Union[Literal["auto"], Annotated[int, Field(ge=0, le=512)], None] = None
+    recall: bool | None = None                  # False: no lookup draft from an earlier request's tokens
     grammar: str | None = None                  # llama-server's GBNF field
     json_schema: dict | None = None             # llama-server's schema field (as response_format json_schema)
     sampler: Literal["coupled", "rejection"] | None = None

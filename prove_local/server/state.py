@@ -47,7 +47,7 @@ class State:
         first = pool.first
         mode = args.mode or first.default_mode()
         defaults = Settings(mode=mode, block=args.block, theta=args.theta, tau=args.tau, draft_k=args.draft_k,
-                            lookup=args.lookup,
+                            lookup=args.lookup, recall=not getattr(args, "no_recall", False),
                             temperature=args.temperature, sampler=args.sampler)
         first.check(replace(defaults, temperature=0.0))    # a bad --mode/--block is a start-up error
         first.prepare(defaults)     # --block auto: pass costs calibrated (or read from the cache) before serving
