@@ -47,9 +47,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_test import PROMPTS, one_request, percentile, start_server, stop_server  # noqa: E402  (scripts/load_test.py)
-
-DISTINCT = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "gsm8k" / "train.jsonl"
 from prove_local.files import write_atomic  # noqa: E402  (a temporary file, then a rename)
+
+DISTINCT = ROOT.parent / "shared" / "datasets" / "gsm8k" / "train.jsonl"     # (--distinct's questions)
 
 
 def parse_list(text: str, cast=str) -> list:
@@ -179,7 +179,8 @@ def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float, float
     return v[k - 1], v[n - k], coverage(k)
 
 
-POOLED_SAME = ("model_name", "parallel", "threads", "ctx", "requests", "max_tokens", "modes")
+POOLED_SAME = ("model_name", "parallel", "threads", "ctx", "requests", "max_tokens", "modes", "prompts")
+SAVED_BEFORE = {"prompts": "repeated"}          # (what a run saved before the key existed had)
 
 
 def pool_runs(saved: list[tuple]) -> tuple[dict, list[dict], dict]:
@@ -190,7 +191,7 @@ def pool_runs(saved: list[tuple]) -> tuple[dict, list[dict], dict]:
     first_dir, _, _, first = saved[0]
     for d, _, _, meta in saved[1:]:
         for key in POOLED_SAME:
-            if meta.get(key) != first.get(key):
+            if meta.get(key, SAVED_BEFORE.get(key)) != first.get(key, SAVED_BEFORE.get(key)):
                 raise ValueError(f"--from {d}: {key} is {meta.get(key)!r}, {first_dir} has {first.get(key)!r}: "
                                  f"not the same configuration")
     runs, offset = [], 0

@@ -189,6 +189,23 @@ def test_serve_bench_from_pools_the_rounds_of_several_runs(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sb.main(["--from", str(a), "--from", str(other), "--out", str(tmp_path / "no")])
     assert "threads is 4" in capsys.readouterr().err
+    # a run with nothing repeated (--distinct) is another configuration; one saved before the key existed
+    # asked the repeated prompts
+    distinct = saved("distinct", [100.0] * 3, prompts="distinct")
+    with pytest.raises(SystemExit):
+        sb.main(["--from", str(a), "--from", str(distinct), "--out", str(tmp_path / "no2")])
+    assert "prompts is 'distinct'" in capsys.readouterr().err
+    repeated = saved("repeated", [100.0] * 3, prompts="repeated")
+    assert sb.main(["--from", str(a), "--from", str(repeated), "--out", str(tmp_path / "old-new")]) == 0
+
+
+def test_serve_bench_modes_name_the_request_fields():
+    """--modes items: MODE, or MODE/no-recall (the request's `recall: false`); anything else stops it."""
+    sb = _serve_bench()
+    assert sb.mode_fields("lossless") == {"mode": "lossless"} and sb.mode_fields(None) == {}
+    assert sb.mode_fields("lossless/no-recall") == {"mode": "lossless", "recall": False}
+    with pytest.raises(SystemExit):
+        sb.mode_fields("lossless/bogus")
 
 
 @pytest.mark.timeout(300)
