@@ -309,10 +309,10 @@ def with_history(history, live) -> NgramIndex:
 def brute_history_match(history, live, cands=lookup.CANDIDATES, past=lookup.HISTORY_CANDIDATES,
                         cap=lookup.MAX_MATCH, least=lookup.HISTORY_MIN_MATCH):
     """The rule with a history, by exhaustive search: the longest n (at most the request's own tokens)
-    whose suffix n-gram occurred before; its `cands` latest occurrences in the request's own tokens and
-    `past` latest in the history's, a match measured within the part it is in (and within the request's
-    own tokens on their side); history occurrences only with a match of `least` or more; then as
-    brute_match: measured length, votes, recency."""
+    whose suffix n-gram occurred before; its `cands` latest occurrences in the request's own tokens (the
+    n-gram in them) and `past` latest in the history's, a match measured past its key within the part
+    it is in (and within the request's own tokens on their side); history occurrences only with a match
+    of `least` or more; then as brute_match: measured length, votes (each part's apart), recency."""
     seq, base, L = history + live, len(history), len(history) + len(live)
     for n in range(min(lookup.N_MAX, len(live)), lookup.N_MIN - 1, -1):
         occ = [i + n for i in range(0, L - n) if seq[i:i + n] == seq[L - n:]]
@@ -346,7 +346,7 @@ def test_a_repeated_question_is_copied_from_the_history():
     assert m == Match(len(q), lookup.MAX_MATCH)
     assert with_history(q + answer, q[-lookup.HISTORY_MIN_MATCH + 1:]).match() is None   # (one token short)
     assert ix.draft(m, 10) == answer + [2]                  # (the copy stops at the history's end)
-    assert ix.offer() == m and ix.propose_supported(4)[0] == answer[:4]   # (the history's statistics back it)
+    assert ix.offer() == m and ix.propose_supported(4)[0] == answer[:4]   # (a history copy: backed whole)
     assert len(ix) == len(q) and ix.base == len(q) + len(answer) + 1
 
 
@@ -370,7 +370,8 @@ def test_the_request_s_own_statistics_ignore_the_history():
 
 def test_a_copy_of_the_history_is_backed_whole_where_its_n_grams_disagree():
     # three earlier answers after the same template end [1, 2, 3, 4]: its followers 50, 60, 70 split
-    # the vote, but the question before it (14 tokens) matches the second request's alone
+    # the vote, but the question before it (14 tokens, 18 with the template: 16 measured) matches the
+    # second request's alone
     qs = [list(range(100 + 20 * i, 114 + 20 * i)) for i in range(3)]
     history = [t for i, q in enumerate(qs) for t in q + [1, 2, 3, 4] + [50 + 10 * i, 51, 52, 53]]
     ix = with_history(history, qs[1] + [1, 2, 3, 4])
@@ -402,7 +403,6 @@ def test_restart_keeps_a_dropped_answer_and_cuts_a_re_closed_turn():
     assert ix.tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9, 20, 1, 30, 31] and len(ix) == 3
     ix.restart(1, recall=False)                             # no recall: the history goes, the shared prefix stays
     assert ix.base == 0 and ix.tokens == [1]
-    ix.sync([1, 30, 31, 32, 33, 34, 35, 36, 37, 38])
 
 
 def test_the_history_is_bounded(monkeypatch):
@@ -561,7 +561,7 @@ def test_a_conversation_s_next_turn_keeps_its_history_indexed(models):
 
 def test_a_repeated_request_copies_its_earlier_answer_and_equals_ar(models, references):
     """A request that asks again what the engine answered before (a repeated question to the server,
-    the UI's regenerate) drafts that answer from the index's history: greedy ar's text, far fewer cycles
+    a retried request) drafts that answer from the index's history: greedy ar's text, far fewer cycles
     than the same request that may not recall, and only committed tokens in the cache. Bench's runs
     never recall (each run alone: runner.make_runs)."""
     prop, plain = models
