@@ -141,7 +141,11 @@ class NgramIndex:
         if len(tokens) < n:                       # (the history stays)
             self.truncate(self.base)
             n = 0
-        new = [int(t) for t in tokens[n:]]
+        self._append(tokens[n:])
+
+    def _append(self, tokens) -> None:
+        """`tokens` after the known ones (the maps catch up when next read)."""
+        new = [int(t) for t in tokens]
         if new:
             self.tokens.extend(new)
             self._raw += array("i", new).tobytes()
@@ -198,9 +202,7 @@ class NgramIndex:
             self.truncate(self.base + keep)
             return
         for seq in (others() if others is not None else ()):
-            new = [int(t) for t in seq]
-            self.tokens.extend(new)
-            self._raw += array("i", new).tobytes()
+            self._append(seq)
         if len(self.tokens) > HISTORY_TOKENS:
             self.reset(self.tokens[-(HISTORY_TOKENS // 2):])
         self.base = len(self.tokens)
@@ -293,12 +295,15 @@ class NgramIndex:
             p, m = self._match
             end = self.base if p < self.base else L    # (a copy of the history stops at its end)
             for i in range(self._match_at, L):
-                if p >= end or seq[p] != seq[i]:
-                    self._match, self._match_at = None, -1
+                if seq[p] != seq[i]:
                     break
                 p, m = p + 1, (m + 1 if m < self.max_match else m)
+                if p >= end:
+                    break
             else:
                 self._match, self._match_at = Match(p, m), L
+            if self._match_at != L:
+                self._match, self._match_at = None, -1
         if self._match_at == L:
             return self._match
         best, past = None, HISTORY_CANDIDATES if self.base else 0

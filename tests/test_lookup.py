@@ -387,9 +387,10 @@ def test_a_match_being_copied_from_the_history_ends_at_its_end():
     assert ix.match() == Match(16, 16)
     ix.sync(q + [7])                                        # (the copy continues: the cached match moves on)
     assert ix.match() == Match(17, 16)
-    ix.sync(q + [7, 8])                                     # the history has nothing after 8
-    m = ix.match()
+    ix.sync(q + [7, 8])                                     # the history has nothing after 8: no copy runs on
+    m = ix.match()                                          # into the request's own tokens, nor any other match
     assert m is None or m.pos >= ix.base
+    assert m is None
 
 
 def test_restart_keeps_a_dropped_answer_and_cuts_a_re_closed_turn():
