@@ -221,6 +221,11 @@ class NgramIndex:
         if start == L:
             return
         prev, last = self._prev[n], self._last[n]
+        if start < self.base and n < self._history_n():          # (the history: its maps alone)
+            prev.extend([-1] * (self.base - start))
+            start = self._held[n] = self.base
+            if start == L:
+                return
         if start < n:                                           # positions before a whole n-gram
             prev.extend([-1] * (min(n, L) - start))
             start = min(n, L)
@@ -236,6 +241,12 @@ class NgramIndex:
                 link(get(key, -1))
                 last[key] = i
         self._held[n] = L
+
+    def _history_n(self) -> int:
+        """The shortest n whose map holds the history's positions: a history match measures
+        HISTORY_MIN_MATCH tokens, so its n_max-gram is a key too, and a shorter key's chain (a superset,
+        walked as far) finds no history match the n_max one did not; the shorter maps skip the history."""
+        return min(self.n_max, max(self.n_min, HISTORY_MIN_MATCH))
 
     def _occurs(self, n: int) -> bool:
         """Whether the last n tokens occurred before with a token after them (what `key in _last[n]`
@@ -306,10 +317,10 @@ class NgramIndex:
                 self._match, self._match_at = None, -1
         if self._match_at == L:
             return self._match
-        best, past = None, HISTORY_CANDIDATES if self.base else 0
+        best, past, deep = None, HISTORY_CANDIDATES if self.base else 0, self._history_n()
         for n in range(min(self.n_max, L - self.base), self.n_min - 1, -1):
             key = seq[L - 1] if n == 1 else tuple(seq[L - n:L])
-            cands = self._positions(n, key, past=past)
+            cands = self._positions(n, key, past=past if n >= deep else 0)
             if cands:
                 best = self._choose(cands, n)
                 if best is not None:
@@ -429,7 +440,7 @@ class NgramIndex:
     def size(self) -> int:
         """Positions stored over all keys (the memory bound's count)."""
         self._catch()
-        return sum(len(self._positions(n, key)) for n in range(self.n_min, self.n_max + 1) for key in self._last[n])
+        return sum(len(self._positions(n, key) or ()) for n in range(self.n_min, self.n_max + 1) for key in self._last[n])
 
 
 class Recent:

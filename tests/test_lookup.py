@@ -419,6 +419,24 @@ def test_the_history_is_bounded(monkeypatch):
     assert ix.base == 0 and ix.tokens == []
 
 
+def test_only_the_longest_map_indexes_the_history():
+    """A history match measures HISTORY_MIN_MATCH (16) tokens, so its n_max-gram is a key and the n_max
+    map finds every history match a shorter map would: the shorter maps skip the history's positions
+    (a pool's engines take in each other's answers at every request; indexed in one map, not four),
+    and the matches are the same (the brute-force search below searches every n)."""
+    rng = random.Random(5)
+    history = [rng.randrange(6) for _ in range(300)]
+    ix = with_history(history, history[100:130] + history[:3])
+    ix._catch()
+    for n in range(lookup.N_MIN, lookup.N_MAX):
+        assert all(p >= ix.base for p in ix._last[n].values()), n
+        assert ix._held[n] == len(ix.tokens) and len(ix._prev[n]) == len(ix.tokens)
+    assert any(p < ix.base for p in ix._last[lookup.N_MAX].values())
+    ix.restart(0)                                           # again: the last request is history now too
+    ix.sync(history[100:130])
+    assert ix.match() == Match(330, lookup.MAX_MATCH)       # (the latest copy: the last request's)
+
+
 def test_the_index_with_a_history_equals_a_brute_force_search():
     rng = random.Random(21)
     for trial in range(400):
@@ -584,6 +602,22 @@ def test_a_repeated_request_copies_its_earlier_answer_and_equals_ar(models, refe
     runs = make_runs(["lossless", "lookup", "ar"], max_new=8, block="auto", thetas=[0.05], tau=0.95, draft_k="auto",
                      lookup=["auto", 4])
     assert runs and all(r.settings.recall is False for r in runs)
+
+
+def test_a_request_that_may_not_recall_is_not_recalled_by_the_next_one(models, references):
+    """`recall: false` keeps a request's text out of the history of the next request on the same engine
+    too, not only out of the pool's shared answers: the same question asked next with recall on drafts
+    what a fresh engine drafts (its own prompt alone); asked once more, it copies the answer before it."""
+    prop, _ = models
+    a = prop.tokenize(PROMPTS[4])
+    fresh, want = run(Engine.load(prop, **F32), a, mode="lossless", lookup=4)
+    e = Engine.load(prop, **F32)
+    run(e, a, mode="lossless", lookup=4, recall=False)
+    after, out = run(e, a, mode="lossless", lookup=4)
+    assert out == want == references[(id(prop), PROMPTS[4])]
+    assert e.index.base == 0 and [c.plan for c in after] == [c.plan for c in fresh]
+    again, out = run(e, a, mode="lossless", lookup=4)
+    assert out == want and e.index.base > 0 and len(again) < len(fresh) // 2, (len(again), len(fresh))
 
 
 def test_an_answer_the_planner_never_looked_up_still_goes_to_the_history(models):
