@@ -248,6 +248,14 @@ class NgramIndex:
         walked as far) finds no history match the n_max one did not; the shorter maps skip the history."""
         return min(self.n_max, max(self.n_min, HISTORY_MIN_MATCH))
 
+    def _seen(self, n: int) -> bool:
+        """Whether the last n tokens occurred before with a token after them as far as map n knows: one
+        dict lookup where it holds every token, else a search of the raw tokens (`_occurs`)."""
+        seq = self.tokens
+        if self._held[n] == len(seq):
+            return (seq[-1] if n == 1 else tuple(seq[-n:])) in self._last[n]
+        return self._occurs(n)
+
     def _occurs(self, n: int) -> bool:
         """Whether the last n tokens occurred before with a token after them (what `key in _last[n]`
         says once the maps hold every token), by a search of the raw tokens: no catch-up."""
@@ -418,13 +426,11 @@ class NgramIndex:
         maps are behind the tokens, a search of the tokens in C instead of their catch-up (a request
         whose offers are turned down this way never builds its maps)."""
         if min_length > 1:
-            n, seq = min(min_length, self.n_max), self.tokens
-            if len(seq) <= n:
+            n, deep = min(min_length, self.n_max), self._history_n()
+            if len(self.tokens) <= n:
                 return None
-            if self._held[n] == len(seq):
-                if (seq[-1] if n == 1 else tuple(seq[-n:])) not in self._last[n]:
-                    return None
-            elif not self._occurs(n):
+            if not self._seen(n) and not (self.base and n < deep and len(self) >= HISTORY_MIN_MATCH
+                                          and self._seen(deep)):   # (the history: the deep map's alone)
                 return None
         m = self.match()
         return m if m is not None and self.supported(m, 1) else None

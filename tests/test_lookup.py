@@ -437,6 +437,20 @@ def test_only_the_longest_map_indexes_the_history():
     assert ix.match() == Match(330, lookup.MAX_MATCH)       # (the latest copy: the last request's)
 
 
+def test_an_offer_that_needs_a_longer_match_still_finds_the_history():
+    """The planner's `lookup_need` > 1 turns an offer down with one dict lookup when the sequence's last
+    n-gram never occurred; the history's positions are in the n_max map alone, so a repeated question
+    whose last n-grams occur only in the history (its end: the chat template) is still offered."""
+    q, answer = list(range(100, 120)), [7, 8, 9, 10, 11, 12]
+    ix = with_history(q + answer + [2], q)
+    ix._catch()                                              # (every map caught up: the dict lookups)
+    for need in (1, 2, 3, 4, 6):
+        assert ix.offer(need) == Match(len(q), lookup.MAX_MATCH), need
+    short = with_history(q + answer, q[-lookup.HISTORY_MIN_MATCH + 1:])      # (one token short: no repeat)
+    short._catch()
+    assert all(short.offer(need) is None for need in (1, 2, 4))
+
+
 def test_the_index_with_a_history_equals_a_brute_force_search():
     rng = random.Random(21)
     for trial in range(400):
