@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--mode", default="lossless", help="the requests' mode (ar: a profile of the plain path)")
     ap.add_argument("--history", type=int, default=None, help="lookup.HISTORY_TOKENS for the run")
     ap.add_argument("--no-instrument", action="store_true", help="no timers around the index's methods")
     ap.add_argument("--arms", default="on,all-maps,off",
@@ -98,7 +99,7 @@ def main() -> None:
         with qlock:
             text = next(nxt)
         prompt = chat_tokens(model, model.chat_template, [{"role": "user", "content": text}])
-        s = replace(state.defaults, mode="lossless", max_new=a.max_tokens, temperature=0.0, recall=recall,
+        s = replace(state.defaults, mode=a.mode, max_new=a.max_tokens, temperature=0.0, recall=recall,
                     p_tilde=False)
         with pool.engine() as (_, engine):
             with Answer(engine, model, prompt, s) as ans:
@@ -161,6 +162,8 @@ def main() -> None:
     by = {arm: [x for x in rows if x["arm"] == arm] for arm in arms}
     for arm in arms:
         if arm == "off":
+            continue
+        if "off" not in by:
             continue
         ratios = sorted(x["tps"] / y["tps"] for x, y in zip(by[arm], by["off"]))
         print(f"{arm} / off, paired median over {len(ratios)} rounds: {statistics.median(ratios):.3f} "
