@@ -462,6 +462,17 @@ def test_the_index_with_a_history_equals_a_brute_force_search():
         ix = with_history(history, live)
         m = ix.match()
         assert (None if m is None else (m.pos, m.length)) == brute_history_match(history, live), (history, live)
+        # an offer that needs a match of `need` tokens: turned down only where the match is shorter (or
+        # unbacked), whether the maps are behind the tokens (a raw search) or caught up (dict lookups)
+        for caught in (False, True):
+            for need in (2, 3, 5):
+                fresh = with_history(history, live)
+                if caught:
+                    fresh._catch()
+                got = fresh.offer(need)
+                assert got is None or got == m, (history, live, need)
+                if m is not None and m.length >= need and ix.supported(m, 1):
+                    assert got == m, (history, live, need, caught)
 
 
 # ------------------------------------------------------------------ real contexts: exactness
