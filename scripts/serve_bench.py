@@ -231,13 +231,33 @@ def summarize(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def recall_pairs(runs: list[dict]) -> list[dict]:
+    """The lookup history's own effect: for each prove-local MODE run beside MODE/no-recall, per
+    concurrency, the median over rounds of MODE's tokens/s over MODE/no-recall's in the same round, with
+    its 95 % interval (median_ci) from 2 rounds on."""
+    tps = {(r["mode"], r["clients"], r["round"]): r["tokens_per_s"] for r in runs if r["server"] != "llama-server"}
+    out = []
+    for mode in sorted({m for m, _, _ in tps if m and not m.endswith("/no-recall")}):
+        off = f"{mode}/no-recall"
+        for c in sorted({c for m, c, _ in tps if m == mode}):
+            pairs = [v / tps[(off, c, i)] for (m, cc, i), v in tps.items() if m == mode and cc == c and tps.get((off, c, i))]
+            if pairs:
+                out.append({"mode": mode, "clients": c, "rounds": len(pairs), "paired": statistics.median(pairs),
+                            "paired_ci": median_ci(pairs) if len(pairs) >= 2 else None})
+    return out
+
+
 def _median_of(runs: list[dict], key: str) -> float | None:
     """The median of a per-request figure over every request of `runs` that has it (None: none has)."""
     values = [q[key] for x in runs for q in x["requests"] if q.get(key) is not None]
     return statistics.median(values) if values else None
 
 
-def markdown(rows: list[dict], meta: dict) -> str:
+def _ci_text(ci) -> str:
+    return "—" if ci is None else f"{ci[0]:.2f}–{ci[1]:.2f}" + ("" if ci[2] >= 0.95 else f" ({ci[2]:.0%})")
+
+
+def markdown(rows: list[dict], meta: dict, pairs: list[dict] = ()) -> str:
     ref = {r["clients"]: r for r in rows if r["server"] == "llama-server"}
     lines = [f"# serve_bench: {meta['model_name']}, --parallel {meta['parallel']}, {meta['threads']} threads",
              "", f"`{meta['command']}`", "",
@@ -261,18 +281,24 @@ def markdown(rows: list[dict], meta: dict) -> str:
             and r["server"] != "llama-server" else "—"
         tpc = f"{r['tokens_per_cycle']:.2f}" if r["tokens_per_cycle"] is not None else "—"
         paired = f"{r['paired']:.2f}" if r.get("paired") is not None else "—"
-        ci = r.get("paired_ci")
-        ci = "—" if ci is None else f"{ci[0]:.2f}–{ci[1]:.2f}" + ("" if ci[2] >= 0.95 else f" ({ci[2]:.0%})")
+        ci = _ci_text(r.get("paired_ci"))
         ms, dec = (f"{r[k]:.2f}" if r.get(k) is not None else "—" for k in ("ms_per_token", "decode_ms_per_token"))
         lines.append(f"| {r['server']} | {r['mode'] or '—'} | {r['clients']} | {r['tokens_per_s']:.1f} | {x} | "
                      f"{paired} | {ci} | "
                      f"{r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['ok']} / {r['sent']} | {tpc} | {ms} | {dec} |")
+    if pairs:
+        lines += ["", "The history's own effect (`recall_pairs`): MODE's tokens/s over MODE/no-recall's in the same "
+                  "round and concurrency, the median over rounds and its 95 % interval.", "",
+                  "| mode | clients | rounds | × no-recall, paired | paired CI |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {q['mode']} | {q['clients']} | {q['rounds']} | {q['paired']:.3f} | {_ci_text(q['paired_ci'])} |"
+                  for q in pairs]
     return "\n".join(lines) + "\n"
 
 
-def report(rows: list[dict], meta: dict, out: Path) -> None:
-    """OUT/summary.md and OUT/serve_bench.png from the summarized rows; the table printed."""
-    text = markdown(rows, meta)
+def report(rows: list[dict], meta: dict, out: Path, runs: list[dict] = ()) -> None:
+    """OUT/summary.md and OUT/serve_bench.png from the summarized rows (and the runs' recall_pairs); the
+    table printed."""
+    text = markdown(rows, meta, recall_pairs(list(runs)))
     write_atomic(out / "summary.md", text)
     plot(rows, out / "serve_bench.png")
     print(text)
@@ -367,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         rows = summarize(runs)                  # (the runs and meta as they were, the summary made again)
         write_atomic(out / "results.json", json.dumps({**data, "summary": rows}, indent=1))
-        report(rows, meta, out)
+        report(rows, meta, out, runs)
         return 0
     if args.out is None:
         p.error("--out is required (or --from DIR)")
@@ -442,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             "load": os.getloadavg()}
     rows = summarize(runs)
     write_atomic(args.out / "results.json", json.dumps({"meta": meta, "summary": rows, "runs": runs}, indent=1))
-    report(rows, meta, args.out)
+    report(rows, meta, args.out, runs)
     failed = sum(r["sent"] - r["ok"] for r in rows)
     return 0 if failed == 0 else 1
 

@@ -199,6 +199,29 @@ def test_serve_bench_from_pools_the_rounds_of_several_runs(tmp_path, capsys):
     assert sb.main(["--from", str(a), "--from", str(repeated), "--out", str(tmp_path / "old-new")]) == 0
 
 
+def test_serve_bench_pairs_a_mode_with_its_no_recall_twin_in_the_same_round():
+    """recall_pairs: MODE over MODE/no-recall at the same round and concurrency, the median over rounds
+    (a mode without its twin, and llama-server, give none); the summary prints it under the table."""
+    sb = _serve_bench()
+
+    def run(server, mode, rnd, tps, clients):
+        return {"server": server, "mode": mode, "clients": clients, "round": rnd, "tokens_per_s": tps,
+                "p50_s": 1.0, "p95_s": 1.0, "ok": 1, "sent": 1, "requests": []}
+    runs = []
+    for rnd, (on, off) in enumerate([(110.0, 100.0), (90.0, 100.0), (210.0, 200.0)]):   # 1.10, 0.90, 1.05
+        runs += [run("prove-local", "lossless", rnd, on, 4), run("prove-local", "lossless/no-recall", rnd, off, 4),
+                 run("prove-local", "ar", rnd, 100.0, 4), run("llama-server", None, rnd, 100.0, 4)]
+    runs += [run("prove-local", "lossless", 0, 50.0, 8), run("prove-local", "lossless/no-recall", 1, 50.0, 8)]
+    pairs = sb.recall_pairs(runs)
+    assert [(q["mode"], q["clients"], q["rounds"]) for q in pairs] == [("lossless", 4, 3)]   # (8: never the same round)
+    assert pairs[0]["paired"] == pytest.approx(1.05) and pairs[0]["paired_ci"][:2] == pytest.approx((0.9, 1.1))
+    meta = {"model_name": "m", "parallel": 4, "threads": 2, "command": "c", "requests": 3, "max_tokens": 64,
+            "rounds": 3, "when": "now"}
+    md = sb.markdown(sb.summarize(runs), meta, pairs)
+    assert "| lossless | 4 | 3 | 1.050 | 0.90–1.10 (75%) |" in md
+    assert "no-recall, paired" not in sb.markdown(sb.summarize(runs), meta)
+
+
 def test_serve_bench_modes_name_the_request_fields():
     """--modes items: MODE, or MODE/no-recall (the request's `recall: false`); anything else stops it."""
     sb = _serve_bench()
