@@ -131,7 +131,6 @@ class Engine:
         # self.tokens), after earlier requests' tokens (its history)
         self.index = NgramIndex()
         self.recent: Recent | None = None          # a pool's engines' finished requests (lookup.Recent)
-        self._private = False                      # the last request may not recall: not recalled either
         self._thread_curves: dict[str, dict] = {}
         self._recalibrated: dict[str, int] = {}     # per role: curves measured again (_recalibrate)
         self.closed = False
@@ -504,15 +503,11 @@ class Engine:
         while keep < min(len(prompt), len(self.tokens)) and prompt[keep] == self.tokens[keep]:
             keep += 1
         # the index ends with the committed tokens: a conversation's next turn keeps its history's indexed,
-        # a request that drops an answer keeps it before its own (the lookup's history) if it may recall;
-        # a request that may not recall is not recalled either, by the next request on this engine too
-        if s.recall and self._private:
-            self.index.clear()
-        elif s.recall:
+        # a request that drops an answer keeps it before its own (the lookup's history) if it may recall
+        if s.recall:
             self.index.sync(self.tokens)       # (the last request's answer, where no offer caught it up)
         self.index.restart(keep, recall=s.recall,
                            others=(lambda: self.recent.since(self)) if self.recent is not None else None)
-        self._private = not s.recall
         keep = self._cached_prefix(prompt, keep)
         self.tokens = self.tokens[:keep]
         self._sync()

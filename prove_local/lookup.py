@@ -123,6 +123,7 @@ class NgramIndex:
 
     def clear(self) -> None:
         self.base = 0                             # the history: tokens[:base]
+        self._private = False                     # the request's own tokens may not become history (`restart`)
         self.tokens: list[int] = []
         self._raw = bytearray()                   # the tokens as 4-byte integers (`_occurs`: a search in C)
         self._held = [0] * (self.n_max + 1)       # [n] -> the tokens map n holds (`_index`)
@@ -189,7 +190,8 @@ class NgramIndex:
         there are none (a fresh index), every token so far becomes history, then the token sequences
         `others()` returns (other engines' finished requests: `Recent`), and the new request's tokens
         follow them (`recall`; past HISTORY_TOKENS the latest half is kept); otherwise, or without
-        `recall` (the history dropped too), the index keeps the shared prefix as `truncate` does."""
+        `recall` (the history dropped too), the index keeps the shared prefix as `truncate` does. A
+        request without `recall` is not recalled either: the next restart drops its tokens, history or not."""
         live = len(self.tokens) - self.base
         keep = max(0, min(keep, live))
         if not recall or HISTORY_TOKENS <= 0:
@@ -197,7 +199,11 @@ class NgramIndex:
                 self.reset(self.tokens[self.base:self.base + keep])
             else:
                 self.truncate(keep)
+            self._private = True
             return
+        if self._private:                         # (the last request's tokens: no one's history)
+            self.clear()
+            live = keep = 0
         if live and live - keep < ARCHIVE_MIN:
             self.truncate(self.base + keep)
             return

@@ -406,6 +406,17 @@ def test_restart_keeps_a_dropped_answer_and_cuts_a_re_closed_turn():
     assert ix.base == 0 and ix.tokens == [1]
 
 
+def test_a_request_without_recall_becomes_no_one_s_history():
+    ix = index_of([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+    ix.restart(0, recall=False)                             # a request that may not recall
+    ix.sync([40, 41, 42, 43, 44, 45, 46, 47, 48, 49])
+    ix.restart(0, others=lambda: [(60, 61, 62)])            # the next one may: the pool's answers, not its
+    assert ix.tokens == [60, 61, 62] and ix.base == 3
+    ix.sync(list(range(70, 80)))
+    ix.restart(0)                                           # and the one after keeps that one's as usual
+    assert ix.tokens == [60, 61, 62] + list(range(70, 80)) and ix.base == 13
+
+
 def test_the_history_is_bounded(monkeypatch):
     monkeypatch.setattr(lookup, "HISTORY_TOKENS", 40)
     ix = NgramIndex()

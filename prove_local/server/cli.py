@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
                         f"the longest saved prefix of its prompt instead of prefilling it (default {PROMPT_CACHE_MIB}; 0: off)")
     p.add_argument("--no-recall", action="store_true",
                    help="lookup drafts copy only the request's own tokens (default: also the earlier requests' that "
-                        "its engine served, so a repeated question or a regenerated answer is drafted from them; "
+                        "the server's engines served, so a repeated question or a regenerated answer is drafted from them; "
                         "the text is the same either way, but a client could tell from the speed that someone "
                         "asked the same before)")
     p.add_argument("--queue", type=int_in(0), default=DEFAULT_QUEUE,
