@@ -82,8 +82,8 @@ def main() -> None:
                     x = int(np.argmax(ctx.eval_view([x])[-1]))
             dt = time.perf_counter() - t0
             decode.setdefault(arm, []).append((shared.decode_seconds - d0) / n)
-            if arm != "seqview":
-                ctx.n_past = pos + n                    # (the view's count of what its sequence holds)
+            if arm != "seqview":                        # (the view's counts of what its sequence holds)
+                ctx.n_past = ctx.n_stock = pos + n
             ctx.truncate(len(engine.tokens))            # back to the committed tokens, as the engine left them
             g.close()
             return dt / n
